@@ -32,8 +32,11 @@ def generate(
     """Greedy-decode a batch of prompts (strings, or token-id lists) under `method`.
 
     Prompts are left-padded into one batch; each prompt's output equals what it
-    gives alone. Strings are tokenized without special tokens: the caller
-    applies any chat template (e.g. tokenizer.apply_chat_template).
+    gives alone, and so does its `kv_bytes_per_prompt` (tokens decoded for the batch
+    after a prompt has stopped are not counted). Strings are tokenized without special
+    tokens: the caller applies any chat template (e.g. tokenizer.apply_chat_template).
+    Decoding stops at `stop_token_ids`, by default the model's end-of-sequence tokens
+    (`default_stop_token_ids`); pass an empty list to always decode max_new_tokens.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -55,19 +58,35 @@ def generate(
     device = next(model.parameters()).device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
 
-    eos = list(stop_token_ids) if stop_token_ids else None
+    eos = default_stop_token_ids(model, tokenizer) if stop_token_ids is None else [int(t) for t in stop_token_ids]
     with compress(model, method) as patch:
         cache = patch.new_cache()
         output = model.generate(
             input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=False, temperature=None,
-            top_p=None, top_k=None, num_beams=1, eos_token_id=eos, pad_token_id=pad_id,
+            top_p=None, top_k=None, num_beams=1, eos_token_id=eos or None, pad_token_id=pad_id,
         )
     results = []
-    stops = set(eos or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []))
+    stops = set(eos)
     for row, tokens in enumerate(token_lists):
         new = output[row, width:].tolist()
         cut = next((i for i, tok in enumerate(new) if tok in stops), len(new))
         text = tokenizer.decode(new[:cut], skip_special_tokens=True)
-        results.append(Generation(text, len(tokens), cut, cache.kv_bytes(row)))
+        # Tokens this prompt fed back into the cache: all it generated (its stop token included)
+        # except the last one, which is sampled but never attended to.
+        generated = min(cut + 1, len(new))
+        results.append(Generation(text, len(tokens), cut, cache.kv_bytes(row, tail_tokens=max(0, generated - 1))))
     return results
+
+
+def default_stop_token_ids(model, tokenizer) -> list[int]:
+    """The model's end-of-sequence ids: its generation config's eos_token_id (int or list), then the tokenizer's."""
+    ids: list[int] = []
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.append(configured)
+    elif configured:
+        ids.extend(int(i) for i in configured)
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return list(dict.fromkeys(ids))

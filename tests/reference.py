@@ -41,6 +41,16 @@ def snapkv_scores(attn: np.ndarray, window: int, kernel: int, pooling: str) -> n
     return pool_1d(summed, kernel, pooling)
 
 
+def snapkv_scores_reduce_then_pool(attn: np.ndarray, num_kv_heads: int, how: str, window: int, kernel: int,
+                                   pooling: str) -> np.ndarray:
+    """The public code's GQA order: window sums per query head, reduced over each group, THEN pooled.
+
+    attn: [Hq, n, n] -> [Hkv, n - window]."""
+    n = attn.shape[-1]
+    summed = attn[:, n - window :, : n - window].sum(axis=1)
+    return pool_1d(reduce_groups(summed, num_kv_heads, how), kernel, pooling)
+
+
 def h2o_scores(attn: np.ndarray, window: int) -> np.ndarray:
     """Column sums of the full causal attention matrix over the candidates [0, n - window)."""
     n = attn.shape[-1]

@@ -52,7 +52,7 @@ CASES = [
     ("snapkv", dict(kernel_size=KERNEL, pooling="avg")),
     ("pyramidkv", dict(kernel_size=KERNEL, pooling="max", beta=20)),
     ("h2o", {}),
-    ("l2norm", {}),
+    ("l2norm", dict(skip_layers=0)),
 ]
 
 
@@ -73,8 +73,13 @@ def test_kept_positions_match_reference(eager_setup, name, settings, layout):
         budgets = [BUDGET] * num_layers
     window = set(range(n - WINDOW, n))
     for layer in range(num_layers):
-        scores = reference_scores(name, attentions[layer], keys[layer], settings.get("kernel_size"),
-                                  settings.get("pooling"))
+        if name in ("snapkv", "pyramidkv") and layout == "kv_head":
+            # The published order (public PyramidKV / AdaKV code): mean over the query group, then pool.
+            scores = ref.snapkv_scores_reduce_then_pool(attentions[layer], num_kv, "mean", WINDOW,
+                                                        settings["kernel_size"], settings["pooling"])
+        else:
+            scores = reference_scores(name, attentions[layer], keys[layer], settings.get("kernel_size"),
+                                      settings.get("pooling"))
         if layout == "kv_head":
             if scores.shape[0] == num_q:
                 scores = ref.reduce_groups(scores, num_kv, "mean")
@@ -107,8 +112,43 @@ def test_gqa_reduce_max_and_sum(eager_setup):
         method = make_method("snapkv", budget=BUDGET, window_size=WINDOW, kernel_size=KERNEL, gqa_reduce=how)
         cache = kept_by_pyramidkv(model, ids, method)
         for layer in (0, 14, 29):
-            scores = ref.reduce_groups(ref.snapkv_scores(attentions[layer], WINDOW, KERNEL, "max"), num_kv, how)
+            scores = ref.snapkv_scores_reduce_then_pool(attentions[layer], num_kv, how, WINDOW, KERNEL, "max")
             n = ids.shape[1]
             for head, positions in enumerate(cache.kept_positions(layer)):
                 ref.assert_same_selection(set(positions.tolist()) - set(range(n - WINDOW, n)), scores[head],
                                           BUDGET - WINDOW)
+
+
+def test_gqa_pooling_before_reduce_pools_each_query_head_first(eager_setup):
+    """The optional order: max-pool each query head's window sums, then mean over the group."""
+    model, ids, attentions, keys = eager_setup
+    n, num_kv = ids.shape[1], keys[0].shape[0]
+    method = make_method("snapkv", budget=BUDGET, window_size=WINDOW, kernel_size=KERNEL,
+                         gqa_pooling="before_reduce")
+    cache = kept_by_pyramidkv(model, ids, method)
+    differs = 0
+    for layer in range(len(attentions)):
+        pooled_first = ref.reduce_groups(ref.snapkv_scores(attentions[layer], WINDOW, KERNEL, "max"), num_kv, "mean")
+        reduced_first = ref.snapkv_scores_reduce_then_pool(attentions[layer], num_kv, "mean", WINDOW, KERNEL, "max")
+        for head, positions in enumerate(cache.kept_positions(layer)):
+            chosen = set(positions.tolist()) - set(range(n - WINDOW, n))
+            ref.assert_same_selection(chosen, pooled_first[head], BUDGET - WINDOW)
+            differs += chosen != ref.top_positions(reduced_first[head], BUDGET - WINDOW)
+    assert differs > 0  # the two orders really select differently on this model
+
+
+def test_l2norm_defaults_follow_the_paper(eager_setup):
+    """Devoto et al. (and their l2_compress(skip_layers=[0, 1])): layers 0 and 1 keep everything; the
+    other layers keep exactly the `budget` lowest-norm keys, with no forced recent window."""
+    model, ids, attentions, keys = eager_setup
+    n = ids.shape[1]
+    method = make_method("l2norm", budget=BUDGET)
+    cache = kept_by_pyramidkv(model, ids, method)
+    for layer in range(len(attentions)):
+        for head, positions in enumerate(cache.kept_positions(layer)):
+            positions = set(positions.tolist())
+            if layer < 2:
+                assert positions == set(range(n)), layer
+            else:
+                norms = np.linalg.norm(keys[layer][head], axis=-1)   # every prompt token is a candidate
+                ref.assert_same_selection(positions, -norms, BUDGET)

@@ -158,7 +158,7 @@ class CompressedCache(Cache):
                 if n <= budget:
                     self.layer_budgets_per_prompt.append([n] * self.num_layers)
                 else:
-                    self.layer_budgets_per_prompt.append(self.method.layer_budgets(budget, self.num_layers))
+                    self.layer_budgets_per_prompt.append(self.method.layer_budgets(budget, self.num_layers, n))
         return self.layer_budgets_per_prompt
 
     # ---- prefill: score, select, store ------------------------------------------------------
@@ -260,9 +260,10 @@ class CompressedCache(Cache):
         return torch.stack(outputs).reshape(bsz, num_q_heads, q_len, dim)
 
     # ---- inspection ---------------------------------------------------------------------------
-    def kv_bytes(self, batch_idx: Optional[int] = None) -> int:
+    def kv_bytes(self, batch_idx: Optional[int] = None, tail_tokens: Optional[int] = None) -> int:
         """Bytes of stored keys and values (prompt part + appended tokens), all layers;
-        of one prompt of the batch when batch_idx is given."""
+        of one prompt of the batch when batch_idx is given. tail_tokens counts only the first
+        that many appended tokens (a prompt that stopped while the rest of its batch decoded on)."""
         total = 0
         for layer_idx in range(self.num_layers):
             kept_per_prompt = self.prefix[layer_idx] or []
@@ -272,6 +273,8 @@ class CompressedCache(Cache):
             for tail in (self.tail_keys[layer_idx], self.tail_values[layer_idx]):
                 if tail is not None:
                     tail = tail if batch_idx is None else tail[batch_idx]
+                    if tail_tokens is not None:
+                        tail = tail[..., :tail_tokens, :]
                     total += tail.numel() * tail.element_size()
         return total
 

@@ -2,14 +2,20 @@
 
 A method answers two questions, each in one overridable function:
   * `score(ctx)`: how important each prompt token is (higher = keep);
-  * `layer_budgets(budget, num_layers)`: how many tokens each layer keeps.
+  * `layer_budgets(budget, num_layers, prompt_len)`: how many tokens each layer keeps.
 The shared core (`pyramidkv.core`) turns the answers into a smaller cache:
 selection, GQA layout, eviction and storage are the same for every method.
+
+Methods are frozen dataclasses: settings are checked once, by type and range, when the
+method is built, and cannot change afterwards (`dataclasses.replace(method, kernel_size=5)`
+derives a variant, checked the same way).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
@@ -35,7 +41,42 @@ class ScoreContext:
     real: torch.Tensor
 
 
-@dataclass
+# Settings named with their command-line flag in errors.
+SETTING_LABELS = {"budget": "budget (max_capacity_prompts)", "budget_ratio": "budget_ratio (max_capacity_prompts_ratio)"}
+
+
+class SettingTypeError(TypeError, ValueError):
+    """A method setting of the wrong type (a ValueError too, so callers catching bad settings catch it)."""
+
+
+def _type_error(method: "Method", field: str, value, expected: str) -> SettingTypeError:
+    return SettingTypeError(f"{method.name or type(method).__name__}: {SETTING_LABELS.get(field, field)} must be "
+                            f"{expected}, got {value!r} ({type(value).__name__})")
+
+
+def check_setting_type(method: "Method", field: str, value, annotation) -> None:
+    """Check one setting against its annotation: int (not bool), float (finite, int allowed), str,
+    bool, or Optional[...] of those. Raises SettingTypeError naming the setting and the value."""
+    if typing.get_origin(annotation) is typing.Union:
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None:
+            return
+        annotation = options[0]
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise _type_error(method, field, value, "True or False")
+    elif annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _type_error(method, field, value, "an integer")
+    elif annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise _type_error(method, field, value, "a finite number")
+    elif annotation is str:
+        if not isinstance(value, str):
+            raise _type_error(method, field, value, "a string")
+
+
+@dataclass(frozen=True)
 class Method:
     """Base of all methods.
 
@@ -58,6 +99,9 @@ class Method:
     gqa_reduce: str = "mean"
 
     def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            check_setting_type(self, f.name, getattr(self, f.name), hints[f.name])
         self.validate()
 
     # --- the two questions a method answers -------------------------------------------------
@@ -65,8 +109,10 @@ class Method:
         """[B, Hq or Hkv, n] importance of each prompt position (higher = keep)."""
         raise NotImplementedError
 
-    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
-        """Tokens kept by each layer (window included). Uniform unless overridden."""
+    def layer_budgets(self, budget: int, num_layers: int, prompt_len: int) -> list[int]:
+        """Tokens kept by each layer (window included) for a prompt of `prompt_len` real tokens,
+        called only when prompt_len > budget. Uniform unless overridden; a layer given
+        `prompt_len` keeps the whole prompt."""
         return [budget] * num_layers
 
     # --- budget handling ---------------------------------------------------------------------
@@ -81,7 +127,7 @@ class Method:
             raise ValueError(f"gqa_layout must be one of {'|'.join(GQA_LAYOUTS)}, got {self.gqa_layout!r}")
         if self.gqa_reduce not in GQA_REDUCTIONS:
             raise ValueError(f"gqa_reduce must be one of {'|'.join(GQA_REDUCTIONS)}, got {self.gqa_reduce!r}")
-        if not isinstance(self.window_size, int) or self.window_size < 0:
+        if self.window_size < 0:
             raise ValueError(f"window_size must be an integer >= 0, got {self.window_size!r}")
         if not self.needs_budget:
             if self.budget is not None or self.budget_ratio is not None:
@@ -92,13 +138,13 @@ class Method:
             raise ValueError(f"{self.name} needs exactly one of budget (max_capacity_prompts) or budget_ratio "
                              f"(max_capacity_prompts_ratio); got budget={self.budget}, budget_ratio={self.budget_ratio}")
         if self.budget is not None:
-            if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
+            if self.budget < 1:
                 raise ValueError(f"budget (max_capacity_prompts) must be an integer >= 1, got {self.budget!r}")
             if self.budget < self.window_size:
                 raise ValueError(f"budget (max_capacity_prompts) {self.budget} is smaller than window_size "
                                  f"{self.window_size}; the budget includes the window, so it must be >= {self.window_size}")
         else:
-            if not (0.0 < float(self.budget_ratio) <= 1.0):
+            if not (0.0 < self.budget_ratio <= 1.0):
                 raise ValueError(f"budget_ratio (max_capacity_prompts_ratio) must be in (0, 1], got {self.budget_ratio!r}")
 
     def describe(self) -> dict:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pyramidkv.methods.base import Method
 
 
-@dataclass
+@dataclass(frozen=True)
 class FullKV(Method):
     name = "fullkv"
     needs_budget = False

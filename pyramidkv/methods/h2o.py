@@ -13,7 +13,7 @@ from pyramidkv.core.scoring import attention_column_sums
 from pyramidkv.methods.base import Method, ScoreContext
 
 
-@dataclass
+@dataclass(frozen=True)
 class H2O(Method):
     name = "h2o"
 

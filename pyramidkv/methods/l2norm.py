@@ -1,8 +1,10 @@
 """L2Norm (Devoto et al., 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache
 Compression"): keys with a LOW L2 norm draw high attention, so keep the lowest-norm keys.
 
-The recent `window_size` tokens are kept as for the other methods (set it to 0
-for the paper's pure rule).
+Defaults follow the paper and its code (`l2_compress(..., skip_layers=[0, 1])`): the first
+`skip_layers` layers, whose attention does not follow the norm pattern, keep the whole prompt,
+and no recent window is forced (`window_size=0`). A skipped layer stores every prompt token,
+so the cache holds more than layers x budget tokens; `skip_layers=0` compresses every layer.
 """
 
 from dataclasses import dataclass
@@ -12,9 +14,20 @@ import torch
 from pyramidkv.methods.base import Method, ScoreContext
 
 
-@dataclass
+@dataclass(frozen=True)
 class L2Norm(Method):
     name = "l2norm"
+    window_size: int = 0
+    skip_layers: int = 2
+
+    def validate(self) -> None:
+        super().validate()
+        if self.skip_layers < 0:
+            raise ValueError(f"skip_layers must be an integer >= 0 (the first layers left uncompressed), "
+                             f"got {self.skip_layers}")
+
+    def layer_budgets(self, budget: int, num_layers: int, prompt_len: int) -> list[int]:
+        return [prompt_len if layer < self.skip_layers else budget for layer in range(num_layers)]
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         return -ctx.keys.float().norm(dim=-1)  # [B, Hkv, n]

@@ -3,28 +3,36 @@
 Score = attention of the last `window_size` prompt queries to each earlier key,
 summed over the window and smoothed by 1-D pooling (kernel `kernel_size`,
 stride 1, `pooling` max|avg). Keeps the top `budget - window_size` plus the window.
+With GQA in the `kv_head` layout the query group's scores are reduced (`gqa_reduce`)
+before pooling, as the public PyramidKV and AdaKV code do (`gqa_pooling="after_reduce"`);
+`"before_reduce"` pools each query head first (with max pooling the two orders differ).
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from pyramidkv.core.scoring import pool_scores, window_attention
+from pyramidkv.core.scoring import pool_scores, reduce_query_groups, window_attention
 from pyramidkv.methods.base import Method, ScoreContext
 
+GQA_POOLING_ORDERS = ("after_reduce", "before_reduce")
 
-@dataclass
+
+@dataclass(frozen=True)
 class SnapKV(Method):
     name = "snapkv"
     kernel_size: int = 7
     pooling: str = "max"
+    gqa_pooling: str = "after_reduce"
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.kernel_size, int) or self.kernel_size < 1 or self.kernel_size % 2 == 0:
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be a positive odd integer, got {self.kernel_size!r}")
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"pooling must be 'max' or 'avg', got {self.pooling!r}")
+        if self.gqa_pooling not in GQA_POOLING_ORDERS:
+            raise ValueError(f"gqa_pooling must be one of {'|'.join(GQA_POOLING_ORDERS)}, got {self.gqa_pooling!r}")
         if self.window_size < 1:
             raise ValueError(f"{self.name} needs window_size >= 1 (the observation window), got {self.window_size}")
 
@@ -33,6 +41,8 @@ class SnapKV(Method):
         w = min(self.window_size, n)
         attention = window_attention(ctx.queries, ctx.keys, ctx.real, w)  # [B, Hq, w, n]
         prefix_scores = attention[..., : n - w].sum(dim=2)  # [B, Hq, n - w]
+        if self.gqa_layout == "kv_head" and self.gqa_pooling == "after_reduce":
+            prefix_scores = reduce_query_groups(prefix_scores, ctx.keys.shape[1], self.gqa_reduce)  # [B, Hkv, n - w]
         pooled = pool_scores(prefix_scores, self.kernel_size, self.pooling)
         # Window positions are always kept; give them a score so shapes stay [B, H, n].
         window_scores = torch.zeros(*pooled.shape[:2], w, dtype=pooled.dtype, device=pooled.device)

@@ -11,7 +11,7 @@ import torch
 from pyramidkv.methods.base import Method, ScoreContext
 
 
-@dataclass
+@dataclass(frozen=True)
 class StreamingLLM(Method):
     name = "streamingllm"
     window_size: int = 0
@@ -19,7 +19,7 @@ class StreamingLLM(Method):
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.num_sinks, int) or self.num_sinks < 0:
+        if self.num_sinks < 0:
             raise ValueError(f"num_sinks must be an integer >= 0, got {self.num_sinks!r}")
         if self.budget is not None and self.budget <= self.num_sinks:
             raise ValueError(f"budget {self.budget} must exceed num_sinks {self.num_sinks} to keep any recent token")

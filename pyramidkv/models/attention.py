@@ -90,18 +90,24 @@ def compressed_attention_forward(
     **kwargs,
 ):
     """Drop-in replacement for the forward of Llama/Mistral attention modules (4.44.2 signature)."""
+    cache = past_key_value
+    if not isinstance(cache, CompressedCache):
+        if cache is not None and use_cache:
+            raise TypeError(f"a model patched by pyramidkv needs a CompressedCache, got {type(cache).__name__}")
+        # No cache to compress (use_cache=False; generate() still passes a DynamicCache it never reads
+        # back): the model's own attention, exactly as unpatched.
+        return type(module).forward(module, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                    past_key_value=past_key_value, output_attentions=output_attentions,
+                                    use_cache=use_cache, cache_position=cache_position,
+                                    position_embeddings=position_embeddings, **kwargs)
     bsz, q_len, _ = hidden_states.shape
     queries, keys, values = project_qkv(module, hidden_states, position_ids, position_embeddings, apply_rotary)
-    cache = past_key_value
-    if cache is not None and not isinstance(cache, CompressedCache):
-        raise TypeError(f"a model patched by pyramidkv needs a CompressedCache, got {type(cache).__name__}")
 
     weights = None
-    if cache is None or not cache.is_prefilled(module.layer_idx):
+    if not cache.is_prefilled(module.layer_idx):
         out, weights = full_attention(module, implementation, queries, keys, values, attention_mask,
                                       position_ids, output_attentions)
-        if cache is not None:
-            cache.compress_prompt(module.layer_idx, queries, keys, values)
+        cache.compress_prompt(module.layer_idx, queries, keys, values)
     else:
         cache.append(module.layer_idx, keys, values)
         out = cache.attend(module.layer_idx, queries).transpose(1, 2)

@@ -26,6 +26,8 @@ METHOD_FLAGS = {
     "num_sinks": "num_sinks",
     "gqa_layout": "gqa_layout",
     "gqa_reduce": "gqa_reduce",
+    "gqa_pooling": "gqa_pooling",
+    "skip_layers": "skip_layers",
 }
 
 
@@ -52,6 +54,11 @@ def add_model_and_method_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--num_sinks", type=int, default=None, help="StreamingLLM sink tokens")
     m.add_argument("--gqa_layout", choices=["kv_head", "query_head"], default=None)
     m.add_argument("--gqa_reduce", choices=["mean", "max", "sum"], default=None)
+    m.add_argument("--gqa_pooling", choices=["after_reduce", "before_reduce"], default=None,
+                   help="SnapKV/PyramidKV in the kv_head layout: pool the scores after reducing the query group "
+                        "(the public code's order, default) or pool each query head first")
+    m.add_argument("--skip_layers", type=int, default=None,
+                   help="L2Norm: the first N layers keep the whole prompt (paper default 2)")
 
 
 def method_from_args(args: argparse.Namespace) -> Method:

@@ -254,14 +254,9 @@ def resolve_max_length(model_path: str, config, dataset: str, max_new_tokens: in
 
 def stop_token_ids(model, tokenizer, dataset: str) -> list[int]:
     """End-of-sequence ids of the model (generation config and tokenizer), plus newline for samsum."""
-    ids: list[int] = []
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if isinstance(configured, int):
-        ids.append(configured)
-    elif configured:
-        ids.extend(int(i) for i in configured)
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
+    from pyramidkv.generation import default_stop_token_ids
+
+    ids = default_stop_token_ids(model, tokenizer)
     if dataset == "samsum":
         # The official harness stops samsum at a newline: models otherwise go on with "\nDialogue: ...".
         ids.append(tokenizer.encode("\n", add_special_tokens=False)[-1])
