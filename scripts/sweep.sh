@@ -3,10 +3,11 @@
 #   METHODS="snapkv h2o" BUDGETS="64 128 256" scripts/sweep.sh BENCHMARK SAVE_DIR [runner args...]
 # BENCHMARK: longbench | ruler | needle. Runner args go to every run, e.g.
 #   scripts/sweep.sh ruler results/ruler --model_path smollm2-135m --context_lengths 2048 --num_samples 5
-# A rerun resumes: finished samples are skipped by the runners.
+# A rerun resumes: finished samples are skipped by the runners. PUBLIC_HARNESS_SETTINGS=1 runs each
+# method with the public harness's settings (window 8, kernel 7, max pooling; see sweep_tasks.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ $# -lt 2 ]; then sed -n 2,7p "$0"; exit 2; fi
+if [ $# -lt 2 ]; then sed -n 2,8p "$0"; exit 2; fi
 benchmark=$1; save_dir=$2; shift 2
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
 source scripts/sweep_tasks.sh

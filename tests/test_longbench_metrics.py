@@ -182,3 +182,31 @@ def test_every_official_dataset_has_a_metric():
 
     prompts = json.loads((Path(M.__file__).parent / "data" / "dataset2prompt.json").read_text(encoding="utf-8"))
     assert set(prompts) == set(M.DATASET2METRIC) and len(prompts) == 21
+
+
+# --- the official aggregation arithmetic ---------------------------------------------------------
+
+def _count_prediction(right: int, wrong: int) -> str:
+    """A passage_count prediction whose score for answer "7" is right / (right + wrong)."""
+    return " ".join(["7"] * right + ["1"] * wrong)
+
+
+def test_dataset_score_sums_in_file_order_like_the_official_scorer():
+    # sample scores 7/8, 0, 2/3, 1/3: exact mean 0.46875 would round to 46.88, but the official
+    # `total += score` loop gives 1.8749999999999998 and round(100 * total / 4, 2) = 46.87
+    predictions = ["7 7 7 7 7 7 7 1", "1", "7 7 1", "7 1 1"]
+    assert M.score_dataset("passage_count", predictions, [["7"]] * 4) == 46.87
+
+
+def test_longbench_e_bucket_uses_numpy_mean_and_rounding():
+    # scores 3/5, 1/4, 3/8, 4/5 (mean 0.50625): official round(100 * np.mean(s), 2) = 50.63,
+    # an exactly summed mean with Python's round gives 50.62
+    predictions = [_count_prediction(3, 2), _count_prediction(1, 3), _count_prediction(3, 5), _count_prediction(4, 1)]
+    got = M.score_dataset_e("passage_count", predictions, [["7"]] * 4, [100, 200, 300, 400])
+    assert got == {"0-4k": 50.63, "4-8k": None, "8k+": None}
+
+
+def test_bare_string_answers_are_refused():
+    # the official loop iterates over the characters of a bare string; we refuse it
+    with pytest.raises(ValueError, match="answers must be a list.*'Paris'"):
+        M.score_sample("hotpotqa", "Paris", "Paris")

@@ -223,3 +223,139 @@ def test_eval_names_the_run_from_folders_without_run_meta(tmp_path):
     result_e = E.evaluate_run_dir(run, longbench_e=True)
     assert result_e["scores"] == {"passage_retrieval_en": {"0-4k": 0.0, "4-8k": None, "8k+": 100.0}}
     assert (run / "results_e.json").is_file() and (run / "results.json").is_file()
+
+
+# --- results integrity and the official layouts --------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _write_rows(path: Path, rows: list) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+
+
+def _eval_cli(*args: str):
+    import subprocess
+
+    return subprocess.run([sys.executable, str(REPO / "eval.py"), *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+
+
+def test_eval_cli_refuses_a_repeated_id(tmp_path):
+    run = tmp_path / "m_128" / "snapkv"
+    row = {"_id": "a", "pred": "Paris", "answers": ["Paris"], "all_classes": None, "length": 5}
+    _write_rows(run / "hotpotqa.jsonl", [row, {**row, "_id": "b", "pred": "x"}, {**row, "pred": "London"}])
+    done = _eval_cli("--results_dir", str(tmp_path))
+    assert done.returncode == 2, done.stdout
+    assert f"{run / 'hotpotqa.jsonl'}:3: repeated _id 'a' (first on line 1)" in done.stderr
+    assert not (run / "results.json").exists()
+
+
+def test_eval_refuses_bare_string_answers_naming_file_and_line(tmp_path, capsys):
+    run = tmp_path / "m_128" / "snapkv"
+    rows = [{"_id": "a", "pred": "Paris", "answers": ["Paris"], "all_classes": None, "length": 5},
+            {"_id": "b", "pred": "Paris", "answers": "Paris", "all_classes": None, "length": 5}]
+    _write_rows(run / "hotpotqa.jsonl", rows)
+    with pytest.raises(SystemExit):
+        E.main([str(run)])
+    err = capsys.readouterr().err
+    assert f"{run / 'hotpotqa.jsonl'}:2: 'answers' must be a list" in err and "'Paris'" in err
+
+
+def test_data_loader_refuses_bare_string_answers(data_dir):
+    path = data_dir / "multi_news.jsonl"
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    bad = json.loads(lines[1])
+    bad["answers"] = bad["answers"][0]
+    path.write_text(lines[0] + json.dumps(bad) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"multi_news.jsonl: row 2: 'answers' must be a list .*got str"):
+        R.load_rows("multi_news", data_dir)
+
+
+def test_eval_names_a_non_utf8_prediction_file(tmp_path, capsys):
+    run = tmp_path / "m_128" / "snapkv"
+    good = json.dumps({"_id": "a", "pred": "Paris", "answers": ["Paris"], "all_classes": None, "length": 5})
+    run.mkdir(parents=True)
+    (run / "hotpotqa.jsonl").write_bytes(good.encode() + b"\n" + good.replace("Paris", "Par\xefs").encode("latin-1") + b"\n")
+    with pytest.raises(SystemExit):
+        E.main([str(run)])
+    err = capsys.readouterr().err
+    assert f"{run / 'hotpotqa.jsonl'}:2: not UTF-8" in err
+
+
+def test_eval_e_accepts_the_official_pred_e_layout(tmp_path):
+    rows = [{"_id": "a", "pred": "Paragraph 2", "answers": ["Paragraph 2"], "all_classes": [], "length": 9000},
+            {"_id": "b", "pred": "Paragraph 1", "answers": ["Paragraph 2"], "all_classes": [], "length": 100}]
+    official = tmp_path / "pred_e" / "llama-3-8b"
+    _write_rows(official / "passage_retrieval_en.jsonl", rows)
+    ours = tmp_path / "ours" / "llama-3-8b_128" / "snapkv"
+    _write_rows(ours / "passage_retrieval_en_e.jsonl", rows)
+    expected = {"passage_retrieval_en": {"0-4k": 0.0, "4-8k": None, "8k+": 100.0}}
+    for root in (tmp_path / "pred_e", official, ours):
+        assert E.main(["--e", str(root)]) == 0
+    assert json.loads((official / "results_e.json").read_text())["scores"] == expected
+    assert json.loads((official / "results_e.json").read_text())["model"] == "llama-3-8b"
+    assert json.loads((ours / "results_e.json").read_text())["scores"] == expected
+    # outside pred_e, a plain {dataset}.jsonl is a LongBench (not -E) file and --e ignores it
+    plain = tmp_path / "plain" / "m_128" / "snapkv"
+    _write_rows(plain / "passage_retrieval_en.jsonl", rows)
+    with pytest.raises(FileNotFoundError):
+        E.find_run_dirs(tmp_path / "plain", longbench_e=True)
+
+
+def _fake_python(tmp_path: Path) -> tuple[Path, Path]:
+    """A PYTHON stand-in for the eval.sh scripts that records each command line."""
+    log = tmp_path / "calls.txt"
+    fake = tmp_path / "fake_python"
+    fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$*" >> "{log}"\n')
+    fake.chmod(0o755)
+    return fake, log
+
+
+@pytest.mark.parametrize("source_suffix", ["", "/"])
+def test_longbench_eval_sh_joins_source_path_and_uses_public_harness_settings(tmp_path, source_suffix):
+    import os
+    import subprocess
+
+    fake, log = _fake_python(tmp_path)
+    source = tmp_path / "src"
+    env = {**os.environ, "PYTHON": str(fake)}
+    expected_settings = {"SnapKV": "--window_sizes 8 --kernel_sizes 7 --pooling max",
+                         "pyramidkv": "--window_sizes 8 --kernel_sizes 7 --pooling max",
+                         "H2O": "--window_sizes 8", "StreamingLLM": "", "l2norm": "", "FullKV": ""}
+    for method, settings in expected_settings.items():
+        log.unlink(missing_ok=True)
+        subprocess.run(["bash", str(REPO / "scripts/scripts_longBench/eval.sh"), "", method, "128", "sdpa",
+                        f"{source}{source_suffix}", "some-model", "--datasets", "trec"],
+                       check=True, env=env, cwd=tmp_path, timeout=60)
+        run_call, eval_call = log.read_text().splitlines()
+        assert f"--save_dir {source}/results_long_bench --datasets trec" in run_call
+        assert eval_call.endswith(f"eval.py --results_dir {source}/results_long_bench")
+        for flag in ("--window_sizes", "--kernel_sizes", "--pooling"):
+            assert (flag in run_call) == (flag in settings), (method, run_call)
+        assert settings in run_call
+
+
+def test_ruler_and_needle_eval_sh_use_public_harness_settings(tmp_path):
+    import os
+    import subprocess
+
+    fake, log = _fake_python(tmp_path)
+    env = {**os.environ, "PYTHON": str(fake)}
+    subprocess.run(["bash", str(REPO / "scripts/scripts_ruler/eval.sh"), "", "snapkv", "128", "sdpa",
+                    str(tmp_path / "src"), "m"], check=True, env=env, cwd=tmp_path, timeout=60)
+    call = log.read_text().splitlines()[-1]
+    assert f"--save_dir {tmp_path}/src/results_ruler" in call
+    assert "--window_sizes 8 --kernel_sizes 7 --pooling max" in call
+    subprocess.run(["bash", str(REPO / "scripts/scripts_needle/eval.sh"), "", "h2o", "128", "sdpa", "m"],
+                   check=True, env=env, cwd=tmp_path, timeout=60)
+    assert all("--window_sizes 8 " in c and "--kernel_sizes" not in c for c in log.read_text().splitlines()[1:3])
+
+
+def test_default_results_folders_are_git_ignored():
+    import subprocess
+
+    for folder in ("results_long_bench", "results_ruler", "results"):
+        done = subprocess.run(["git", "check-ignore", "-q", f"{folder}/x/y.jsonl"], cwd=REPO, timeout=30)
+        assert done.returncode == 0, f"{folder}/ is not git-ignored"

@@ -4,7 +4,11 @@
 #   bash scripts/scripts_longBench/eval.sh GPU METHOD MAX_CAPACITY_PROMPTS ATTN_IMPLEMENTATION SOURCE_PATH MODEL_PATH [extra run_longbench.py args...]
 # e.g. bash scripts/scripts_longBench/eval.sh 0 SnapKV 128 sdpa ./ smollm2-135m --data_dir path/to/LongBench/data
 # On a machine without a GPU give any value (e.g. "") as GPU: the device is chosen with --device auto.
-# Results: ${SOURCE_PATH}results_long_bench/{model}_{budget}/{method}/ (results.json after scoring).
+# Results: SOURCE_PATH/results_long_bench/{model}_{budget}/{method}/ (results.json after scoring);
+# with SOURCE_PATH ./ that folder is git-ignored.
+# Method settings: those of the public harness's published runs (window 8, kernel 7, max pooling
+# where the method has them; see scripts/public_harness_settings.sh and docs/longbench.md).
+# Extra args come after them, so e.g. --window_sizes 32 overrides.
 set -euo pipefail
 
 if [ "$#" -lt 6 ]; then
@@ -18,10 +22,12 @@ max_capacity_prompts=$3   # tokens kept per layer per head (128, 2048 in the pap
 attn_implementation=$4    # sdpa, eager or flash_attention_2
 source_path=$5
 model_path=$6
-save_dir=$source_path"results_long_bench"
 shift 6
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+source "$repo_root/scripts/public_harness_settings.sh"
+save_dir="$(results_dir "$source_path" results_long_bench)"
+mapfile -t method_args < <(public_harness_method_args "$method")
 python_bin="${PYTHON:-}"
 if [ -z "$python_bin" ]; then
     if [ -x "$repo_root/.venv/bin/python" ]; then python_bin="$repo_root/.venv/bin/python"; else python_bin=python3; fi
@@ -36,6 +42,7 @@ fi
     --method "$method" \
     --model_path "$model_path" \
     "${budget_args[@]}" \
+    "${method_args[@]}" \
     --attn_implementation "$attn_implementation" \
     --device auto \
     --save_dir "$save_dir" \

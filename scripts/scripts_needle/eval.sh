@@ -10,6 +10,8 @@
 # On a machine without a GPU give any value as GPU: the device is chosen with --device auto.
 # fullkv keeps every token: its MAX_CAPACITY_PROMPTS is not passed on (a note says so).
 # Results: results/needle/{model}_{budget}/{method}/ (needle.jsonl, results.json, needle_rouge1_f.png).
+# Method settings: those of the public harness (window 8, kernel 7, max pooling where the method
+# has them; scripts/public_harness_settings.sh); extra args come after them and override.
 # Set PYTHON to choose the interpreter (default: .venv/bin/python if present, else python3).
 set -euo pipefail
 
@@ -36,6 +38,9 @@ if [ -z "${PYTHON:-}" ]; then
     if [ -x "${repo_root}/.venv/bin/python" ]; then PYTHON="${repo_root}/.venv/bin/python"; else PYTHON=python3; fi
 fi
 
+source "${repo_root}/scripts/public_harness_settings.sh"
+mapfile -t method_args < <(public_harness_method_args "${method}")
+
 budget_args=(--max_capacity_prompts "${max_capacity_prompts}")
 if [ "$(echo "${method}" | tr '[:upper:]' '[:lower:]')" = "fullkv" ]; then
     echo "note: fullkv keeps every token; max_capacity_prompts=${max_capacity_prompts} is not used" >&2
@@ -46,6 +51,7 @@ args=(
     --method "${method}"
     --model_path "${model_path}"
     "${budget_args[@]}"
+    "${method_args[@]}"
     --attn_implementation "${attn_implementation}"
     --device auto
     --s_len "${s_len}" --e_len "${e_len}" --step "${step}"

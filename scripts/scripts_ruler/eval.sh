@@ -3,7 +3,10 @@
 #   bash scripts/scripts_ruler/eval.sh GPU METHOD MAX_CAPACITY_PROMPTS ATTN_IMPLEMENTATION SOURCE_PATH MODEL_PATH [extra run_ruler.py args...]
 # e.g.
 #   bash scripts/scripts_ruler/eval.sh 0 snapkv 128 sdpa ./ smollm2-135m --context_lengths 2048 --num_samples 5
-# Results: ${SOURCE_PATH}results_ruler/{model}_{budget}/{method}/. Runs on CPU too (--device auto).
+# Results: SOURCE_PATH/results_ruler/{model}_{budget}/{method}/ (git-ignored with SOURCE_PATH ./).
+# Runs on CPU too (--device auto).
+# Method settings: those of the public harness (window 8, kernel 7, max pooling where the method
+# has them; scripts/public_harness_settings.sh); extra args come after them and override.
 # fullkv keeps every token: its MAX_CAPACITY_PROMPTS is not passed on (a note says so).
 # Set PYTHON to choose the interpreter (default: .venv/bin/python if present, else python3).
 set -euo pipefail
@@ -25,7 +28,9 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 if [ -z "${PYTHON:-}" ]; then
     if [ -x "${repo_root}/.venv/bin/python" ]; then PYTHON="${repo_root}/.venv/bin/python"; else PYTHON=python3; fi
 fi
-save_dir="${source_path}results_ruler"
+source "${repo_root}/scripts/public_harness_settings.sh"
+save_dir="$(results_dir "${source_path}" results_ruler)"
+mapfile -t method_args < <(public_harness_method_args "${method}")
 
 budget_args=(--max_capacity_prompts "${max_capacity_prompts}")
 if [ "$(echo "${method}" | tr '[:upper:]' '[:lower:]')" = "fullkv" ]; then
@@ -37,6 +42,7 @@ exec "${PYTHON}" "${repo_root}/run_ruler.py" \
     --method "${method}" \
     --model_path "${model_path}" \
     "${budget_args[@]}" \
+    "${method_args[@]}" \
     --attn_implementation "${attn_implementation}" \
     --device auto \
     --save_dir "${save_dir}" \

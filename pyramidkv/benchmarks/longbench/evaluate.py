@@ -8,8 +8,13 @@ results.json (common schema of this project's benchmarks):
     {"benchmark": "longbench", "model", "method", "budget", "scores": {dataset: score},
      "average": float, "num_samples": {dataset: n}}
 budget is the per-layer token budget (int), "r<ratio>" for a ratio budget, or null (full cache).
-With --e (LongBench-E, `{dataset}_e.jsonl` files) it writes results_e.json / results_e.csv whose
-scores are {dataset: {"0-4k", "4-8k", "8k+"}} and whose average is per bucket.
+With --e (LongBench-E) it scores `{dataset}_e.jsonl` files (this project's layout) and
+`{dataset}.jsonl` files in a folder directly below one named `pred_e` (the official layout
+`pred_e/<model>/<dataset>.jsonl`), and writes results_e.json / results_e.csv whose scores are
+{dataset: {"0-4k", "4-8k", "8k+"}} and whose average is per bucket.
+
+A prediction file is refused, with an error naming the file and line, if it repeats an `_id`
+(a sample must never count twice), if a row's `answers` is not a list, or if it is not UTF-8.
 """
 
 from __future__ import annotations
@@ -29,22 +34,33 @@ from pyramidkv.benchmarks.longbench.metrics import (
 )
 
 
+OFFICIAL_E_FOLDER = "pred_e"  # the official eval.py --e reads pred_e/<model>/<dataset>.jsonl
+
+
 def _dataset_of(path: Path, longbench_e: bool) -> Optional[str]:
+    """The dataset a prediction file holds, or None if the file is not one (for this mode)."""
     stem = path.name[: -len(".jsonl")] if path.name.endswith(".jsonl") else None
     if stem is None:
         return None
-    if longbench_e:
-        return stem[:-2] if stem.endswith("_e") and stem[:-2] in DATASET2METRIC else None
-    return stem if stem in DATASET2METRIC else None
+    if not longbench_e:
+        return stem if stem in DATASET2METRIC else None
+    if stem.endswith("_e") and stem[:-2] in DATASET2METRIC:
+        return stem[:-2]
+    in_official_layout = Path(path).resolve().parent.parent.name == OFFICIAL_E_FOLDER
+    return stem if in_official_layout and stem in DATASET2METRIC else None
 
 
 def prediction_files(run_dir: Path, longbench_e: bool = False) -> dict[str, Path]:
     """{dataset: file} for the LongBench prediction files directly inside run_dir."""
-    found = {}
+    found: dict[str, Path] = {}
     for path in sorted(Path(run_dir).glob("*.jsonl")):
         dataset = _dataset_of(path, longbench_e)
-        if dataset is not None:
-            found[dataset] = path
+        if dataset is None:
+            continue
+        if dataset in found:
+            raise ValueError(f"{run_dir}: both {found[dataset].name} and {path.name} hold LongBench-E "
+                             f"predictions for {dataset}; keep one")
+        found[dataset] = path
     return found
 
 
@@ -57,25 +73,40 @@ def find_run_dirs(root: Path, longbench_e: bool = False) -> list[Path]:
         return [root]
     runs = sorted({p.parent for p in root.rglob("*.jsonl") if _dataset_of(p, longbench_e) is not None})
     if not runs:
-        kind = "{dataset}_e.jsonl" if longbench_e else "{dataset}.jsonl"
+        kind = ("{dataset}_e.jsonl, or pred_e/<model>/{dataset}.jsonl" if longbench_e
+                else "{dataset}.jsonl")
         raise FileNotFoundError(f"no LongBench prediction files ({kind}) in or below {root}")
     return runs
 
 
+def _read_rows(path: Path):
+    """iter_jsonl(path, skip_torn_last_line=True), with a non-UTF-8 file reported by name and line."""
+    try:
+        yield from iter_jsonl(path, skip_torn_last_line=True)
+    except UnicodeDecodeError as e:
+        line = Path(path).read_bytes()[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 (byte {e.object[e.start:e.start + 1]!r} at offset "
+                         f"{e.start}); prediction files must be UTF-8 JSON lines") from None
+
+
 def read_predictions(path: Path) -> list[dict]:
-    """Rows of a prediction file. A malformed line is an error naming file:line, except an
-    unterminated last line (a run still writing, or killed mid-write), which is skipped."""
-    rows, seen = [], set()
-    for number, row in iter_jsonl(path, skip_torn_last_line=True):
+    """Rows of a prediction file, checked. An unterminated last line (a run still writing, or
+    killed mid-write) is skipped; any other problem is an error naming file:line: a malformed
+    line, a row without pred or answers, answers that are not a list, a repeated _id."""
+    rows, first_line_of = [], {}
+    for number, row in _read_rows(path):
         for field in ("pred", "answers"):
             if field not in row:
                 raise ValueError(f"{path}:{number}: row lacks {field!r}")
+        if not isinstance(row["answers"], list):
+            raise ValueError(f"{path}:{number}: 'answers' must be a list of reference answers, "
+                             f"got {type(row['answers']).__name__} {row['answers']!r}")
         key = row.get("_id")
         if key is not None:
-            if key in seen:
-                print(f"warning: {path}:{number}: duplicate _id {key!r} ignored", file=sys.stderr)
-                continue
-            seen.add(key)
+            if key in first_line_of:
+                raise ValueError(f"{path}:{number}: repeated _id {key!r} (first on line {first_line_of[key]}); "
+                                 f"a sample must not be scored twice: remove the extra row")
+            first_line_of[key] = number
         rows.append(row)
     return rows
 
@@ -98,6 +129,8 @@ def run_identity(run_dir: Path) -> dict:
                     "method": method.get("method", run_dir.name), "budget": budget}
         except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
             print(f"warning: {meta_path} is unreadable; naming the run after its folders", file=sys.stderr)
+    if run_dir.parent.name in ("pred", OFFICIAL_E_FOLDER):  # the official layout pred[_e]/<model>/
+        return {"model": run_dir.name, "method": None, "budget": None}
     model, _, budget = run_dir.parent.name.rpartition("_")
     if budget.isdigit():
         budget_value = int(budget)
@@ -202,7 +235,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("results_dir_pos", nargs="?", metavar="RESULTS_DIR", help="same as --results_dir")
     parser.add_argument("--results_dir", default=None, help="a run folder or a folder of runs")
-    parser.add_argument("--e", action="store_true", help="LongBench-E: score {dataset}_e.jsonl by length bucket")
+    parser.add_argument("--e", action="store_true", help="LongBench-E: score {dataset}_e.jsonl (or the official "
+                        "pred_e/<model>/{dataset}.jsonl) by length bucket")
     args = parser.parse_args(argv)
     root = args.results_dir or args.results_dir_pos
     if root is None:

@@ -2,9 +2,12 @@
 
 Every per-answer metric has the signature ``metric(prediction, ground_truth, all_classes=None) -> float``
 in [0, 1]. A sample's score is the maximum over its reference answers; for trec, triviaqa,
-samsum and lsht only the first line of the prediction is scored. A dataset's score is
-``round(100 * mean, 2)``. LongBench-E splits the samples by their ``length`` field into
-0-4k, 4-8k and 8k+ buckets and scores each bucket the same way.
+samsum and lsht only the first line of the prediction is scored. The aggregation uses the
+official arithmetic to the last bit: a dataset scores ``round(100 * total / n, 2)`` where
+``total`` sums the sample scores one at a time in file order (Python's ``round``);
+LongBench-E splits the samples by their ``length`` field into 0-4k, 4-8k and 8k+ buckets and
+scores each bucket ``round(100 * np.mean(scores), 2)`` (numpy's pairwise sum and numpy's
+rounding). Other summation or rounding orders differ by 0.01 on some inputs.
 
 Two behaviours of the official code are reproduced on purpose, so that scores match it:
 
@@ -15,14 +18,14 @@ Two behaviours of the official code are reproduced on purpose, so that scores ma
 * rouge: any exception from the ``rouge`` package (an empty hypothesis after its own
   cleaning, a recursion limit on huge inputs, ...) scores 0.
 
-One deliberate difference: the official scorer passes the ``all_classes`` of the LAST row
-of a file to every row; we use each row's own list. The two agree on the released data
-(every row of trec/lsht carries the same list).
+Deliberate differences: the official scorer passes the ``all_classes`` of the LAST row of a
+file to every row; we use each row's own list (the two agree on the released data, where every
+row of trec/lsht carries the same list). ``answers`` must be a list: the official loop would
+iterate over the characters of a bare string. An empty LongBench-E bucket is None, not NaN.
 """
 
 from __future__ import annotations
 
-import math
 import re
 import string
 from collections import Counter
@@ -216,23 +219,36 @@ def score_sample(dataset: str, prediction: str, answers: Sequence[str],
     metric = _metric_for(dataset)
     if dataset in FIRST_LINE_DATASETS:
         prediction = prediction.lstrip("\n").split("\n")[0]
-    if isinstance(answers, str):
-        answers = [answers]
+    if isinstance(answers, str) or not isinstance(answers, (list, tuple)):
+        raise ValueError(f"answers must be a list of reference answers, got {type(answers).__name__} {answers!r}")
     best = 0.0
     for answer in answers:
         best = max(best, metric(prediction, answer, all_classes=all_classes))
     return best
 
 
-def _percent(values: Sequence[float]) -> Optional[float]:
-    if not values:
+def _official_percent(scores: Sequence[float]) -> Optional[float]:
+    """The official eval.py ``scorer``: ``total += score`` in order, then ``round(100 * total / n, 2)``."""
+    if not scores:
         return None
-    return round(100 * math.fsum(values) / len(values), 2)
+    total = 0.0
+    for score in scores:
+        total += score
+    return round(100 * total / len(scores), 2)
+
+
+def _official_bucket_percent(scores: Sequence[float]) -> Optional[float]:
+    """The official ``scorer_e`` bucket score ``round(100 * np.mean(scores), 2)`` (numpy rounding); None if empty."""
+    import numpy as np
+
+    if not scores:
+        return None
+    return float(round(100 * np.mean(scores), 2))
 
 
 def score_dataset(dataset: str, predictions: Sequence[str], answers: Sequence[Sequence[str]],
                   all_classes: Optional[Sequence[Optional[Sequence[str]]]] = None) -> Optional[float]:
-    """round(100 * mean sample score, 2); None for no samples.
+    """round(100 * total / n, 2), total summed in order as the official scorer does; None for no samples.
 
     all_classes: one list per sample (or None for datasets without classes).
     """
@@ -240,7 +256,7 @@ def score_dataset(dataset: str, predictions: Sequence[str], answers: Sequence[Se
         raise ValueError(f"{len(predictions)} predictions but {len(answers)} answer lists")
     classes = all_classes if all_classes is not None else [None] * len(predictions)
     scores = [score_sample(dataset, p, a, c) for p, a, c in zip(predictions, answers, classes)]
-    return _percent(scores)
+    return _official_percent(scores)
 
 
 def length_bucket(length: int) -> str:
@@ -264,4 +280,4 @@ def score_dataset_e(dataset: str, predictions: Sequence[str], answers: Sequence[
     buckets: dict[str, list[float]] = {name: [] for name in LENGTH_BUCKETS}
     for p, a, n, c in zip(predictions, answers, lengths, classes):
         buckets[length_bucket(n)].append(score_sample(dataset, p, a, c))
-    return {name: _percent(values) for name, values in buckets.items()}
+    return {name: _official_bucket_percent(values) for name, values in buckets.items()}

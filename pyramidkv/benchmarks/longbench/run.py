@@ -127,27 +127,31 @@ def _load_from_hub(dataset: str, longbench_e: bool) -> list[dict]:
 
 
 def load_rows(dataset: str, data_dir: Optional[Path], longbench_e: bool = False) -> list[dict]:
-    """The dataset's rows, checked: each has _id, answers and length, and _ids are unique."""
-    from pyramidkv.runner.results import read_jsonl
+    """The dataset's rows, checked: each has _id, a list of answers and length, and _ids are unique.
+
+    Row numbers in errors are the file's line numbers (for the hub, positions from 1).
+    """
+    from pyramidkv.runner.results import iter_jsonl
 
     if data_dir is not None:
         source = data_file(data_dir, dataset, longbench_e)
-        rows = read_jsonl(source)
+        numbered = list(iter_jsonl(source))
     else:
         source = f"{HUB_DATASET}/{dataset}{'_e' if longbench_e else ''}"
-        rows = _load_from_hub(dataset, longbench_e)
+        numbered = list(enumerate(_load_from_hub(dataset, longbench_e), start=1))
     fields = set(REQUIRED_FIELDS) | _template_fields(dataset)
     seen: set = set()
-    for number, row in enumerate(rows, start=1):
+    for number, row in numbered:
         missing = sorted(fields - row.keys())
         if missing:
             raise ValueError(f"{source}: row {number} lacks field(s) {', '.join(missing)}")
         if row["_id"] in seen:
             raise ValueError(f"{source}: row {number} repeats _id {row['_id']!r}")
         seen.add(row["_id"])
-        if isinstance(row["answers"], str):
-            row["answers"] = [row["answers"]]
-    return rows
+        if not isinstance(row["answers"], list):
+            raise ValueError(f"{source}: row {number}: 'answers' must be a list of reference answers, "
+                             f"got {type(row['answers']).__name__} {row['answers']!r}")
+    return [row for _, row in numbered]
 
 
 def _template_fields(dataset: str) -> set:

@@ -1,0 +1,31 @@
+# Sourced by the eval.sh scripts and scripts/sweep_tasks.sh.
+#
+# public_harness_method_args METHOD: prints, one per line, the method flags with which a run of
+# ours reproduces the public PyramidKV harness (Zefan-Cai/KVCache-Factory): its runners fix
+# window 8, kernel 7 and max pooling, while our defaults are window 32 (kernel 7, max pooling).
+# Only the settings a method has are printed (make_method rejects unknown ones):
+#   snapkv, pyramidkv: --window_sizes 8 --kernel_sizes 7 --pooling max
+#   h2o:               --window_sizes 8
+#   streamingllm:      nothing (our 4 sinks + budget-4 recent tokens = the harness's window budget-4)
+#   l2norm, fullkv:    nothing (no observation window there; l2norm's defaults follow the harness)
+public_harness_method_args() {
+    case "$(echo "$1" | tr '[:upper:]' '[:lower:]')" in
+        snapkv|pyramidkv) printf '%s\n' --window_sizes 8 --kernel_sizes 7 --pooling max ;;
+        h2o) printf '%s\n' --window_sizes 8 ;;
+        *) ;;
+    esac
+}
+
+# results_dir SOURCE_PATH NAME: SOURCE_PATH/NAME with exactly one slash between them
+# ("./" -> ./NAME, "/data/x" -> /data/x/NAME, "" -> NAME).
+results_dir() {
+    local source_path=$1 name=$2
+    if [ -z "$source_path" ]; then
+        printf '%s\n' "$name"
+    else
+        while [ "${source_path%/}" != "$source_path" ] && [ "$source_path" != "/" ]; do
+            source_path=${source_path%/}
+        done
+        if [ "$source_path" = "/" ]; then printf '/%s\n' "$name"; else printf '%s/%s\n' "$source_path" "$name"; fi
+    fi
+}
