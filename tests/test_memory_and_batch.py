@@ -103,3 +103,29 @@ def test_passkey_answered_by_fullkv_and_snapkv_128(smollm2):
     for method in (make_method("fullkv"), make_method("snapkv", budget=128)):
         out = generate(model, tokenizer, [prompt], method, 8)[0]
         assert out.text.startswith("73691"), (method.name, out.text)
+
+
+def test_kept_kv_returns_the_model_keys_and_values_at_the_kept_positions(smollm2):
+    """Inspection API against transformers' own DynamicCache of the same prompt (left-padded batch)."""
+    from transformers import DynamicCache
+
+    model, tokenizer = smollm2
+    prompts = [STORY, passkey_prompt(123, 3)]
+    ids, mask = padded_batch(tokenizer, prompts)
+    method = make_method("pyramidkv", budget=64, window_size=16)
+    cache = prefill(model, ids, method, attention_mask=mask)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, past_key_values=DynamicCache(), use_cache=True).past_key_values
+    pads = (mask == 0).sum(1).tolist()
+    for b in range(2):
+        budgets = cache.layer_budgets_used(b)
+        real = ids.shape[1] - pads[b]
+        assert sum(budgets) == model.config.num_hidden_layers * 64 or budgets == [real] * model.config.num_hidden_layers
+        for layer in (0, 13, 29):
+            heads = cache.kept_kv(layer, b)
+            assert len(heads) == model.config.num_key_value_heads
+            for h, (positions, keys, values) in enumerate(heads):
+                assert len(positions) == min(real, budgets[layer]) == keys.shape[0] == values.shape[0]
+                rows = positions + pads[b]
+                torch.testing.assert_close(keys, full.key_cache[layer][b, h, rows], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(values, full.value_cache[layer][b, h, rows], rtol=1e-5, atol=1e-5)

@@ -285,3 +285,16 @@ class CompressedCache(Cache):
     def kept_positions(self, layer_idx: int, batch_idx: int = 0) -> list[torch.Tensor]:
         """Kept prompt positions (0 = first real token) per stored head."""
         return self.prefix[layer_idx][batch_idx].positions_per_head()
+
+    def kept_kv(self, layer_idx: int, batch_idx: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per stored head, (positions [k], keys [k, D], values [k, D]) of the kept prompt tokens,
+        exactly as stored (keys after RoPE). Views of the cache: clone before modifying."""
+        kept = self.prefix[layer_idx][batch_idx]
+        return [(positions, keys, values)
+                for positions, (keys, values) in zip(kept.positions_per_head(), kept.per_head())]
+
+    def layer_budgets_used(self, batch_idx: int = 0) -> list[int]:
+        """The per-layer token budget the method gave this prompt (the prompt length where it was kept whole)."""
+        if self.layer_budgets_per_prompt is None:
+            raise RuntimeError("nothing has been compressed yet: run the prompt through the patched model first")
+        return list(self.layer_budgets_per_prompt[batch_idx])
