@@ -38,7 +38,7 @@ def formatter(tokenizer):
 
 def _fit(task, length, formatter, index=0, seed=42):
     spec = TASKS[task]
-    builder = make_builder(spec, seed, length, index)
+    builder = make_builder(spec, seed, length, index, count_tokens=formatter.count)
 
     def measure(rendered):
         prompt = formatter(rendered.body, rendered.answer_prefix)
@@ -89,8 +89,8 @@ def test_answers_are_in_the_prompt(task, formatter):
         assert row["outputs"]
         for answer in row["outputs"]:
             assert answer in row["input"], (task, answer)
-        assert row["input"].startswith("<|im_start|>system")
-        assert row["input"].endswith(("are", "is", "are:", "they are:")) or row["input"].endswith(":")
+        assert row["input"].startswith("<|im_start|>user\n")
+        assert row["input"].endswith(("are", "is", "are:", "they are: "))
 
 
 NEEDLE_RE = re.compile(r"One of the special magic (numbers|words|uuids) for (\S+) is: (\S+)\.")
@@ -151,11 +151,11 @@ def test_cwe_answer_by_independent_count(length, formatter):
 @pytest.mark.parametrize("length", [1024, 4096])
 def test_fwe_answer_by_independent_count(length, formatter):
     _, best, _, _ = _fit("fwe", length, formatter, index=2)
-    counts = Counter(w for w in best.rendered.context.split() if w != "....")
+    counts = Counter(w for w in best.rendered.context.split() if w != "...")
     ranked = counts.most_common()
     assert [w for w, _ in ranked[:3]] == best.rendered.outputs
     assert ranked[2][1] > ranked[3][1]                           # a unique top 3
-    assert best.rendered.context.split().count("....") > ranked[0][1]   # the dots are the most frequent
+    assert best.rendered.context.split().count("...") > ranked[0][1]    # the dots are the most frequent
     assert all(re.fullmatch(r"[a-z]{6}", w) for w in counts)
 
 
@@ -172,7 +172,7 @@ def test_fwe_zeta_counts():
 @pytest.mark.parametrize("index", range(3))
 def test_vt_chain_resolves_to_the_answer(index, formatter):
     _, best, _, _ = _fit("vt", 2048, formatter, index=index)
-    statements = re.findall(r"VAR ([A-Z]+) = (?:VAR ([A-Z]+)|(\d+))\.", best.rendered.context)
+    statements = re.findall(r"VAR ([A-Z]+) = (?:VAR ([A-Z]+) |(\d+))$", best.rendered.context, re.M)
     assert len(statements) == 5
     value = re.search(r"assigned the value (\d+) in the text above", best.rendered.body.split("\n")[-1]).group(1)
     # Follow the chain independently: a variable holds the value if it is assigned it, directly or via another.
@@ -207,7 +207,8 @@ def test_without_chat_template(tokenizer):
     raw = PromptFormatter(tokenizer, use_chat_template=False)
     row = generate_sample("niah_single_2", 1024, 0, raw)
     assert "<|im_start|>" not in row["input"]
-    assert row["input"].endswith("mentioned in the provided text is")
+    assert row["input"].endswith(" mentioned in the provided text is")
+    assert "mentioned in the provided text? The special magic number for" in row["input"]   # RULER base template
     assert row["length"] <= 1024
 
 

@@ -184,3 +184,17 @@ def test_bad_inputs(tiny_model_dir, tmp_path, capsys):
     err = _run_error(_args(tiny_model_dir, tmp_path, "--tasks", "niah_single_1", "--context_lengths", "1024",
                            "--num_samples", "1"), capsys)
     assert "niah_single_1_1024.jsonl:2: malformed JSON" in err
+
+
+def test_system_prompt_flag(tiny_model_dir, tmp_path, capsys):
+    from pyramidkv.benchmarks.ruler.run import build_parser
+
+    args = build_parser().parse_args(_args(tiny_model_dir, tmp_path, "--system_prompt", "Answer briefly."))
+    assert vars(args)["system_prompt"] == "Answer briefly."      # recorded in run_meta.json with vars(args)
+    assert build_parser().parse_args(_args(tiny_model_dir, tmp_path)).system_prompt is None   # RULER: none
+    common = ("--tasks", "niah_single_1", "--context_lengths", "512", "--num_samples", "1")
+    err = _run_error(_args(tiny_model_dir, tmp_path, *common, "--no_chat_template", "--system_prompt", "Hi."),
+                     capsys)
+    assert "--system_prompt needs the chat template" in err
+    err = _run_error(_args(tiny_model_dir, tmp_path, *common, "--system_prompt", " "), capsys)
+    assert "--system_prompt ' ' is empty" in err

@@ -30,6 +30,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--squad_file", default=None)
     parser.add_argument("--hotpot_file", default=None)
     parser.add_argument("--no_chat_template", action="store_true")
+    parser.add_argument("--system_prompt", default=None, metavar="TEXT",
+                        help="a system turn before the task (default: none, as RULER); needs the chat template")
     args = parser.parse_args(argv)
     try:
         from transformers import AutoTokenizer
@@ -42,7 +44,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.num_samples < 1 or any(n < 1 for n in args.context_lengths):
             raise ValueError("--num_samples and --context_lengths must be positive")
         formatter = PromptFormatter(AutoTokenizer.from_pretrained(resolve_model_path(args.model_path)),
-                                    use_chat_template=not args.no_chat_template)
+                                    use_chat_template=not args.no_chat_template,
+                                    system_prompt=args.system_prompt)
         model = model_label(args.model_path)
         for task in tasks:
             for length in args.context_lengths:

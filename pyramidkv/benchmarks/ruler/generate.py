@@ -1,7 +1,7 @@
 """Build RULER samples that fit a target length under a model's tokenizer; cache and read RULER-format JSONL.
 
 Sizing: for each sample, the haystack size is the largest one for which
-    tokens(chat template(instruction + haystack + question) + answer prefix) + max_new_tokens <= length,
+    tokens(chat template(user turn: instruction + haystack + question) + answer prefix) + max_new_tokens <= length,
 found by exponential then binary search over the task's haystack unit. The
 result is checked, so a sample never exceeds the target; it falls short by
 less than one haystack unit (a word, a sentence, a needle, a document).
@@ -22,7 +22,8 @@ from typing import Callable, Optional, Sequence
 
 from pyramidkv.benchmarks.ruler.tasks import TASKS, Builder, Rendered, get_task, make_builder
 
-GENERATOR_VERSION = 1
+# Bump whenever a sample's text can change: cached samples of another version are regenerated.
+GENERATOR_VERSION = 2
 
 
 # --------------------------------------------------------------------------------------------
@@ -30,23 +31,71 @@ GENERATOR_VERSION = 1
 # --------------------------------------------------------------------------------------------
 
 class PromptFormatter:
-    """Wrap a task's body in the tokenizer's chat template (user turn) and open the answer with its prefix."""
+    """The full prompt of a sample: the task body as the only user turn of the tokenizer's chat template (no
+    system turn, as in RULER's model templates, unless `system_prompt` is given), then the assistant turn opened
+    with the task's answer prefix exactly as RULER writes it (leading space included).
 
-    def __init__(self, tokenizer, use_chat_template: bool = True):
+    Without the chat template: BOS (when the model expects one) + body + answer prefix, RULER's "base" template.
+    """
+
+    _BODY = "RULER-BODY-PLACEHOLDER"
+    _PROBE = "RULER-SYSTEM-PROBE"
+
+    def __init__(self, tokenizer, use_chat_template: bool = True, system_prompt: Optional[str] = None):
         self.tokenizer = tokenizer
         self.use_chat_template = bool(use_chat_template and getattr(tokenizer, "chat_template", None))
+        if system_prompt is not None:
+            if not system_prompt.strip():
+                raise ValueError(f"--system_prompt {system_prompt!r} is empty; give a text, or leave the flag out "
+                                 "for no system turn (RULER's default)")
+            if not self.use_chat_template:
+                raise ValueError("--system_prompt needs the chat template, but it is off (--no_chat_template, or "
+                                 f"the tokenizer {type(tokenizer).__name__} has none)")
+        self.system_prompt = system_prompt
         self._bos = ""
-        if not self.use_chat_template and tokenizer.bos_token_id is not None and tokenizer.bos_token:
+        self._head = self._tail = ""
+        if self.use_chat_template:
+            self._head, self._tail = self._user_turn_frame()
+        elif tokenizer.bos_token_id is not None and tokenizer.bos_token:
             probe = tokenizer("a").input_ids
             if probe and probe[0] == tokenizer.bos_token_id:
                 self._bos = tokenizer.bos_token  # the model expects a BOS: keep it, as text
 
+    def _render(self, messages: list, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def _user_turn_frame(self) -> tuple[str, str]:
+        """(text before the body, text after it) of the chat template's rendering, assistant turn opened."""
+        user = {"role": "user", "content": self._BODY}
+        if self.system_prompt is not None:
+            try:
+                text = self._render([{"role": "system", "content": self.system_prompt}, user], True)
+            except Exception as e:  # jinja raises its own errors for roles a template refuses
+                raise ValueError(f"the chat template of {type(self.tokenizer).__name__} takes no system turn "
+                                 f"({e}); leave out --system_prompt") from None
+        else:
+            text = self._render([user], True)
+            # Templates that add a default system turn when none is given (SmolLM2, Qwen2, Llama 3.1): render
+            # with a probe system turn and cut that turn off (keeping a leading BOS).
+            try:
+                with_probe = self._render([{"role": "system", "content": self._PROBE}, user], True)
+                probe_turn = self._render([{"role": "system", "content": self._PROBE}], False)
+            except Exception:  # a template that refuses system turns adds none either
+                with_probe = probe_turn = ""
+            if probe_turn and self._PROBE in probe_turn and with_probe.startswith(probe_turn):
+                bos = self.tokenizer.bos_token or ""
+                text = (bos if bos and probe_turn.startswith(bos) else "") + with_probe[len(probe_turn):]
+        if text.count(self._BODY) != 1:
+            raise ValueError(f"the chat template of {type(self.tokenizer).__name__} does not show the user "
+                             "message verbatim; use --no_chat_template")
+        head, tail = text.split(self._BODY)
+        return head, tail
+
     def __call__(self, body: str, answer_prefix: str) -> str:
         if self.use_chat_template:
-            head = self.tokenizer.apply_chat_template([{"role": "user", "content": body}], tokenize=False,
-                                                      add_generation_prompt=True)
-            return head + answer_prefix.strip()
-        return self._bos + body + " " + answer_prefix.strip()
+            return self._head + body + self._tail + answer_prefix
+        return self._bos + body + answer_prefix
 
     def count(self, text: str) -> int:
         """Tokens of a full prompt, exactly as generation tokenizes it (no added special tokens)."""
@@ -59,6 +108,7 @@ class PromptFormatter:
         return {
             "chat_template": self.use_chat_template,
             "chat_template_sha1": hashlib.sha1(template.encode()).hexdigest()[:12] if self.use_chat_template else None,
+            "system_prompt": self.system_prompt,
             "tokenizer_class": type(self.tokenizer).__name__,
             "vocab_size": len(self.tokenizer),
         }
@@ -128,7 +178,8 @@ def generate_sample(task: str, length: int, index: int, formatter: PromptFormatt
     max_new = spec.max_new_tokens
     if length <= max_new:
         raise ValueError(f"context length {length} must exceed the {max_new} tokens task {task} generates")
-    builder = make_builder(spec, seed, length, index, squad_file=squad_file, hotpot_file=hotpot_file)
+    builder = make_builder(spec, seed, length, index, squad_file=squad_file, hotpot_file=hotpot_file,
+                           count_tokens=formatter.count)
 
     def measure(rendered: Rendered) -> tuple[str, int]:
         prompt = formatter(rendered.body, rendered.answer_prefix)

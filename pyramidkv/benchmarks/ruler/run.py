@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU threads for torch (default: torch's choice; 1 is faster on a busy shared CPU)")
     r.add_argument("--no_chat_template", action="store_true",
                    help="use the raw task prompt (default: the tokenizer's chat template around it)")
+    r.add_argument("--system_prompt", default=None, metavar="TEXT",
+                   help="a system turn before the task, in the chat template (default: none, as RULER's model "
+                        "templates; the user turn alone, even where the template would add its own default "
+                        "system prompt, e.g. SmolLM2's). Not with --no_chat_template")
     return parser
 
 
@@ -129,7 +133,8 @@ def collect_sample_sets(args, tasks: list[str], lengths: list[int], tokenizer, m
     for task in tasks:
         for length in lengths:
             check_length(task, length, "--context_lengths")
-    formatter = PromptFormatter(tokenizer, use_chat_template=not args.no_chat_template)
+    formatter = PromptFormatter(tokenizer, use_chat_template=not args.no_chat_template,
+                                system_prompt=args.system_prompt)
     cache_dir = Path(args.cache_dir) if args.cache_dir else Path(args.save_dir) / "data"
     for task in tasks:
         for length in lengths:

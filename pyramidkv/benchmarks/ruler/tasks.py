@@ -2,11 +2,16 @@
 
 Every task is a `TaskSpec` (name, family, options, tokens to generate, metric).
 For one sample, `make_builder` draws everything that does not depend on the
-haystack size (keys, values, needle depths, chains, word choices) from a
+haystack size (keys, values, essay depths, chains, word choices) from a
 per-sample random generator; `builder.render(size)` then lays the sample out
-with `size` haystack units. The generator (`generate.py`) binary-searches the
-size so the prompt fits the target length. A render is a pure function of
-(seed, task, target length, sample index, size).
+with `size` haystack units, drawing what depends on the size (line positions,
+list order) from a generator seeded with the size. The generator (`generate.py`)
+binary-searches the size so the prompt fits the target length. A render is a
+pure function of (seed, task, target length, sample index, size).
+
+The text (instructions, questions, answer prefixes, needles, variable
+statements, demonstrations) is RULER's (NVIDIA/RULER, scripts/data/synthetic);
+docs/ruler.md lists where this generator differs on purpose.
 
 Haystack units: essay words (essay haystacks), noise sentences (noise haystack,
 variable tracking), distractor needles (needle haystack), uncommon words (cwe),
@@ -24,11 +29,11 @@ import uuid
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from pyramidkv.benchmarks.ruler import resources
 
-# 40 needle depths (percent of the haystack), 0..100 evenly spaced and rounded, as in RULER.
+# 40 needle depths (percent of the essay), 0..100 evenly spaced and rounded, as in RULER (essay haystacks only).
 DEPTHS = tuple(int(round(i * 100 / 39)) for i in range(40))
 
 NEEDLE = "One of the special magic {kind} for {key} is: {value}."
@@ -84,7 +89,8 @@ def get_task(name: str) -> TaskSpec:
 @dataclass
 class Rendered:
     body: str                   # the user message: instruction, haystack, question
-    answer_prefix: str          # the start of the answer, put after the assistant turn opens
+    answer_prefix: str          # the start of the answer, put after the assistant turn opens; RULER's text,
+                                # leading space (and vt's trailing space) included
     outputs: list[str]          # the references
     context: str                # the haystack part of `body` (the scored sample's own, no demonstration)
 
@@ -119,9 +125,8 @@ class _Fresh:
         raise RuntimeError(f"could not draw a new distinct {kind} value")
 
 
-def _insert(units: list[str], items: list[str], fractions: list[float]) -> list[str]:
-    """Put `items` (in order) before the unit at position int(len(units) * fraction); 1.0 = the end."""
-    positions = [min(len(units), int(len(units) * f)) for f in fractions]
+def _insert_at(units: list[str], items: list[str], positions: list[int]) -> list[str]:
+    """Put `items` (in order) before the units at the sorted `positions`; len(units) = after the last unit."""
     out: list[str] = []
     j = 0
     for i, unit in enumerate(units):
@@ -131,6 +136,20 @@ def _insert(units: list[str], items: list[str], fractions: list[float]) -> list[
         out.append(unit)
     out.extend(items[j:])
     return out
+
+
+def _insert(units: list[str], items: list[str], fractions: list[float]) -> list[str]:
+    """Put `items` (in order) before the unit at position int(len(units) * fraction); 1.0 = the end."""
+    return _insert_at(units, items, [min(len(units), int(len(units) * f)) for f in fractions])
+
+
+def _insert_before_lines(lines: list[str], items: list[str], rng: random.Random) -> list[str]:
+    """Put `items` (in order) before distinct lines drawn uniformly at random, as RULER does in line haystacks:
+    never after the last line, never two items without a line between them."""
+    if len(items) > len(lines):
+        raise ValueError(f"{len(items)} insertions need at least {len(items)} haystack lines, got {len(lines)}")
+    positions = sorted(rng.sample(range(len(lines)), len(items)))
+    return _insert_at(lines, items, positions)
 
 
 def _noise_lines(num_sentences: int) -> list[str]:
@@ -184,10 +203,14 @@ class Builder:
 
 
 class NiahBuilder(Builder):
-    def __init__(self, spec: TaskSpec, rng: random.Random):
+    """Needles in essays (at RULER's depth grid, between sentences), in noise lines or among distractor needles
+    (before distinct lines drawn at random, as RULER)."""
+
+    def __init__(self, spec: TaskSpec, rng: random.Random, seed_key: str):
         o = spec.options
         self.haystack = o["haystack"]
         self.value_kind = o["value"]
+        self.seed_key = seed_key
         num_keys = max(o["num_keys"], o["num_queries"])
         fresh = _Fresh(rng)
         keys = [fresh(o["key"]) for _ in range(num_keys)]
@@ -201,13 +224,16 @@ class NiahBuilder(Builder):
         self.outputs = [v for i in queried for v in values[i]]
         self.singular = o["num_queries"] * o["num_values"] == 1
         self.unit = {"essay": "essay words", "noise": "noise sentences", "needle": "distractor needles"}[self.haystack]
-        if self.haystack == "needle":
+        if self.haystack == "noise":
+            self.min_size = len(resources.NOISE_SENTENCES) * len(needles)   # one line per needle
+        elif self.haystack == "needle":
+            self.min_size = len(needles)
             # Distractor needles: same shape, other keys and values; drawn lazily from their own generator so
             # distractor i is the same whatever sizes were rendered before.
             self._distractor_fresh = _Fresh(random.Random(rng.getrandbits(64)), set(fresh.seen))
             self._key_kind = o["key"]
             self._distractors: list[str] = []
-        elif self.haystack == "essay":
+        else:
             resources.essay_words()  # fail early with a clear message if the essays are missing
 
     def _distractor_lines(self, n: int) -> list[str]:
@@ -219,37 +245,46 @@ class NiahBuilder(Builder):
     def render(self, size: int) -> Rendered:
         if self.haystack == "essay":
             context = " ".join(_insert(_essay_sentences(size), self.needles, self.fractions))
-        elif self.haystack == "noise":
-            context = "\n".join(_insert(_noise_lines(size), self.needles, self.fractions))
         else:
-            context = "\n".join(_insert(self._distractor_lines(size), self.needles, self.fractions))
+            lines = _noise_lines(size) if self.haystack == "noise" else self._distractor_lines(size)
+            context = "\n".join(_insert_before_lines(lines, self.needles, _sub_rng(self.seed_key, "lines", size)))
         plural, single = VALUE_NAMES[self.value_kind]
+        # RULER's template; for one answer it swaps Some->A, are all->is, are->is and drops the plural "s".
         if self.singular:
             body = (f"A special magic {single} is hidden within the following text. Make sure to memorize it. "
                     f"I will quiz you about the {single} afterwards.\n{context}\n"
                     f"What is the special magic {single} for {self.query} mentioned in the provided text?")
-            prefix = f"The special magic {single} for {self.query} mentioned in the provided text is"
+            prefix = f" The special magic {single} for {self.query} mentioned in the provided text is"
         else:
             body = (f"Some special magic {plural} are hidden within the following text. Make sure to memorize "
-                    f"them. I will quiz you about the {plural} afterwards.\n{context}\n"
+                    f"it. I will quiz you about the {plural} afterwards.\n{context}\n"
                     f"What are all the special magic {plural} for {self.query} mentioned in the provided text?")
-            prefix = f"The special magic {plural} for {self.query} mentioned in the provided text are"
+            prefix = f" The special magic {plural} for {self.query} mentioned in the provided text are"
         return Rendered(body, prefix, list(self.outputs), context)
 
 
 class VariableTrackingBuilder(Builder):
-    """One chain of `num_hops` assignments (VAR B = VAR A ...) from a 5-digit value, hidden in noise.
+    """One chain of `num_hops` assignments (VAR B = VAR A ...) from a 5-digit value, before distinct random
+    noise lines (RULER's noise variant: `VAR ABCDE = 12345`, `VAR FGHIJ = VAR ABCDE ` with its trailing space).
 
-    A short worked demonstration (3-letter names, fixed small haystack) comes first, as in RULER.
+    A worked example comes first, as in RULER: its own chain of 3-letter names and value, in as many noise
+    lines as fit in DEMO_TOKENS tokens (question and answer prefix, without its answer), counted with the
+    tokenizer under test.
     """
 
     unit = "noise sentences"
-    DEMO_SENTENCES = 40
+    DEMO_TOKENS = 500
+    DEMO_MIN_LINES = 5          # RULER's smallest step for the example
 
-    def __init__(self, spec: TaskSpec, rng: random.Random):
+    def __init__(self, spec: TaskSpec, rng: random.Random, seed_key: str,
+                 count_tokens: Optional[Callable[[str], int]]):
+        if count_tokens is None:
+            raise ValueError("task vt needs the tokenizer's token counter to size its worked example "
+                             "(make_builder(..., count_tokens=formatter.count))")
         hops = spec.options["num_hops"]
         if spec.options["num_chains"] != 1:
-            raise ValueError("only one chain is supported")
+            raise ValueError(f"vt supports num_chains 1 only, got {spec.options['num_chains']}")
+        self.seed_key = seed_key
         names = set()
 
         def chain(name_len: int):
@@ -260,27 +295,41 @@ class VariableTrackingBuilder(Builder):
                     names.add(name)
                     chosen.append(name)
             value = str(rng.randint(10000, 99999))
-            statements = [f"VAR {chosen[0]} = {value}."]
-            statements += [f"VAR {chosen[j + 1]} = VAR {chosen[j]}." for j in range(hops)]
-            fractions = sorted(rng.random() for _ in statements)
-            return chosen, value, statements, fractions
+            statements = [f"VAR {chosen[0]} = {value}"]
+            statements += [f"VAR {chosen[j + 1]} = VAR {chosen[j]} " for j in range(hops)]
+            return chosen, value, statements
 
-        demo_vars, demo_value, demo_statements, demo_fractions = chain(3)
-        self.variables, self.value, self.statements, self.fractions = chain(5)
-        demo_context = "\n".join(_insert(_noise_lines(self.DEMO_SENTENCES), demo_statements, demo_fractions))
-        demo_body, demo_prefix = self._question(demo_context, demo_value, len(demo_vars))
-        self.demo = f"{demo_body}\n{demo_prefix} {' '.join(demo_vars)}\n\n"
+        demo_vars, demo_value, demo_statements = chain(3)
+        self.variables, self.value, self.statements = chain(5)
+        self.min_size = len(resources.NOISE_SENTENCES) * len(self.statements)
+
+        def demo_text(num_lines: int) -> str:
+            lines = _insert_before_lines([resources.NOISE] * num_lines, demo_statements,
+                                         _sub_rng(seed_key, "demo lines", num_lines))
+            body, prefix = self._question("\n".join(lines), demo_value, len(demo_vars))
+            return body + prefix
+
+        # The largest example within DEMO_TOKENS (RULER sizes its example at 500 tokens the same way).
+        lo, hi = self.DEMO_MIN_LINES, self.DEMO_MIN_LINES * 2
+        while count_tokens(demo_text(hi)) <= self.DEMO_TOKENS:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if count_tokens(demo_text(mid)) <= self.DEMO_TOKENS else (lo, mid)
+        self.demo = f"{demo_text(lo)} {' '.join(demo_vars)}\n\n"
 
     @staticmethod
     def _question(context: str, value: str, count: int) -> tuple[str, str]:
         body = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
                 f"{context}\nQuestion: Find all variables that are assigned the value {value} in the text above.")
-        prefix = (f"Answer: According to the chain(s) of variable assignment in the text above, {count} variables "
-                  f"are assigned the value {value}, they are:")
+        # "assgined" is RULER's spelling.
+        prefix = (f" Answer: According to the chain(s) of variable assignment in the text above, {count} variables "
+                  f"are assgined the value {value}, they are: ")
         return body, prefix
 
     def render(self, size: int) -> Rendered:
-        context = "\n".join(_insert(_noise_lines(size), self.statements, self.fractions))
+        lines = _insert_before_lines(_noise_lines(size), self.statements, _sub_rng(self.seed_key, "lines", size))
+        context = "\n".join(lines)
         body, prefix = self._question(context, self.value, len(self.variables))
         return Rendered(self.demo + body, prefix, list(self.variables), context)
 
@@ -290,6 +339,7 @@ class CommonWordsBuilder(Builder):
 
     The binary search varies the number of uncommon words. Below 4096 tokens the list cannot hold
     10 words x 30, so (as RULER does) short contexts use 6 vs 1 repetitions and a smaller demonstration.
+    The demonstration is RULER's: question, answer prefix and answer on one line, then the task.
     """
 
     unit = "uncommon words"
@@ -313,8 +363,7 @@ class CommonWordsBuilder(Builder):
         demo_list = demo[:self.num_cw] * demo_cw + demo[self.num_cw:] * demo_ucw
         rng.shuffle(demo_list)
         demo_body, prefix = self._question(self._numbered(demo_list))
-        answer = " ".join(f"{i + 1}. {w}" for i, w in enumerate(demo[:self.num_cw]))
-        self.demo = f"{demo_body}\n{prefix} {answer}\n\n"
+        self.demo = f"{demo_body}{prefix} {self._numbered(demo[:self.num_cw])}\n"
 
     @staticmethod
     def _numbered(words: list[str]) -> str:
@@ -324,7 +373,7 @@ class CommonWordsBuilder(Builder):
         body = ("Below is a numbered list of words. In these words, some appear more often than others. "
                 f"Memorize the ones that appear most often.\n{context}\n"
                 f"Question: What are the {self.num_cw} most common words in the above list?")
-        prefix = f"Answer: The top {self.num_cw} words that appear most often in the list are:"
+        prefix = f" Answer: The top {self.num_cw} words that appear most often in the list are:"
         return body, prefix
 
     def render(self, size: int) -> Rendered:
@@ -349,18 +398,20 @@ def zeta(alpha: float) -> float:
 
 class FrequentWordsBuilder(Builder):
     """Coded words (random 6-letter strings) with counts from a zeta(alpha) law: the word of rank k appears
-    floor(N * k^-alpha / zeta(alpha)) times. Rank 1 is the noise token '....'; the answer is ranks 2-4.
-    Vocabulary size = target length // 50 (as RULER). The binary search varies N.
+    floor(N * k^-alpha / zeta(alpha)) times. Rank 1 is the noise token; the answer is ranks 2-4.
+    As in RULER: the noise token in the text is '...' while the instruction says '....', and the vocabulary
+    has (target length - tokens to generate) // 50 words. The binary search varies N.
     """
 
     unit = "zeta sample size N"
-    NOISE_TOKEN = "...."
+    NOISE_TOKEN = "..."                 # in the coded text
+    INSTRUCTION_NOISE_TOKEN = "...."    # what the question tells the model to ignore
 
     def __init__(self, spec: TaskSpec, rng: random.Random, context_length: int, seed_key: str):
         o = spec.options
         self.alpha = float(o["alpha"])
         self.num_answers = o["num_answers"]
-        vocab_size = max(context_length // 50, self.num_answers + 3)
+        vocab_size = max((context_length - spec.max_new_tokens) // 50, self.num_answers + 3)
         coded = set()
         vocab = []
         while len(vocab) < vocab_size:
@@ -393,9 +444,9 @@ class FrequentWordsBuilder(Builder):
         context = " ".join(words)
         body = ("Read the following coded text and track the frequency of each coded word. Find the three most "
                 f"frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please "
-                f"ignore the dots '{self.NOISE_TOKEN}'. What are the three most frequently appeared words in the "
-                "above coded text?")
-        prefix = "Answer: According to the coded text above, the three most frequently appeared words are:"
+                f"ignore the dots '{self.INSTRUCTION_NOISE_TOKEN}'. What are the three most frequently appeared words "
+                "in the above coded text?")
+        prefix = " Answer: According to the coded text above, the three most frequently appeared words are:"
         return Rendered(body, prefix, self.vocab[1:1 + self.num_answers], context)
 
 
@@ -501,18 +552,22 @@ class QABuilder(Builder):
                        "output any other words.")
         body = (f"{instruction}\n\nThe following are given documents.\n\n{context}\n\n{instruction}\n\n"
                 f"Question: {self.question}")
-        return Rendered(body, "Answer:", list(self.answers), context)
+        return Rendered(body, " Answer:", list(self.answers), context)
 
 
 def make_builder(spec: TaskSpec, seed: int, context_length: int, index: int,
-                 squad_file: Optional[str] = None, hotpot_file: Optional[str] = None) -> Builder:
-    """The builder of sample `index` of `spec` at `context_length`; independent of the other samples."""
+                 squad_file: Optional[str] = None, hotpot_file: Optional[str] = None,
+                 count_tokens: Optional[Callable[[str], int]] = None) -> Builder:
+    """The builder of sample `index` of `spec` at `context_length`; independent of the other samples.
+
+    `count_tokens` (text -> tokens under the model's tokenizer) sizes vt's worked example; vt requires it.
+    """
     seed_key = f"ruler:{seed}:{spec.name}:{context_length}:{index}"
     rng = random.Random(seed_key)
     if spec.family == "niah":
-        return NiahBuilder(spec, rng)
+        return NiahBuilder(spec, rng, seed_key)
     if spec.family == "vt":
-        return VariableTrackingBuilder(spec, rng)
+        return VariableTrackingBuilder(spec, rng, seed_key, count_tokens)
     if spec.family == "cwe":
         return CommonWordsBuilder(spec, rng, context_length, seed_key)
     if spec.family == "fwe":
