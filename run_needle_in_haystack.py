@@ -26,7 +26,8 @@ from pyramidkv.runner.cli import add_model_and_method_args, budget_value, method
 from pyramidkv.runner.results import ResultsWriter, atomic_write_json, read_jsonl, write_run_meta
 
 RESULTS_FILE = "needle.jsonl"
-SCORE_KEYS = ("rouge1_f", "recall")
+SCORE_KEYS = tuple(nd.SCORES)             # rouge1_f, recall, harness_rouge1_x10, harness_word_recall
+AVERAGED_SCORE_KEYS = ("rouge1_f", "recall")  # results.json "average": ours only, as before the harness scores
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max_new_tokens", type=int, default=50)
     g.add_argument("--eval_batch_size", type=int, default=1,
                    help="cells per forward pass; a batch only holds cells of one context length")
+    g.add_argument("--length_budget", choices=nd.LENGTH_BUDGETS, default=nd.DEFAULT_LENGTH_BUDGET,
+                   help="what context_length - 200 bounds: 'context' (default, as the reference code): haystack + "
+                        "needle, with the template/question on top; 'prompt': the whole prompt, template included")
     g.add_argument("--answer_prefix", default=nd.ANSWER_PREFIX,
                    help="text that starts the assistant's reply (default: none); not part of the scored answer")
     g.add_argument("--save_dir", default="results/needle")
@@ -62,20 +66,27 @@ def _pct(value: Optional[float]) -> Optional[float]:
     return None if value is None else round(100.0 * value, 2)
 
 
+def _cell_scores(cells: list[dict]) -> dict:
+    """Mean of each score over the cells as a percent of its full scale (harness_rouge1_x10: of 10).
+    Rows written before a score existed lack it: that score is then the mean over the rows that have it."""
+    return {k: _pct(_mean([float(r[k]) / nd.SCORES[k][1] for r in cells if k in r])) for k in SCORE_KEYS}
+
+
 def summarize(rows: list[dict], model: str, method) -> dict:
-    """results.json: scores are means x100 over all cells; average is the mean of the scores."""
-    scores = {k: _pct(_mean([float(r[k]) for r in rows])) for k in SCORE_KEYS}
-    present = [v for v in scores.values() if v is not None]
+    """results.json: each score is its mean over all cells as a percent (0..100); average is the mean of
+    rouge1_f and recall."""
+    scores = _cell_scores(rows)
+    present = [scores[k] for k in AVERAGED_SCORE_KEYS if scores[k] is not None]
     by_length: dict[str, dict] = {}
     by_depth: dict[str, dict] = {}
     for field, table in (("context_length", by_length), ("depth_percent", by_depth)):
         for value in sorted({r[field] for r in rows}):
             cells = [r for r in rows if r[field] == value]
-            table[str(value)] = {k: _pct(_mean([float(r[k]) for r in cells])) for k in SCORE_KEYS}
+            table[str(value)] = _cell_scores(cells)
     return {
         "benchmark": "needle", "model": model, "method": method.name, "budget": budget_value(method),
         "scores": scores, "average": round(math.fsum(present) / len(present), 2) if present else None,
-        "num_samples": {k: len(rows) for k in SCORE_KEYS},
+        "num_samples": {k: sum(1 for r in rows if k in r) for k in SCORE_KEYS},
         "by_context_length": by_length, "by_depth_percent": by_depth,
     }
 
@@ -133,11 +144,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t_load = time.time()
     model, tokenizer = load_model(args.model_path, attn_implementation=args.attn_implementation,
                                   device=args.device, dtype=args.dtype, model_class=args.model_class)
-    builder = nd.NeedleHaystack(tokenizer, haystack_text, answer_prefix=args.answer_prefix)
-    if args.s_len < builder.min_context_length():
-        parser.error(f"--s_len {args.s_len} is too short: the {builder.buffer}-token buffer, the "
-                     f"{builder.template_tokens} template/question tokens and the needle need at least "
-                     f"{builder.min_context_length()} tokens")
+    builder = nd.NeedleHaystack(tokenizer, haystack_text, answer_prefix=args.answer_prefix,
+                                length_budget=args.length_budget)
+    try:
+        builder.check_context_lengths(args.s_len, args.e_len, window, args.max_new_tokens)
+    except ValueError as e:
+        parser.error(str(e))
     builder.prepare(args.e_len)
     print(f"model loaded in {time.time() - t_load:.1f}s; {len(lengths)} lengths x {len(depths)} depths; "
           f"output {out_dir}", file=sys.stderr)
@@ -175,7 +187,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     writer.append({
                         "key": f"{sample.context_length}_{sample.depth_percent}",
                         "context_length": sample.context_length, "depth_percent": sample.depth_percent,
-                        "pred": pred, "rouge1_f": nd.rouge1_f(pred), "recall": nd.needle_recall(pred),
+                        "pred": pred, **nd.score_answer(pred),
                         "prompt_tokens": gen.prompt_tokens, "kv_bytes": gen.kv_bytes_per_prompt,
                         "needle_depth_actual": round(sample.actual_depth_percent, 2),
                         "new_tokens": gen.new_tokens,

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ROW_KEYS = {"key", "context_length", "depth_percent", "pred", "rouge1_f", "recall", "prompt_tokens", "kv_bytes"}
+SCORE_KEYS = {"rouge1_f", "recall", "harness_rouge1_x10", "harness_word_recall"}
+ROW_KEYS = {"key", "context_length", "depth_percent", "pred", "prompt_tokens", "kv_bytes", *SCORE_KEYS}
 
 
 def _load(name: str, path: Path):
@@ -47,20 +48,37 @@ def finished_run(tiny_model_dir, tmp_path_factory):
 
 def test_end_to_end_rows_and_results(finished_run):
     rows = _rows(finished_run / "needle.jsonl")
+    meta = json.loads((finished_run / "run_meta.json").read_text())
     assert sorted(r["key"] for r in rows) == sorted(f"{n}_{d}" for n in (400, 600) for d in (0, 50, 100))
     for r in rows:
         assert ROW_KEYS <= set(r)
         assert r["key"] == f"{r['context_length']}_{r['depth_percent']}"
-        assert r["prompt_tokens"] <= r["context_length"] - 200
+        # Default length budget: haystack + needle <= L - 200, the template (68 tokens with SmolLM2's) on top.
+        assert meta["template_tokens"] == 68
+        assert r["context_length"] - 200 < r["prompt_tokens"] <= r["context_length"] - 200 + 68
         assert 0.0 <= r["rouge1_f"] <= 1.0 and 0.0 <= r["recall"] <= 1.0
+        assert 0.0 <= r["harness_rouge1_x10"] <= 10.0 and 0.0 <= r["harness_word_recall"] <= 1.0
+        # The public harness's scores, recomputed here from the answer (rouge_score directly; word sets by hand).
+        from rouge_score import rouge_scorer
+
+        expected = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True).score(
+            "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.",
+            r["pred"])["rouge1"].fmeasure * 10 if r["pred"] else 0.0
+        assert r["harness_rouge1_x10"] == pytest.approx(expected)
+        words = {"eat", "a", "sandwich", "and", "sit", "in", "dolores", "park", "on", "sunny", "day."}
+        assert r["harness_word_recall"] == pytest.approx(len(words & set(r["pred"].lower().split())) / 11)
         assert r["kv_bytes"] > 0
     result = json.loads((finished_run / "results.json").read_text())
     assert result["benchmark"] == "needle" and result["method"] == "snapkv" and result["budget"] == 64
-    assert set(result["scores"]) == {"rouge1_f", "recall"}
-    assert result["num_samples"] == {"rouge1_f": 6, "recall": 6}
+    assert set(result["scores"]) == SCORE_KEYS
+    assert result["num_samples"] == {k: 6 for k in SCORE_KEYS}
     mean = 100 * sum(r["rouge1_f"] for r in rows) / len(rows)
     assert result["scores"]["rouge1_f"] == pytest.approx(mean, abs=0.01)
-    meta = json.loads((finished_run / "run_meta.json").read_text())
+    # Every score is a percent of its full scale: harness_rouge1_x10 (0..10) is divided by 10.
+    mean_x10 = 10 * sum(r["harness_rouge1_x10"] for r in rows) / len(rows)
+    assert result["scores"]["harness_rouge1_x10"] == pytest.approx(mean_x10, abs=0.01)
+    assert result["average"] == pytest.approx((result["scores"]["rouge1_f"] + result["scores"]["recall"]) / 2,
+                                              abs=0.01)
     assert meta["context_lengths"] == [400, 600] and meta["depth_percents"] == [0, 50, 100]
     assert meta["method"]["budget"] == 64
 
@@ -73,9 +91,30 @@ def test_heatmap_png(finished_run, tmp_path):
     image = mpimg.imread(out)
     assert image.shape[:2] == (600, 900)          # 9 x 6 inches at 100 dpi
     assert image.shape[2] in (3, 4) and image.std() > 0.01
-    # Default output path, other metric.
+    # Default output path, other metrics (the public harness's scores too).
     assert visualize.main([str(finished_run), "--metric", "recall"]) == 0
     assert mpimg.imread(finished_run / "needle_recall.png").shape[:2] == (600, 900)
+    for metric in ("harness_rouge1_x10", "harness_word_recall"):
+        assert visualize.main([str(finished_run), "--metric", metric, "--annotate"]) == 0
+        assert mpimg.imread(finished_run / f"needle_{metric}.png").shape[:2] == (600, 900)
+
+
+def test_heatmap_colour_scale_follows_the_metric(finished_run):
+    """harness_rouge1_x10 is 0..10: a 5.0 cell is the middle colour (#EBB839), as 0.5 is for 0..1 scores."""
+    import matplotlib.pyplot as plt
+
+    run = visualize.Run(finished_run, "harness_rouge1_x10")
+    fig, ax = plt.subplots()
+    image = visualize._draw(ax, run, annotate=False)
+    assert image.get_clim() == (0.0, 10.0)
+    assert visualize._draw(ax, visualize.Run(finished_run, "recall"), annotate=False).get_clim() == (0.0, 1.0)
+    plt.close(fig)
+
+
+def test_visualize_bad_metric(finished_run, capsys):
+    with pytest.raises(SystemExit):
+        visualize.main([str(finished_run), "--metric", "rouge"])
+    assert "invalid choice: 'rouge'" in capsys.readouterr().err
 
 
 def test_grid_png(finished_run, tiny_model_dir, tmp_path):
@@ -130,6 +169,10 @@ def test_resume_skips_finished_cells(tiny_model_dir, tmp_path, capsys):
     (("--e_len", "9000"), "context window"),
     (("--s_len", "100"), "too short"),
     (("--num_depths", "0"), "num_depths"),
+    (("--length_budget", "whole"), "invalid choice: 'whole' (choose from 'context', 'prompt')"),
+    # 8192 - 200 + 68 template tokens = 8060-token prompts, + 200 new tokens > the tiny model's 8192 window.
+    (("--s_len", "8000", "--e_len", "8192", "--step", "192", "--max_new_tokens", "200"),
+     "exceed the model's context window (8192); use --e_len <= 8124"),
 ])
 def test_bad_grid(tiny_model_dir, tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
@@ -154,10 +197,12 @@ def test_custom_haystack_and_model_version(tiny_model_dir, tmp_path):
     hay.mkdir()
     (hay / "one.txt").write_text("Water boils at one hundred degrees. Ice melts at zero. " * 20, encoding="utf-8")
     args = _args(tiny_model_dir, tmp_path / "out", "--haystack_dir", str(hay), "--model_version", "tiny-v1",
-                 "--e_len", "400", "--num_depths", "1")
+                 "--e_len", "400", "--num_depths", "1", "--length_budget", "prompt")
     assert runner.main(args) == 0
     run = tmp_path / "out" / "tiny-v1_64" / "snapkv"
     assert [r["key"] for r in _rows(run / "needle.jsonl")] == ["400_50"]
+    # --length_budget prompt: the whole prompt within 400 - 200 (the sentences are at most 7 tokens, so >= 193).
+    assert 193 <= _rows(run / "needle.jsonl")[0]["prompt_tokens"] <= 200
     assert json.loads((run / "results.json").read_text())["model"] == "tiny-v1"
     assert json.loads((run / "run_meta.json").read_text())["haystack_dir"] == str(hay)
 

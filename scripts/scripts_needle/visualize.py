@@ -2,14 +2,16 @@
 """Needle-in-a-haystack heatmaps: depth (rows) x context length (columns), red -> yellow -> green.
 
 One run:
-    python scripts/scripts_needle/visualize.py RUN_DIR [--metric rouge1_f|recall] [--out PNG] [--annotate]
+    python scripts/scripts_needle/visualize.py RUN_DIR [--metric METRIC] [--out PNG] [--annotate]
 Several runs side by side (e.g. methods at one budget), as folders or one parent folder to search:
     python scripts/scripts_needle/visualize.py --grid RUN_DIR1 RUN_DIR2 ... [--out PNG]
     python scripts/scripts_needle/visualize.py --grid results/needle
 
 RUN_DIR is what run_needle_in_haystack.py writes ({save_dir}/{model}_{budget}/{method}/ with needle.jsonl).
 Default output: RUN_DIR/needle_{metric}.png, or needle_grid_{metric}.png in the runs' common parent.
-Cells are scored 0..1 (colour scale fixed to 0..1); a missing cell is left blank.
+METRIC: rouge1_f (default), recall, harness_rouge1_x10 or harness_word_recall (docs/needle.md).
+The colour scale is fixed to the metric's full range (0..1; 0..10 for harness_rouge1_x10); a missing
+cell is left blank.
 """
 
 from __future__ import annotations
@@ -31,10 +33,14 @@ import numpy as np  # noqa: E402
 from matplotlib.colors import LinearSegmentedColormap  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from pyramidkv.benchmarks.needle import SCORES  # noqa: E402
 from pyramidkv.runner.results import read_jsonl  # noqa: E402
 
 RESULTS_FILE = "needle.jsonl"
-METRICS = {"rouge1_f": "ROUGE-1 F", "recall": "needle word recall"}
+METRICS = {"rouge1_f": "ROUGE-1 F", "recall": "needle word recall",
+           "harness_rouge1_x10": "ROUGE-1 F x 10 (rouge_score, stemmed; public harness)",
+           "harness_word_recall": "answer word-set recall (public harness)"}
+assert set(METRICS) == set(SCORES), "every score needs a heatmap label"
 COLORS = ["#F0496E", "#EBB839", "#0CD79F"]
 CMAP = LinearSegmentedColormap.from_list("needle", COLORS)
 METHOD_ORDER = ["fullkv", "streamingllm", "h2o", "snapkv", "pyramidkv", "l2norm"]
@@ -109,7 +115,8 @@ class Run:
 
 
 def _draw(ax, run: Run, annotate: bool, show_ylabel: bool = True):
-    image = ax.imshow(run.grid, cmap=CMAP, vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
+    image = ax.imshow(run.grid, cmap=CMAP, vmin=0.0, vmax=SCORES[run.metric][1], aspect="auto",
+                      interpolation="nearest")
     ax.set_xticks(range(len(run.lengths)), [str(n) for n in run.lengths], rotation=45 if len(run.lengths) > 8 else 0)
     ax.set_yticks(range(len(run.depths)), [str(d) for d in run.depths])
     ax.set_xticks(np.arange(-0.5, len(run.lengths), 1), minor=True)
@@ -202,7 +209,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("results_dir", nargs="?", help="a run folder (holding needle.jsonl)")
     p.add_argument("--grid", nargs="+", metavar="DIR", help="run folders (or parents to search) to draw side by side")
     p.add_argument("--out", default=None, help="PNG path (default: next to the results)")
-    p.add_argument("--metric", choices=list(METRICS), default="rouge1_f")
+    p.add_argument("--metric", choices=list(METRICS), default="rouge1_f",
+                   help="score to draw (default rouge1_f); harness_* are the public PyramidKV harness's scores")
     p.add_argument("--annotate", action="store_true", help="write each cell's score in it")
     p.add_argument("--dpi", type=int, default=100)
     args = p.parse_args(argv)
