@@ -36,6 +36,10 @@ NON_GENERATING_ARGS = {
     "tasks": "which task files run (one predictions file per task and length)",
     "context_lengths": "which task files run (same reason)",
     "datasets": "which dataset files run (one predictions file per dataset)",
+    "s_len": "which needle cells run (each row is keyed by context length and depth)",
+    "e_len": "which needle cells run (same reason)",
+    "step": "which needle cells run (same reason)",
+    "num_depths": "which needle cells run (same reason)",
 }
 # Arguments fingerprinted by their resolved value instead (auto -> cpu/cuda, default dtype -> its name).
 RESOLVED_ARGS = ("device", "dtype", "model_path")
