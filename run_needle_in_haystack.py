@@ -15,6 +15,7 @@ Then draw the heatmap with scripts/scripts_needle/visualize.py RUN_DIR.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import sys
 import time
@@ -22,8 +23,14 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from pyramidkv.benchmarks import needle as nd
-from pyramidkv.runner.cli import add_model_and_method_args, budget_value, method_from_args, model_label, run_dir
-from pyramidkv.runner.results import ResultsWriter, atomic_write_json, read_jsonl, write_run_meta
+from pyramidkv.runner.cli import (
+    INPUT_ERRORS, add_model_and_method_args, apply_num_threads, budget_value, check_model_args, check_run_args, fail,
+    method_from_args, model_label, run_dir, run_fingerprint,
+)
+from pyramidkv.runner.results import (
+    ResultsWriter, atomic_write_json, read_text_file, read_unique_rows, write_run_meta,
+)
+from pyramidkv.runner.run_folder import check_writable, disk_full_message, open_run_folder
 
 RESULTS_FILE = "needle.jsonl"
 SCORE_KEYS = tuple(nd.SCORES)             # rouge1_f, recall, harness_rouge1_x10, harness_word_recall
@@ -91,19 +98,19 @@ def summarize(rows: list[dict], model: str, method) -> dict:
     }
 
 
-def model_window(model_path: str) -> Optional[int]:
-    """config.max_position_embeddings of the model, read without loading the weights."""
-    from transformers import AutoConfig
-
-    from pyramidkv.models.loading import resolve_model_path
-
-    config = AutoConfig.from_pretrained(resolve_model_path(model_path))
-    return getattr(config, "max_position_embeddings", None)
+def check_haystack_files(haystack_dir: Optional[str]) -> None:
+    """Every .txt file of the haystack folder must be UTF-8 text (a binary or otherwise encoded file is
+    refused, naming it, instead of being decoded into replacement characters and scored)."""
+    folder = nd.default_haystack_dir() if haystack_dir is None else Path(haystack_dir).expanduser()
+    if folder.is_dir():
+        for path in sorted(folder.glob("*.txt")):
+            read_text_file(path)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_run_args(parser, args)
     try:
         lengths = nd.context_lengths(args.s_len, args.e_len, args.step)
         depths = nd.depth_percents(args.num_depths)
@@ -125,47 +132,63 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(out_dir)
         return 0
 
-    # Cheap checks first: the haystack and the model's window, before loading any weights.
+    # Every check (haystack, model, device, window, --s_len, run folder) before any weights load.
     try:
+        check_writable(out_dir)
+        check_haystack_files(args.haystack_dir)
         haystack_text = nd.load_haystack_text(args.haystack_dir)
-    except (FileNotFoundError, ValueError) as e:
-        parser.error(str(e))
+        model_check = check_model_args(args)
+        window = getattr(model_check[1], "max_position_embeddings", None)
+        from transformers import AutoTokenizer
+
+        builder = nd.NeedleHaystack(AutoTokenizer.from_pretrained(model_check[0]), haystack_text,
+                                    answer_prefix=args.answer_prefix, length_budget=args.length_budget)
+        builder.check_context_lengths(args.s_len, args.e_len, window, args.max_new_tokens)
+        if (out_dir / RESULTS_FILE).is_file():
+            read_unique_rows(out_dir / RESULTS_FILE, "key", skip_torn_last_line=True)
+        fingerprint = run_fingerprint(args, method, model_check, extra={"needle": {
+            "needle": builder.needle, "retrieval_question": builder.question, "context_buffer": builder.buffer,
+            "chat_template": builder.use_chat_template,
+            "haystack_sha256": hashlib.sha256(haystack_text.encode("utf-8")).hexdigest()[:16],
+        }})
+        lock = open_run_folder(out_dir, fingerprint, args.overwrite)
+    except INPUT_ERRORS as e:
+        fail(parser, e)
     try:
-        window = model_window(args.model_path)
-    except (OSError, ValueError) as e:
-        parser.error(str(e))
-    if window is not None and args.e_len > window:
-        parser.error(f"--e_len {args.e_len} is above the model's context window "
-                     f"(max_position_embeddings = {window}); use --e_len <= {window}")
+        return _run(args, method, builder, model_version, lengths, depths, out_dir, fingerprint)
+    except OSError as e:
+        message = disk_full_message(out_dir, e)
+        if message is None:
+            raise
+        sys.exit(message)
+    finally:
+        lock.release()
+
+
+def _run(args, method, builder, model_version, lengths, depths, out_dir, fingerprint) -> int:
+    """Generate every pending cell, then write results.json."""
+    from tqdm import tqdm
 
     from pyramidkv.generation import generate
     from pyramidkv.models.loading import load_model
 
-    t_load = time.time()
-    model, tokenizer = load_model(args.model_path, attn_implementation=args.attn_implementation,
-                                  device=args.device, dtype=args.dtype, model_class=args.model_class)
-    builder = nd.NeedleHaystack(tokenizer, haystack_text, answer_prefix=args.answer_prefix,
-                                length_budget=args.length_budget)
-    try:
-        builder.check_context_lengths(args.s_len, args.e_len, window, args.max_new_tokens)
-    except ValueError as e:
-        parser.error(str(e))
     builder.prepare(args.e_len)
-    print(f"model loaded in {time.time() - t_load:.1f}s; {len(lengths)} lengths x {len(depths)} depths; "
-          f"output {out_dir}", file=sys.stderr)
-
     write_run_meta(out_dir, vars(args), method, extra={
         "benchmark": "needle", "model_version": model_version, "needle": builder.needle,
         "retrieval_question": builder.question, "context_buffer": builder.buffer,
         "template_tokens": builder.template_tokens, "chat_template": builder.use_chat_template,
         "haystack_dir": str(args.haystack_dir or nd.default_haystack_dir()),
         "context_lengths": lengths, "depth_percents": depths,
-    })
+    }, fingerprint=fingerprint)
 
-    from tqdm import tqdm
+    apply_num_threads(args)
+    t_load = time.time()
+    model, tokenizer = load_model(args.model_path, attn_implementation=args.attn_implementation,
+                                  device=args.device, dtype=args.dtype, model_class=args.model_class)
+    print(f"model loaded in {time.time() - t_load:.1f}s; {len(lengths)} lengths x {len(depths)} depths; "
+          f"output {out_dir}", file=sys.stderr)
 
     cells = [(length, depth) for length in lengths for depth in depths]
-    stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
     t_run = time.time()
     with ResultsWriter(out_dir / RESULTS_FILE, "key") as writer:
         todo = [c for c in cells if f"{c[0]}_{c[1]}" not in writer.done]
@@ -180,8 +203,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   dynamic_ncols=True) as bar:
             for batch in batches:
                 samples = [builder.build(length, depth) for length, depth in batch]
-                gens = generate(model, tokenizer, [s.input_ids for s in samples], method, args.max_new_tokens,
-                                stop_token_ids=stop_ids)
+                gens = generate(model, tokenizer, [s.input_ids for s in samples], method, args.max_new_tokens)
                 for sample, gen in zip(samples, gens):
                     pred = gen.text.strip()
                     writer.append({
@@ -194,7 +216,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     })
                 bar.update(len(batch))
 
-    rows = read_jsonl(out_dir / RESULTS_FILE)
+    rows = read_unique_rows(out_dir / RESULTS_FILE, "key")
     result = summarize(rows, model_version, method)
     atomic_write_json(out_dir / "results.json", result)
     print(f"{len(todo)} cells in {time.time() - t_run:.1f}s; rouge1_f {result['scores']['rouge1_f']}, "

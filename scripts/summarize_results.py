@@ -3,10 +3,13 @@
     python scripts/summarize_results.py RESULTS_DIR [--out OUT_DIR]
 
 Reads every results.json under RESULTS_DIR (the schema all runners write: benchmark, model,
-method, budget, scores, average, num_samples). For each (benchmark, model) it writes
-summary_<benchmark>_<model>.md / .csv (rows: method x budget, the fullkv row first; columns:
-tasks and the average) and summary_<benchmark>_<model>.png (average score vs budget, one
-line per method, fullkv as a dashed reference line). Prints the Markdown tables.
+method, budget, scores, average, num_samples) and checks the prediction files next to it (a
+sample listed twice is an error naming the file and the repeated id). For each (benchmark,
+model) it writes summary_<benchmark>_<model>.md / .csv (rows: one per run, the fullkv row first;
+columns: method, budget, tasks, the average, the sample count and the run folder) and
+summary_<benchmark>_<model>.png (average score vs budget, one line per method folder, so runs
+with other method settings get their own line; ratio budgets in a second panel; fullkv as a
+dashed reference line; runs without a score are named under the plot). Prints the Markdown tables.
 """
 
 from __future__ import annotations
@@ -20,9 +23,42 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pyramidkv.runner.results import atomic_write_text  # noqa: E402
+from pyramidkv.runner.results import (  # noqa: E402
+    PREDICTION_KEYS, atomic_write_text, read_jsonl, read_unique_rows,
+)
 
 REQUIRED = ("benchmark", "model", "method", "budget", "scores", "average")
+
+
+def _check_predictions(run_folder: Path) -> None:
+    """Each prediction file of the run lists every sample once (see results.read_unique_rows)."""
+    for path in sorted(run_folder.glob("*.jsonl")):
+        rows = read_jsonl(path, skip_torn_last_line=True)
+        key = next((k for k in PREDICTION_KEYS if rows and k in rows[0]), None)
+        if key is not None:
+            read_unique_rows(path, key, skip_torn_last_line=True)
+
+
+def _check_result(path: Path, data) -> None:
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    missing = [k for k in REQUIRED if k not in data]
+    if missing:
+        raise ValueError(f"{path}: not a pyramidkv results.json (missing {', '.join(missing)})")
+    for name in ("benchmark", "model", "method"):
+        if not isinstance(data[name], str) or not data[name]:
+            raise ValueError(f"{path}: {name} must be a non-empty string, got {data[name]!r}")
+    if not isinstance(data["scores"], dict):
+        raise ValueError(f"{path}: \"scores\" must be an object of task -> score, got {type(data['scores']).__name__}")
+    for name, value in [("average", data["average"]), *((f"scores.{k}", v) for k, v in data["scores"].items())]:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{path}: {name} must be a number or null, got {value!r}")
+    budget = data["budget"]
+    if not (budget is None or isinstance(budget, str) or
+            (isinstance(budget, (int, float)) and not isinstance(budget, bool))):
+        raise ValueError(f"{path}: budget must be a number, \"r<ratio>\" or null, got {budget!r}")
+    if not isinstance(data.get("num_samples", {}), dict):
+        raise ValueError(f"{path}: num_samples must be an object of task -> count")
 
 
 def load_results(root: Path) -> list[dict]:
@@ -30,15 +66,42 @@ def load_results(root: Path) -> list[dict]:
         raise FileNotFoundError(f"results folder {root} does not exist")
     results = []
     for path in sorted(root.rglob("results.json")):
-        data = json.loads(path.read_text())
-        missing = [k for k in REQUIRED if k not in data]
-        if missing:
-            raise ValueError(f"{path}: not a pyramidkv results.json (missing {', '.join(missing)})")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        _check_result(path, data)
+        _check_predictions(path.parent)
         data["_path"] = str(path)
+        data["_run"] = path.parent.relative_to(root).as_posix() or "."
         results.append(data)
     if not results:
         raise FileNotFoundError(f"no results.json under {root}")
+    _name_series(results)
     return results
+
+
+def _name_series(results: list[dict]) -> None:
+    """_series: the run's method folder (e.g. snapkv, snapkv_window_size=8), prefixed by the folders
+    above {model}_{budget} when two runs of one (benchmark, model) would otherwise share a point."""
+    for r in results:
+        parts = r["_run"].split("/")
+        r["_series"] = parts[-1] if len(parts) < 2 else "/".join(parts[:-2] + parts[-1:])
+    seen = defaultdict(list)
+    for r in results:
+        seen[(r["benchmark"], r["model"], r["_series"], str(r["budget"]))].append(r)
+    for group in seen.values():
+        if len(group) > 1:
+            for r in group:
+                r["_series"] = r["_run"]
+
+
+def _sample_count(r: dict):
+    counts = r.get("num_samples") or {}
+    values = [v for v in counts.values() if isinstance(v, int)]
+    if r.get("benchmark") == "needle":
+        return max(values) if values else None   # one count per score key, the same cells
+    return sum(values) if values else None
 
 
 def _budget_key(budget):
@@ -46,20 +109,31 @@ def _budget_key(budget):
         return (0, 0.0, "")
     if isinstance(budget, (int, float)):
         return (1, float(budget), "")
-    return (2, 0.0, str(budget))
+    return (2, _ratio(budget) or 0.0, str(budget))
+
+
+def _ratio(budget):
+    """0.25 for "r0.25"; None otherwise."""
+    if isinstance(budget, str) and budget.startswith("r"):
+        try:
+            return float(budget[1:])
+        except ValueError:
+            return None
+    return None
 
 
 def _row_order(r: dict):
-    return (r["method"] != "fullkv", r["method"], _budget_key(r["budget"]))
+    return (r["method"] != "fullkv", r["method"], _budget_key(r["budget"]), r["_run"])
 
 
 def table(results: list[dict]) -> tuple[list[str], list[list]]:
     tasks = sorted({t for r in results for t in r["scores"]})
-    header = ["method", "budget", *tasks, "average"]
+    header = ["method", "budget", *tasks, "average", "n", "run"]
     rows = []
     for r in sorted(results, key=_row_order):
         budget = "full" if r["budget"] is None else r["budget"]
-        rows.append([r["method"], budget, *(r["scores"].get(t) for t in tasks), r["average"]])
+        rows.append([r["method"], budget, *(r["scores"].get(t) for t in tasks), r["average"],
+                     _sample_count(r), r["_run"]])
     return header, rows
 
 
@@ -70,35 +144,81 @@ def markdown(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict], title: str, path: Path) -> None:
+def context_lengths(results: list[dict]) -> list[int]:
+    """Context lengths the runs cover: RULER's task@length keys, needle's by_context_length."""
+    lengths = set()
+    for r in results:
+        for key in r["scores"]:
+            if "@" in key and key.rsplit("@", 1)[1].isdigit():
+                lengths.add(int(key.rsplit("@", 1)[1]))
+        lengths.update(int(k) for k in (r.get("by_context_length") or {}) if str(k).isdigit())
+    return sorted(lengths)
+
+
+def plot_title(benchmark: str, model: str, results: list[dict]) -> str:
+    lengths = context_lengths(results)
+    counts = sorted({c for c in map(_sample_count, results) if c is not None})
+    parts = [f"{benchmark} - {model}"]
+    if lengths:
+        parts.append("context " + ", ".join(map(str, lengths)))
+    if counts:
+        parts.append(f"n={counts[0]}" if len(counts) == 1 else f"n={counts[0]}..{counts[-1]}")
+    parts.append(f"{len(results)} runs")
+    return "; ".join(parts)
+
+
+def plot(results: list[dict], title: str, path: Path):
+    """Average score vs budget; returns the figure (closed) so callers can inspect what was drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    by_method = defaultdict(list)
+    series = {"tokens": defaultdict(list), "ratio": defaultdict(list)}
+    unscored = [r for r in results if r["average"] is None]
     for r in results:
-        if r["method"] != "fullkv" and isinstance(r["budget"], (int, float)):
-            by_method[r["method"]].append((r["budget"], r["average"]))
-    for method, points in sorted(by_method.items()):
-        points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=method)
-    for r in results:
-        if r["method"] == "fullkv":
-            ax.axhline(r["average"], color="black", linestyle="--", label="fullkv")
-    budgets = sorted({p[0] for pts in by_method.values() for p in pts})
-    if budgets:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(budgets, [str(b) for b in budgets])
-    ax.set_xlabel("KV budget (tokens per layer per head)")
-    ax.set_ylabel("average score")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+        if r["method"] == "fullkv" or r["average"] is None:
+            continue
+        if isinstance(r["budget"], (int, float)):
+            series["tokens"][r["_series"]].append((r["budget"], r["average"]))
+        elif _ratio(r["budget"]) is not None:
+            series["ratio"][r["_series"]].append((_ratio(r["budget"]), r["average"]))
+        else:
+            unscored.append(r)
+    panels = [kind for kind in ("tokens", "ratio") if series[kind]] or ["tokens"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels) + 2.2, 4.6), squeeze=False)
+    colors = {name: f"C{i % 10}" for i, name in enumerate(sorted({n for s in series.values() for n in s}))}
+    all_values = [r["average"] for r in results if r["average"] is not None]
+    for ax, kind in zip(axes[0], panels):
+        for name, points in sorted(series[kind].items()):
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name, color=colors[name])
+        for r in results:
+            if r["method"] == "fullkv" and r["average"] is not None:
+                ax.axhline(r["average"], color="black", linestyle="--", label=f"fullkv ({r['_series']})")
+        xs = sorted({p[0] for pts in series[kind].values() for p in pts})
+        if kind == "tokens":
+            if xs:
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(xs, [str(b) for b in xs])
+            ax.set_xlabel("KV budget (tokens per layer per head)")
+        else:
+            ax.set_xticks(xs, [f"{x:g}" for x in xs])
+            ax.set_xlabel("KV budget (fraction of the prompt)")
+        # Scores are percentages: a fixed 0..100 axis, so one point or close values are not blown up.
+        ax.set_ylim(min([0.0, *all_values]) - 2, max([100.0, *all_values]) + 2)
+        ax.set_ylabel("average score")
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="center right", fontsize=8)   # outside the axes: covers no line
+    fig.suptitle(title, fontsize=10)
+    if unscored:
+        fig.text(0.01, 0.01, "no score (plotted nowhere): " + ", ".join(r["_run"] for r in unscored), fontsize=7)
+    fig.tight_layout(rect=(0, 0.04 if unscored else 0, 1 - 2.2 / fig.get_figwidth(), 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return fig
 
 
 def main(argv=None) -> None:
@@ -109,7 +229,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     try:
         results = load_results(args.results_dir)
-    except (FileNotFoundError, ValueError, json.JSONDecodeError) as e:
+    except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
     out = args.out or args.results_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -125,7 +245,7 @@ def main(argv=None) -> None:
         atomic_write_text(out / f"{stem}.md", md + "\n")
         atomic_write_text(out / f"{stem}.csv", buf.getvalue())
         if not args.no_plot:
-            plot(results, f"{benchmark} - {model}", out / f"{stem}.png")
+            plot(results, plot_title(benchmark, model, results), out / f"{stem}.png")
         print(f"\n## {benchmark} - {model}\n\n{md}")
 
 

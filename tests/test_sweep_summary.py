@@ -40,13 +40,19 @@ def test_slurm_array_index_runs_its_own_task():
     assert got.returncode != 0 and "unknown benchmark 'bogus'" in got.stderr
 
 
-def write_result(root: Path, method: str, budget, scores: dict):
-    folder = root / f"m_{budget or 'full'}" / method
+def write_result(root: Path, method: str, budget, scores: dict, folder_name: str | None = None, average="mean"):
+    folder = root / f"m_{budget or 'full'}" / (folder_name or method)
     folder.mkdir(parents=True)
-    avg = round(sum(scores.values()) / len(scores), 2)
+    avg = round(sum(scores.values()) / len(scores), 2) if average == "mean" else average
     (folder / "results.json").write_text(json.dumps({
         "benchmark": "ruler", "model": "m", "method": method, "budget": budget, "scores": scores,
         "average": avg, "num_samples": {k: 5 for k in scores}}))
+    return folder
+
+
+def summarize(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/summarize_results.py", str(root)], cwd=ROOT,
+                          capture_output=True, text=True)
 
 
 def test_summary_table_and_plot(tmp_path):
@@ -58,10 +64,13 @@ def test_summary_table_and_plot(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     md = (tmp_path / "summary_ruler_m.md").read_text().splitlines()
-    assert md[0] == "| method | budget | a | b | average |"
-    assert md[2:] == ["| fullkv | full | 100.00 | 90.00 | 95.00 |", "| h2o | 64 | 10.00 |  | 10.00 |",
-                      "| snapkv | 64 | 40.00 | 20.00 | 30.00 |", "| snapkv | 128 | 80.00 | 60.00 | 70.00 |"]
-    assert (tmp_path / "summary_ruler_m.csv").read_text().splitlines()[1] == "fullkv,full,100.0,90.0,95.0"
+    assert md[0] == "| method | budget | a | b | average | n | run |"
+    assert md[2:] == ["| fullkv | full | 100.00 | 90.00 | 95.00 | 10 | m_full/fullkv |",
+                      "| h2o | 64 | 10.00 |  | 10.00 | 5 | m_64/h2o |",
+                      "| snapkv | 64 | 40.00 | 20.00 | 30.00 | 10 | m_64/snapkv |",
+                      "| snapkv | 128 | 80.00 | 60.00 | 70.00 | 10 | m_128/snapkv |"]
+    assert (tmp_path / "summary_ruler_m.csv").read_text().splitlines()[1] == \
+        "fullkv,full,100.0,90.0,95.0,10,m_full/fullkv"
     import matplotlib.image
 
     assert matplotlib.image.imread(tmp_path / "summary_ruler_m.png").shape[2] in (3, 4)
@@ -75,3 +84,68 @@ def test_summary_errors(tmp_path):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "results.json").write_text(json.dumps({"scores": {}}))
     assert "missing benchmark" in run(tmp_path).stderr
+
+
+def _load_summary_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("summarize_results", ROOT / "scripts" / "summarize_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_summary_plot_shows_every_run(tmp_path):
+    """Null fullkv average, ratio budgets and two settings of one (method, budget): all shown, apart."""
+    write_result(tmp_path, "fullkv", None, {"a": 1.0}, average=None)
+    write_result(tmp_path, "snapkv", 64, {"a": 40.0})
+    write_result(tmp_path, "snapkv", 64, {"a": 42.0}, folder_name="snapkv_window_size=8")
+    write_result(tmp_path, "snapkv", "r0.25", {"a": 55.0})
+    write_result(tmp_path, "snapkv", "r0.5", {"a": 65.0})
+    out = summarize(tmp_path)
+    assert out.returncode == 0, out.stderr
+    md = (tmp_path / "summary_ruler_m.md").read_text()
+    assert "| fullkv | full | 1.00 |  | 5 | m_full/fullkv |" in md      # null average: blank, not a crash
+    assert "| snapkv | 64 | 42.00 | 42.00 | 5 | m_64/snapkv_window_size=8 |" in md
+    summary = _load_summary_module()
+    results = summary.load_results(tmp_path)
+    fig = summary.plot(results, summary.plot_title("ruler", "m", results), tmp_path / "p.png")
+    drawn = sorted((line.get_label(), [(float(x), float(y)) for x, y in zip(line.get_xdata(), line.get_ydata())])
+                   for ax in fig.axes for line in ax.lines)
+    assert drawn == [("snapkv", [(0.25, 55.0), (0.5, 65.0)]), ("snapkv", [(64.0, 40.0)]),
+                     ("snapkv_window_size=8", [(64.0, 42.0)])]              # own lines, not a vertical segment
+    assert any("m_full/fullkv" in t.get_text() for t in fig.texts)           # the unscored run is named
+    for ax in fig.axes:
+        low, high = ax.get_ylim()
+        assert low <= 0 and high >= 100                                      # no +-0.04 autoscale
+    assert fig.legends and not any(ax.get_legend() for ax in fig.axes)       # legend outside the axes
+    assert "n=5" in fig._suptitle.get_text() and "5 runs" in fig._suptitle.get_text()
+
+
+def test_summary_title_carries_context_length():
+    summary = _load_summary_module()
+    runs = [{"scores": {"niah_single_1@2048": 1.0}, "num_samples": {"niah_single_1@2048": 5}, "benchmark": "ruler"}]
+    assert summary.plot_title("ruler", "m", runs) == "ruler - m; context 2048; n=5; 1 runs"
+
+
+@pytest.mark.parametrize("content, message", [
+    ("42", "expected a JSON object, got int"),
+    ("{broken", "not valid JSON"),
+    (json.dumps({"benchmark": "ruler", "model": "m", "method": "snapkv", "budget": 64, "scores": {"a": "high"},
+                 "average": 1.0}), "scores.a must be a number or null, got 'high'"),
+    (json.dumps({"benchmark": "ruler", "model": "m", "method": "snapkv", "budget": 64, "scores": [],
+                 "average": 1.0}), '"scores" must be an object'),
+])
+def test_summary_malformed_results_json_names_the_file(tmp_path, content, message):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "results.json").write_text(content)
+    out = summarize(tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert f"{tmp_path / 'x' / 'results.json'}: {message}" in out.stderr
+
+
+def test_summary_refuses_duplicate_prediction_rows(tmp_path):
+    folder = write_result(tmp_path, "snapkv", 64, {"vt@1024": 50.0})
+    (folder / "vt_1024.jsonl").write_text('{"index": 0, "pred": "a"}\n{"index": 1, "pred": "b"}\n{"index": 0, "pred": "a"}\n')
+    out = summarize(tmp_path)
+    assert out.returncode == 1 and f"{folder / 'vt_1024.jsonl'}:3: index 0 repeats line 1" in out.stderr

@@ -54,6 +54,36 @@ def resolve_device(device: str = "auto") -> str:
     return device
 
 
+def resolve_dtype(dtype: Optional[str], device: str) -> str:
+    """float32 on CPU, bfloat16 on CUDA unless given."""
+    if dtype is None:
+        dtype = "float32" if device == "cpu" else "bfloat16"
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return dtype
+
+
+def check_model(model_path: str = DEFAULT_MODEL_NAME, attn_implementation: str = "sdpa", device: str = "auto",
+                dtype: Optional[str] = None, model_class: Optional[str] = None):
+    """Everything load_model checks, without loading weights: (resolved path, config, device, dtype).
+
+    Raises ValueError / ImportError / FileNotFoundError / OSError with a one-line message.
+    """
+    from transformers import AutoConfig
+
+    device = resolve_device(device)
+    check_attn_implementation(attn_implementation, device)
+    dtype = resolve_dtype(dtype, device)
+    path = resolve_model_path(model_path)
+    config = AutoConfig.from_pretrained(path)
+    if model_class is not None:
+        config = _config_as(config, model_class)
+    if config.model_type not in MODEL_GLUE:
+        raise ValueError(f"unsupported model type {config.model_type!r} ({model_path}); "
+                         f"supported: {', '.join(MODEL_GLUE)}")
+    return path, config, device, dtype
+
+
 def load_model(
     model_path: str = DEFAULT_MODEL_NAME,
     attn_implementation: str = "sdpa",
@@ -67,22 +97,9 @@ def load_model(
     model_class: None (from the config), or "llama"/"mistral" to load the weights
         into that architecture (SmolLM2's weights load as Mistral too).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    device = resolve_device(device)
-    check_attn_implementation(attn_implementation, device)
-    if dtype is None:
-        dtype = "float32" if device == "cpu" else "bfloat16"
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    path = resolve_model_path(model_path)
-
-    config = AutoConfig.from_pretrained(path)
-    if model_class is not None:
-        config = _config_as(config, model_class)
-    if config.model_type not in MODEL_GLUE:
-        raise ValueError(f"unsupported model type {config.model_type!r} ({model_path}); "
-                         f"supported: {', '.join(MODEL_GLUE)}")
+    path, config, device, dtype = check_model(model_path, attn_implementation, device, dtype, model_class)
     model = AutoModelForCausalLM.from_pretrained(path, config=config, torch_dtype=DTYPES[dtype],
                                                  attn_implementation=attn_implementation)
     model.to(device).eval()

@@ -10,6 +10,7 @@ the method dataclasses.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from pyramidkv.methods import METHODS, Method, make_method
@@ -59,6 +60,34 @@ def add_model_and_method_args(parser: argparse.ArgumentParser) -> None:
                         "(the public code's order, default) or pool each query head first")
     m.add_argument("--skip_layers", type=int, default=None,
                    help="L2Norm: the first N layers keep the whole prompt (paper default 2)")
+    r = parser.add_argument_group("run")
+    r.add_argument("--num_threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's choice; 1 is faster on a busy shared CPU)")
+    r.add_argument("--overwrite", action="store_true",
+                   help="delete the run folder's earlier results first (needed to rerun a folder with other "
+                        "settings: a resume must match the stored configuration)")
+
+
+# Errors a runner reports as one line and exit status 2 (bad input, found before anything is written).
+INPUT_ERRORS = (ValueError, TypeError, ImportError, OSError, RuntimeError)
+
+
+def fail(parser: argparse.ArgumentParser, error: BaseException) -> None:
+    """Print `error` as one line and exit 2."""
+    message = " ".join(str(error).split("\n")).strip() or type(error).__name__
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def check_run_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.num_threads is not None and args.num_threads < 1:
+        parser.error(f"--num_threads must be >= 1, got {args.num_threads}")
+
+
+def apply_num_threads(args: argparse.Namespace) -> None:
+    if args.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
 
 
 def method_from_args(args: argparse.Namespace) -> Method:
@@ -89,6 +118,48 @@ def model_label(model_path: str) -> str:
     return Path(model_path.rstrip("/")).name
 
 
+def _setting_text(value) -> str:
+    text = f"{value:g}" if isinstance(value, float) else str(value)
+    return text.replace("/", "-").replace(" ", "")
+
+
+def method_label(method: Method) -> str:
+    """The method part of the folder name: the name, then `_{setting}={value}` for every method
+    setting (dataclass field other than the budget) that differs from its default, in field order,
+    e.g. snapkv, snapkv_window_size=8_pooling=avg."""
+    parts = [method.name]
+    for field in dataclasses.fields(method):
+        if field.name in ("budget", "budget_ratio"):
+            continue
+        if field.default is not dataclasses.MISSING:
+            default = field.default
+        elif field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = field.default_factory()  # type: ignore[misc]
+        else:
+            default = dataclasses.MISSING
+        value = getattr(method, field.name)
+        if value != default:
+            parts.append(f"{field.name}={_setting_text(value)}")
+    return "_".join(parts)
+
+
 def run_dir(save_dir: str, model_path: str, method: Method) -> Path:
-    """{save_dir}/{model}_{budget}/{method}: the layout users know from the public harness."""
-    return Path(save_dir) / f"{model_label(model_path)}_{budget_label(method)}" / method.name
+    """{save_dir}/{model}_{budget}/{method_label}: the public harness's layout for a method at its
+    defaults; non-default method settings are appended to the method folder (see method_label)."""
+    return Path(save_dir) / f"{model_label(model_path)}_{budget_label(method)}" / method_label(method)
+
+
+def check_model_args(args: argparse.Namespace):
+    """load_model's checks without loading weights: (resolved path, config, device, dtype)."""
+    from pyramidkv.models.loading import check_model
+
+    return check_model(args.model_path, args.attn_implementation, args.device, args.dtype, args.model_class)
+
+
+def run_fingerprint(args: argparse.Namespace, method: Method, model_check, extra: dict | None = None) -> dict:
+    """The generation fingerprint of this invocation (see pyramidkv/runner/run_folder.py)."""
+    from pyramidkv.runner.run_folder import generation_fingerprint, model_fingerprint
+
+    path, _, device, dtype = model_check
+    return generation_fingerprint(vars(args), method, model_fingerprint(path),
+                                  {"device": device.split(":")[0], "dtype": dtype}, extra)

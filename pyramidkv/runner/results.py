@@ -39,7 +39,13 @@ def iter_jsonl(path: Path, skip_torn_last_line: bool = False):
     A malformed line is an error naming the file and line. With skip_torn_last_line,
     an unterminated last line (a run still writing, or killed mid-write) is skipped.
     """
-    text = Path(path).read_text(encoding="utf-8")
+    data = Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_no = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}:{line_no}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                         f"JSONL files must be UTF-8") from None
     lines = text.split("\n")
     for line_no, line in enumerate(lines, start=1):
         if not line.strip():
@@ -60,6 +66,40 @@ def read_jsonl(path: Path, skip_torn_last_line: bool = False) -> list[dict]:
     return [row for _, row in iter_jsonl(path, skip_torn_last_line)]
 
 
+def read_text_file(path: Path) -> str:
+    """A UTF-8 text file's content; a binary file (NUL bytes) or other encoding is an error naming it."""
+    data = Path(path).read_bytes()
+    if b"\0" in data:
+        raise ValueError(f"{path}: a binary file (NUL bytes), not text; remove it from the folder")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                         f"convert it to UTF-8") from None
+
+
+# The key of a prediction row, per runner: RULER "index", LongBench "_id", needle "key".
+PREDICTION_KEYS = ("index", "_id", "key")
+
+
+def read_unique_rows(path: Path, key: str, skip_torn_last_line: bool = False) -> list[dict]:
+    """The rows of a results JSONL, refusing a repeated or missing `key` (a sample must count once)."""
+    first_line: dict = {}
+    rows = []
+    for line_no, row in iter_jsonl(path, skip_torn_last_line):
+        if key not in row:
+            raise ValueError(f"{path}:{line_no}: row without {key!r}")
+        value = row[key]
+        marker = json.dumps(value, sort_keys=True)
+        if marker in first_line:
+            raise ValueError(f"{path}:{line_no}: {key} {value!r} repeats line {first_line[marker]} (two runs "
+                             f"into one folder at once?); each sample must appear once: delete the repeated "
+                             f"line, or rerun with --overwrite")
+        first_line[marker] = line_no
+        rows.append(row)
+    return rows
+
+
 class ResultsWriter:
     """Append-only JSONL of per-sample results, keyed by `key`, resumable.
 
@@ -75,8 +115,7 @@ class ResultsWriter:
         self._repair_tail()
         self.done: set = set()
         if self.path.exists():
-            for row in read_jsonl(self.path):
-                self.done.add(row[key])
+            self.done = {row[key] for row in read_unique_rows(self.path, key)}
         self._file = open(self.path, "a", encoding="utf-8")
 
     def _repair_tail(self) -> None:
@@ -132,8 +171,10 @@ def _versions(packages: Iterable[str]) -> dict:
     return found
 
 
-def write_run_meta(out_dir: Path, args: dict, method=None, extra: dict | None = None) -> Path:
-    """run_meta.json: the full configuration of a run (arguments, method, versions, git commit, time)."""
+def write_run_meta(out_dir: Path, args: dict, method=None, extra: dict | None = None,
+                   fingerprint: dict | None = None) -> Path:
+    """run_meta.json: the full configuration of a run (arguments, method, versions, git commit, time)
+    and its generation `fingerprint` (what a resumed run must match, see runner/run_folder.py)."""
     meta = {
         "time": _dt.datetime.now(_dt.timezone.utc).isoformat(),
         "command": [sys.executable, *sys.argv],
@@ -144,6 +185,7 @@ def write_run_meta(out_dir: Path, args: dict, method=None, extra: dict | None = 
         "platform": platform.platform(),
         "versions": _versions(["torch", "transformers", "pyramidkv", "flash-attn", "datasets"]),
         **(extra or {}),
+        "fingerprint": fingerprint,
     }
     path = Path(out_dir) / "run_meta.json"
     atomic_write_json(path, meta)

@@ -79,22 +79,12 @@ def find_run_dirs(root: Path, longbench_e: bool = False) -> list[Path]:
     return runs
 
 
-def _read_rows(path: Path):
-    """iter_jsonl(path, skip_torn_last_line=True), with a non-UTF-8 file reported by name and line."""
-    try:
-        yield from iter_jsonl(path, skip_torn_last_line=True)
-    except UnicodeDecodeError as e:
-        line = Path(path).read_bytes()[: e.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 (byte {e.object[e.start:e.start + 1]!r} at offset "
-                         f"{e.start}); prediction files must be UTF-8 JSON lines") from None
-
-
 def read_predictions(path: Path) -> list[dict]:
     """Rows of a prediction file, checked. An unterminated last line (a run still writing, or
     killed mid-write) is skipped; any other problem is an error naming file:line: a malformed
     line, a row without pred or answers, answers that are not a list, a repeated _id."""
     rows, first_line_of = [], {}
-    for number, row in _read_rows(path):
+    for number, row in iter_jsonl(path, skip_torn_last_line=True):
         for field in ("pred", "answers"):
             if field not in row:
                 raise ValueError(f"{path}:{number}: row lacks {field!r}")

@@ -136,6 +136,8 @@ def load_rows(dataset: str, data_dir: Optional[Path], longbench_e: bool = False)
     if data_dir is not None:
         source = data_file(data_dir, dataset, longbench_e)
         numbered = list(iter_jsonl(source))
+        if not numbered:
+            raise ValueError(f"{source}: no rows (an empty data file); expected the official LongBench JSONL")
     else:
         source = f"{HUB_DATASET}/{dataset}{'_e' if longbench_e else ''}"
         numbered = list(enumerate(_load_from_hub(dataset, longbench_e), start=1))
@@ -315,55 +317,92 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from tqdm import tqdm
-
-    from pyramidkv.runner.cli import method_from_args, run_dir
-    from pyramidkv.runner.results import ResultsWriter, write_run_meta
+    from pyramidkv.runner.cli import (
+        INPUT_ERRORS, check_model_args, check_run_args, fail, method_from_args, run_dir,
+        run_fingerprint,
+    )
+    from pyramidkv.runner.results import read_unique_rows, write_run_meta
+    from pyramidkv.runner.run_folder import check_writable, disk_full_message, open_run_folder
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_run_args(parser, args)
     datasets = _check_args(parser, args)
     try:
         method = method_from_args(args)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
 
-    # Read and check every dataset before the (slow) model load: bad input fails in seconds.
+    # Read and check everything (data, model, run folder) before the (slow) model load: bad input fails in seconds.
+    suffix = "_e" if args.e else ""
     selected: dict[str, list[dict]] = {}
     try:
+        from transformers import AutoTokenizer
+
+        out_dir = run_dir(args.save_dir, args.model_path, method)
+        check_writable(out_dir)
         for dataset in datasets:
             rows = load_rows(dataset, Path(args.data_dir) if args.data_dir is not None else None, args.e)
             selected[dataset] = select_rows(rows, args.max_num_examples, args.sample_method, args.seed)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
+        model_check = check_model_args(args)
+        builder = PromptBuilder(AutoTokenizer.from_pretrained(model_check[0]))
+        max_new = {d: args.max_new_tokens or dataset2maxlen()[d] for d in datasets}
+        max_len = {d: resolve_max_length(args.model_path, model_check[1], d, max_new[d],
+                                         builder.template_overhead(), args.max_length) for d in datasets}
+        for dataset in datasets:
+            if (out_dir / f"{dataset}{suffix}.jsonl").is_file():
+                read_unique_rows(out_dir / f"{dataset}{suffix}.jsonl", "_id", skip_torn_last_line=True)
+        fingerprint = run_fingerprint(args, method, model_check)
+        lock = open_run_folder(out_dir, fingerprint, args.overwrite)
+    except INPUT_ERRORS as e:
+        fail(parser, e)
+    if not builder.has_chat_template:
+        print(f"note: {args.model_path} has no chat template; every prompt is used as is", file=sys.stderr)
+
+    try:
+        write_run_meta(out_dir, vars(args), method, extra={
+            "benchmark": "longbench-e" if args.e else "longbench", "datasets": datasets,
+            "max_length": max_len, "max_new_tokens": max_new,
+        }, fingerprint=fingerprint)
+        print(f"results -> {out_dir}")
+        _generate_all(args, method, datasets, selected, builder, max_new, max_len, out_dir, suffix)
+    except OSError as e:
+        message = disk_full_message(out_dir, e)
+        if message is None:
+            raise
+        sys.exit(message)
+    finally:
+        lock.release()
+
+    if args.eval:
+        from pyramidkv.benchmarks.longbench.evaluate import evaluate_run_dir, format_table
+
+        result = evaluate_run_dir(out_dir, longbench_e=args.e)
+        print(format_table([result]))
+    return 0
+
+
+def _generate_all(args, method, datasets, selected, builder, max_new, max_len, out_dir, suffix) -> None:
+    """Decode every pending sample of every dataset, appending one row per sample (the model loads
+    only when a sample is pending)."""
+    from tqdm import tqdm
 
     from pyramidkv import load_model
     from pyramidkv.generation import generate
+    from pyramidkv.runner.cli import apply_num_threads
+    from pyramidkv.runner.results import ResultsWriter
 
-    model, tokenizer = load_model(args.model_path, attn_implementation=args.attn_implementation,
-                                  device=args.device, dtype=args.dtype, model_class=args.model_class)
-    builder = PromptBuilder(tokenizer)
-    if not builder.has_chat_template:
-        print(f"note: {args.model_path} has no chat template; every prompt is used as is", file=sys.stderr)
-    max_new = {d: args.max_new_tokens or dataset2maxlen()[d] for d in datasets}
-    max_len = {d: resolve_max_length(args.model_path, model.config, d, max_new[d], builder.template_overhead(),
-                                     args.max_length) for d in datasets}
-
-    out_dir = run_dir(args.save_dir, args.model_path, method)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_run_meta(out_dir, vars(args), method, extra={
-        "benchmark": "longbench-e" if args.e else "longbench", "datasets": datasets,
-        "max_length": max_len, "max_new_tokens": max_new,
-    })
-    print(f"results -> {out_dir}")
-
+    model = tokenizer = None
     for dataset in datasets:
         rows = selected[dataset]
-        suffix = "_e" if args.e else ""
         started = time.perf_counter()
         with ResultsWriter(out_dir / f"{dataset}{suffix}.jsonl", key="_id") as writer:
             pending = [row for row in rows if row["_id"] not in writer.done]
-            stops = stop_token_ids(model, tokenizer, dataset)
+            if pending and model is None:
+                apply_num_threads(args)
+                model, tokenizer = load_model(args.model_path, attn_implementation=args.attn_implementation,
+                                              device=args.device, dtype=args.dtype, model_class=args.model_class)
+            stops = stop_token_ids(model, tokenizer, dataset) if pending else []
             truncated = 0
             with tqdm(total=len(rows), initial=len(rows) - len(pending), desc=dataset, unit="sample",
                       dynamic_ncols=True) as bar:
@@ -389,9 +428,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{dataset}: {done_now} new sample(s) in {elapsed:.1f} s{rate}"
               f" ({len(rows) - done_now} already done, {truncated} truncated to {max_len[dataset]} tokens)")
 
-    if args.eval:
-        from pyramidkv.benchmarks.longbench.evaluate import evaluate_run_dir, format_table
-
-        result = evaluate_run_dir(out_dir, longbench_e=args.e)
-        print(format_table([result]))
-    return 0

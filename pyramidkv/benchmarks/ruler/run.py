@@ -68,8 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder of RULER-format JSONL: {task}_{length}.jsonl or {length}/data/{task}/validation.jsonl")
     r.add_argument("--squad_file", default=None, help="SQuAD v2.0 json (dev-v2.0.json) for qa_1")
     r.add_argument("--hotpot_file", default=None, help="HotpotQA dev json (hotpot_dev_distractor_v1.json) for qa_2")
-    r.add_argument("--num_threads", type=int, default=None,
-                   help="CPU threads for torch (default: torch's choice; 1 is faster on a busy shared CPU)")
     r.add_argument("--no_chat_template", action="store_true",
                    help="use the raw task prompt (default: the tokenizer's chat template around it)")
     r.add_argument("--system_prompt", default=None, metavar="TEXT",
@@ -145,24 +143,15 @@ def collect_sample_sets(args, tasks: list[str], lengths: list[int], tokenizer, m
 
 
 def check_resume(path: Path, sample_set: SampleSet) -> None:
-    """Predictions already in `path` must come from the same samples (same outputs at the same index)."""
-    import json
+    """Predictions already in `path` must come from the same samples (same outputs at the same index),
+    each index once."""
+    from pyramidkv.runner.results import read_unique_rows
 
     if not path.is_file():
         return
-    data = path.read_text(encoding="utf-8", errors="replace")
-    if data and not data.endswith("\n"):
-        data = data[:data.rfind("\n") + 1]   # a torn last line (killed mid-write): ResultsWriter cuts it off
     by_index = {row["index"]: row for row in sample_set.rows}
-    for number, line in enumerate(data.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            done = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number}: malformed JSON line ({e.msg})") from None
-        if not isinstance(done, dict) or "index" not in done:
-            raise ValueError(f"{path}:{number}: prediction row without \"index\"")
+    # A torn last line (killed mid-write) is skipped here; ResultsWriter cuts it off.
+    for done in read_unique_rows(path, "index", skip_torn_last_line=True):
         row = by_index.get(done["index"])
         if row is not None and done.get("outputs") != row["outputs"]:
             raise ValueError(f"{path} holds predictions made from other samples (index {done['index']}: "
@@ -176,13 +165,13 @@ def score_run(out_dir: Path, sets: Sequence[SampleSet], model_name: str, method)
     import io
 
     from pyramidkv.benchmarks.ruler.scoring import score_task
-    from pyramidkv.runner.results import atomic_write_json, atomic_write_text, read_jsonl
+    from pyramidkv.runner.results import atomic_write_json, atomic_write_text, read_unique_rows
 
     scores, counts = {}, {}
     for s in sets:
         path = out_dir / s.file_name
         wanted = {row["index"] for row in s.rows}
-        rows = [r for r in read_jsonl(path) if r.get("index") in wanted] if path.is_file() else []
+        rows = [r for r in read_unique_rows(path, "index") if r["index"] in wanted] if path.is_file() else []
         if not rows:
             continue
         scores[s.key] = score_task(s.task, [r["pred"] for r in rows], [r["outputs"] for r in rows])
@@ -221,17 +210,19 @@ def _batches(rows: list[dict], size: int) -> list[list[dict]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from pyramidkv.models.loading import resolve_model_path
-    from pyramidkv.runner.cli import method_from_args, model_label, run_dir
+    from pyramidkv.runner.cli import (
+        INPUT_ERRORS, apply_num_threads, check_model_args, check_run_args, fail, method_from_args, model_label,
+        run_dir, run_fingerprint,
+    )
+    from pyramidkv.runner.run_folder import check_writable, disk_full_message, open_run_folder
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_run_args(parser, args)
     if args.num_samples < 1:
         parser.error(f"--num_samples must be >= 1, got {args.num_samples}")
     if args.eval_batch_size < 1:
         parser.error(f"--eval_batch_size must be >= 1, got {args.eval_batch_size}")
-    if args.num_threads is not None and args.num_threads < 1:
-        parser.error(f"--num_threads must be >= 1, got {args.num_threads}")
     if args.data_file and args.data_dir:
         parser.error("give --data_file or --data_dir, not both")
     lengths = args.context_lengths or [4096]
@@ -251,12 +242,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, TypeError) as e:
         parser.error(str(e))
 
-    # Everything that can fail fast (paths, window, data) does so before the model loads.
+    # Everything that can fail (model, device, paths, window, data, run folder) does so before the model loads.
     try:
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        path = resolve_model_path(args.model_path)
-        config = AutoConfig.from_pretrained(path)
+        out_dir = run_dir(args.save_dir, args.model_path, method)
+        check_writable(out_dir)
+        model_check = check_model_args(args)
+        path, config = model_check[0], model_check[1]
         window = getattr(config, "max_position_embeddings", None) or sys.maxsize
         tokenizer = AutoTokenizer.from_pretrained(path)
         model_name = model_label(args.model_path)
@@ -270,37 +263,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      f"{row['max_new_tokens']} new tokens, above the model's window: "
                                      f"{args.model_path} has max_position_embeddings = {window}")
                 encoded[(s.key, row["index"])] = ids
-        out_dir = run_dir(args.save_dir, args.model_path, method)
         for s in sets:
             check_resume(out_dir / s.file_name, s)
-    except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
+        fingerprint = run_fingerprint(args, method, model_check)
+        lock = open_run_folder(out_dir, fingerprint, args.overwrite)
+    except INPUT_ERRORS as e:
+        fail(parser, e)
 
     from tqdm import tqdm
 
     from pyramidkv.runner.results import ResultsWriter, write_run_meta
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_run_meta(out_dir, vars(args), method, extra={
-        "benchmark": "ruler", "tasks": [s.key for s in sets],
-        "data": {s.key: s.source for s in sets}, "resolved_model_path": str(path),
-    })
-    print(f"results -> {out_dir}")
-
-    writers = {s.key: ResultsWriter(out_dir / s.file_name, key="index") for s in sets}
+    writers = {}
     try:
+        write_run_meta(out_dir, vars(args), method, extra={
+            "benchmark": "ruler", "tasks": [s.key for s in sets],
+            "data": {s.key: s.source for s in sets}, "resolved_model_path": str(path),
+        }, fingerprint=fingerprint)
+        print(f"results -> {out_dir}")
+        writers = {s.key: ResultsWriter(out_dir / s.file_name, key="index") for s in sets}
         pending = {s.key: [r for r in s.rows if r["index"] not in writers[s.key].done] for s in sets}
         total = sum(len(s.rows) for s in sets)
         todo = sum(len(p) for p in pending.values())
         if todo:
-            import torch
-
             from pyramidkv import load_model
             from pyramidkv.generation import generate
 
-            if args.num_threads is not None:
-                torch.set_num_threads(args.num_threads)
-
+            apply_num_threads(args)
             model, tokenizer = load_model(args.model_path, attn_implementation=args.attn_implementation,
                                           device=args.device, dtype=args.dtype, model_class=args.model_class)
             started = time.perf_counter()
@@ -324,10 +313,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"batch size {args.eval_batch_size}); {total - todo} already done")
         else:
             print(f"all {total} sample(s) already done; scoring only")
+    except OSError as e:
+        message = disk_full_message(out_dir, e)
+        lock.release()
+        if message is None:
+            raise
+        sys.exit(message)
     finally:
         for writer in writers.values():
-            writer.close()
-
-    result = score_run(out_dir, sets, model_label(args.model_path), method)
+            try:
+                writer.close()
+            except OSError:
+                pass
+    try:
+        result = score_run(out_dir, sets, model_label(args.model_path), method)
+    except ValueError as e:
+        fail(parser, e)
+    finally:
+        lock.release()
     print(format_scores(result))
     return 0

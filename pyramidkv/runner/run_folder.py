@@ -1,0 +1,274 @@
+"""Guards on a run folder, shared by the three runners.
+
+* `check_writable`: the save folder can be written (checked at start-up, before any model loads).
+* `RunLock`: one run at a time per folder; a lock whose holder died on this host is taken over.
+* `generation_fingerprint` / `open_run_folder`: a rerun into a folder that holds results must
+  have the same generation fingerprint (method settings, every argument that can change a
+  prediction, the model files, device kind and dtype); otherwise it is refused with the
+  differing settings named. `--overwrite` clears the folder's results instead.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import errno
+import hashlib
+import json
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+# Arguments that cannot change a prediction, so a resumed run may differ in them. Everything else
+# a runner's parser defines (including flags added later) is part of the fingerprint.
+NON_GENERATING_ARGS = {
+    "save_dir": "the folder itself",
+    "overwrite": "how to treat old results, not how to make new ones",
+    "num_threads": "CPU threads: same arithmetic, other speed",
+    "eval": "score afterwards",
+    "print_run_dir": "prints the folder and exits",
+    "eval_batch_size": "left-padded batches are built to give each prompt's own output "
+                       "(tested in tests/test_memory_and_batch.py); a resumed run may use another size",
+    "num_samples": "how many samples run; each prediction row is keyed and checked on its own",
+    "max_num_examples": "how many samples run (same reason)",
+    "tasks": "which task files run (one predictions file per task and length)",
+    "context_lengths": "which task files run (same reason)",
+    "datasets": "which dataset files run (one predictions file per dataset)",
+    "s_len": "which needle cells run (each row is keyed by context length and depth)",
+    "e_len": "which needle cells run (same reason)",
+    "step": "which needle cells run (same reason)",
+    "num_depths": "which needle cells run (same reason)",
+}
+# Arguments fingerprinted by their resolved value instead (auto -> cpu/cuda, default dtype -> its name).
+RESOLVED_ARGS = ("device", "dtype", "model_path")
+
+LOCK_NAME = ".run.lock"
+RUN_META = "run_meta.json"
+# Files a run writes into its folder (what --overwrite clears and what counts as "has results").
+RESULT_GLOBS = ("*.jsonl", "results.json", "results.csv", RUN_META)
+_SMALL_FILE = 8 << 20     # model files up to this size are hashed whole
+_SAMPLE = 1 << 20         # larger ones: size + hash of the first, middle and last MiB
+
+
+class RunFolderError(ValueError):
+    """A run folder that cannot be used as asked (locked, other configuration, unwritable)."""
+
+
+# --- write access ------------------------------------------------------------------------------
+
+def check_writable(folder: Path) -> None:
+    """Fail unless `folder` (or the nearest existing folder above it) can be written. Writes nothing."""
+    folder = Path(folder).absolute()
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise RunFolderError(f"cannot write results to {folder}: {existing} is a file, not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise RunFolderError(f"cannot write results to {folder}: {existing} is not writable "
+                             f"({e.strerror or e}); choose another --save_dir") from None
+
+
+# --- lock --------------------------------------------------------------------------------------
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunLock:
+    """An exclusive lock file in the run folder: {"pid", "host", "started"}.
+
+    A second run into the folder fails naming the holder. A lock left by a process that no
+    longer runs on this host (kill -9, power loss) is reported and taken over.
+    """
+
+    def __init__(self, folder: Path):
+        self.path = Path(folder) / LOCK_NAME
+        self.held = False
+
+    def acquire(self) -> "RunLock":
+        me = {"pid": os.getpid(), "host": socket.gethostname(),
+              "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds")}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is None:
+                    continue          # removed meanwhile, or torn: try again
+                if holder.get("host") == me["host"] and not _pid_alive(int(holder.get("pid", -1))):
+                    print(f"note: taking over the stale lock {self.path} (pid {holder.get('pid')} on "
+                          f"{holder.get('host')}, started {holder.get('started')}, no longer runs)",
+                          file=sys.stderr)
+                    self.path.unlink(missing_ok=True)
+                    continue
+                raise RunFolderError(
+                    f"{self.path.parent} is in use by another run (pid {holder.get('pid')} on host "
+                    f"{holder.get('host')}, started {holder.get('started')}); wait for it to finish, or "
+                    f"delete {self.path} if that run is gone") from None
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(me, f)
+            self.held = True
+            return self
+        raise RunFolderError(f"could not take the lock {self.path}; try again")
+
+    def _holder(self) -> Optional[dict]:
+        try:
+            holder = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except (ValueError, UnicodeDecodeError):
+            # A lock being written right now, or garbage: treat as held by an unknown run.
+            return {"pid": "?", "host": "?", "started": "?"}
+        return holder if isinstance(holder, dict) else {"pid": "?", "host": "?", "started": "?"}
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+        return False
+
+
+# --- configuration fingerprint -----------------------------------------------------------------
+
+def _file_digest(path: Path) -> str:
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= _SMALL_FILE:
+            h.update(f.read())
+        else:
+            for start in (0, size // 2, size - _SAMPLE):
+                f.seek(start)
+                h.update(f.read(_SAMPLE))
+    return f"{size}:{h.hexdigest()[:16]}"
+
+
+def model_fingerprint(resolved_path: str) -> dict:
+    """{file name: size:hash} of a local model folder (a changed weight, config or tokenizer file shows);
+    {"hub_id": ...} for a hub id, whose files are not local."""
+    folder = Path(resolved_path)
+    if not folder.is_dir():
+        return {"hub_id": str(resolved_path)}
+    return {p.name: _file_digest(p) for p in sorted(folder.iterdir())
+            if p.is_file() and not p.name.startswith(".")}
+
+
+def generation_fingerprint(args: dict, method, model_files: dict, resolved: dict,
+                           extra: Optional[dict] = None) -> dict:
+    """What decides the predictions: the method's full description, every argument not in
+    NON_GENERATING_ARGS (with RESOLVED_ARGS replaced by `resolved`), the model files, and
+    runner-specific `extra` facts (e.g. the needle text)."""
+    arguments = {k: v for k, v in args.items() if k not in NON_GENERATING_ARGS and k not in RESOLVED_ARGS}
+    arguments.update(resolved)
+    fingerprint = {"method": method.describe(), "arguments": dict(sorted(arguments.items())),
+                   "model_files": model_files, **(extra or {})}
+    return json.loads(json.dumps(fingerprint, default=str))   # the form it has once read back from disk
+
+
+def fingerprint_differences(old: dict, new: dict) -> list[str]:
+    """Readable 'setting: old -> new' lines for each differing leaf (one level into each section)."""
+    lines = []
+    for section in sorted(set(old) | set(new)):
+        a, b = old.get(section), new.get(section)
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted(set(a) | set(b)):
+                if a.get(key, "<unset>") != b.get(key, "<unset>"):
+                    name = f"model file {key}" if section == "model_files" else f"{section}.{key}"
+                    lines.append(f"{name}: {a.get(key, '<unset>')!r} -> {b.get(key, '<unset>')!r}")
+        elif a != b:
+            lines.append(f"{section}: {a!r} -> {b!r}")
+    return lines
+
+
+def _result_files(folder: Path) -> list[Path]:
+    return sorted({p for pattern in RESULT_GLOBS for p in folder.glob(pattern) if p.is_file()})
+
+
+def open_run_folder(folder: Path, fingerprint: dict, overwrite: bool = False) -> RunLock:
+    """Create and lock the run folder; check that its results came from `fingerprint` (or clear them
+    with `overwrite`). Returns the held lock. On refusal nothing is left behind: the lock is
+    released and folders this call created are removed again."""
+    folder = Path(folder)
+    created = []
+    for parent in reversed([folder, *folder.parents]):
+        if not parent.exists():
+            created.append(parent)
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(folder)
+    try:
+        lock.acquire()
+        results = [p for p in _result_files(folder) if p.name != RUN_META]
+        if overwrite:
+            for path in _result_files(folder):
+                path.unlink()
+            if results:
+                print(f"--overwrite: removed {len(results)} earlier result file(s) from {folder}", file=sys.stderr)
+        elif results:
+            stored = _stored_fingerprint(folder)
+            if stored is None:
+                raise RunFolderError(
+                    f"{folder} holds results ({results[0].name}, ...) but no configuration fingerprint in "
+                    f"{RUN_META} (written by an older version or by hand), so resuming could mix "
+                    f"configurations; rerun with --overwrite or use another --save_dir")
+            diffs = fingerprint_differences(stored, fingerprint)
+            if diffs:
+                raise RunFolderError(
+                    f"{folder} holds results of another configuration ({'; '.join(diffs)}); rerun with "
+                    f"--overwrite to replace them, or use another --save_dir")
+    except BaseException:
+        lock.release()
+        for path in reversed(created):
+            try:
+                path.rmdir()
+            except OSError:
+                pass
+        raise
+    return lock
+
+
+def _stored_fingerprint(folder: Path) -> Optional[dict]:
+    path = folder / RUN_META
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RunFolderError(f"{path} is not valid JSON ({e}); rerun with --overwrite or use another "
+                             f"--save_dir") from None
+    fingerprint = meta.get("fingerprint") if isinstance(meta, dict) else None
+    return fingerprint if isinstance(fingerprint, dict) else None
+
+
+# --- disk full ---------------------------------------------------------------------------------
+
+def disk_full_message(folder: Path, error: OSError) -> Optional[str]:
+    """One line for a full disk (or quota) while writing `folder`; None for any other OSError."""
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    kept = 0
+    for path in Path(folder).glob("*.jsonl"):
+        try:
+            kept += path.read_bytes().count(b"\n")
+        except OSError:
+            pass
+    return (f"error: disk full while writing {folder} ({error.strerror}); the {kept} completed row(s) "
+            f"there are kept; free space and rerun the same command to resume")
