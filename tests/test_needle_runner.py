@@ -215,6 +215,7 @@ def test_eval_sh(tiny_model_dir, tmp_path):
            "--save_dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    run = tmp_path / f"{Path(tiny_model_dir).name}_64" / "snapkv"
+    # eval.sh passes the public harness's window (8): a non-default setting, so it is in the folder name.
+    run = tmp_path / f"{Path(tiny_model_dir).name}_64" / "snapkv_window_size=8"
     assert len(_rows(run / "needle.jsonl")) == 2
     assert (run / "needle_rouge1_f.png").is_file()
