@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache
 
+from pyramidkv.allocation.base import ModelShape
 from pyramidkv.core.scoring import reduce_query_groups
 from pyramidkv.core.selection import select_kept_positions
 from pyramidkv.methods.base import Method, ScoreContext
@@ -107,19 +108,25 @@ def _attend(queries: torch.Tensor, key_parts: list[torch.Tensor], value_parts: l
 class CompressedCache(Cache):
     """A transformers `Cache` whose prompt part is compressed by a `Method` at prefill."""
 
-    def __init__(self, method: Method, num_layers: int, num_kv_heads: int, num_query_heads: int):
+    def __init__(self, method: Method, num_layers: int, num_kv_heads: int, num_query_heads: int,
+                 model_name: str = ""):
         super().__init__()
         self.method = method
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.num_query_heads = num_query_heads
         self.group = num_query_heads // num_kv_heads
+        self.model_shape = ModelShape(num_layers, num_query_heads, num_kv_heads, model_name)
         self.pad_lens: Optional[list[int]] = None
         self.prompt_len = 0  # padded prompt length
         self.prefix: list[Optional[list[KeptKV]]] = [None] * num_layers
         self.tail_keys: list[Optional[torch.Tensor]] = [None] * num_layers
         self.tail_values: list[Optional[torch.Tensor]] = [None] * num_layers
         self.layer_budgets_per_prompt: Optional[list[list[int]]] = None
+        # Layers scored but not yet gathered (allocations that need every layer's scores, e.g. ZigZagKV):
+        # layer -> (stored keys [B, H, n, D], stored values, scores [B, H, n] or None).
+        self._deferred: dict[int, tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = {}
+        self.peak_prefill_kv_bytes = 0   # most K/V bytes held at once during prefill (kept + deferred)
 
     # ---- transformers Cache API -------------------------------------------------------------
     def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
@@ -147,24 +154,30 @@ class CompressedCache(Cache):
     def is_prefilled(self, layer_idx: int) -> bool:
         return self.prefix[layer_idx] is not None
 
-    def _prompt_layer_budgets(self, real_lens: list[int]) -> list[list[int]]:
-        """Per prompt, the tokens each layer keeps. A prompt no longer than the method's
-        budget is not compressed in any layer (SnapKV's and PyramidKV's rule), even where a
-        layer's own share would be smaller."""
+    def _nominal_budget(self, real_len: int) -> int:
+        return self.method.prompt_budget(real_len) if self.method.needs_budget else real_len
+
+    def _prompt_layer_budgets(self, real_lens: list[int],
+                              layer_scores: Optional[list[list[torch.Tensor]]] = None) -> list[list[int]]:
+        """Per prompt, the tokens each layer keeps. A prompt no longer than the method's budget is
+        not compressed in any layer (SnapKV's and PyramidKV's rule), even where a layer's own share
+        would be smaller. layer_scores: per prompt, per layer [H, candidates] (allocations that need them)."""
         if self.layer_budgets_per_prompt is None:
             self.layer_budgets_per_prompt = []
-            for n in real_lens:
-                budget = self.method.prompt_budget(n) if self.method.needs_budget else n
+            for b, n in enumerate(real_lens):
+                budget = self._nominal_budget(n)
                 if n <= budget:
                     self.layer_budgets_per_prompt.append([n] * self.num_layers)
                 else:
-                    self.layer_budgets_per_prompt.append(self.method.layer_budgets(budget, self.num_layers, n))
+                    scores = layer_scores[b] if layer_scores is not None else None
+                    self.layer_budgets_per_prompt.append(self.method.layer_budgets(budget, self.num_layers, n, scores))
         return self.layer_budgets_per_prompt
 
     # ---- prefill: score, select, store ------------------------------------------------------
     @torch.no_grad()
     def compress_prompt(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Keep the selected prompt tokens of one layer.
+        """Keep the selected prompt tokens of one layer (or, for allocations that need every layer's
+        scores, hold the layer until the last one is scored, then gather all).
 
         queries: [B, Hq, n, D]; keys, values: [B, Hkv, n, D] (after RoPE).
         """
@@ -173,29 +186,69 @@ class CompressedCache(Cache):
             self.pad_lens = [0] * bsz
         self.prompt_len = n
         real_lens = [n - p for p in self.pad_lens]
-        budgets = [b[layer_idx] for b in self._prompt_layer_budgets(real_lens)]
         method = self.method
-        query_layout = method.gqa_layout == "query_head"
 
         stored_keys, stored_values = keys, values
-        if query_layout and self.group > 1:
+        if method.gqa_layout == "query_head" and self.group > 1:
             stored_keys = keys.repeat_interleave(self.group, dim=1)
             stored_values = values.repeat_interleave(self.group, dim=1)
         stored_heads = stored_keys.shape[1]
 
-        if any(real > budget for real, budget in zip(real_lens, budgets)):
+        scores = None
+        if any(real > self._nominal_budget(real) for real in real_lens):
             real = torch.arange(n, device=keys.device)[None, :] >= torch.tensor(self.pad_lens, device=keys.device)[:, None]
             scores = method.score(ScoreContext(layer_idx, self.num_layers, queries, keys, values, real))
-            scores = self._scores_for_layout(scores, stored_heads)
+            scores = self._scores_for_layout(scores, stored_heads)  # [B, H, n]
+        if method.layer_allocation.needs_scores:
+            self._deferred[layer_idx] = (stored_keys, stored_values, scores)
+            self._note_prefill_bytes()
+            if layer_idx == self.num_layers - 1:
+                self._gather_deferred(real_lens)
+            return
+        budgets = [b[layer_idx] for b in self._prompt_layer_budgets(real_lens)]
+        self.prefix[layer_idx] = self._select(layer_idx, stored_keys, stored_values, scores, budgets)
+        self._note_prefill_bytes()
+
+    def _gather_deferred(self, real_lens: list[int]) -> None:
+        """All layers are scored: allocate the layer budgets from their scores, then select and gather."""
+        window = self.method.window_size
+        layer_scores = []
+        for b, pad in enumerate(self.pad_lens):
+            n = self.prompt_len
+            if self._deferred[0][2] is None or real_lens[b] <= self._nominal_budget(real_lens[b]):
+                layer_scores.append(None)
+                continue
+            w = min(window, real_lens[b])
+            layer_scores.append([self._deferred[layer][2][b, :, pad:n - w] for layer in range(self.num_layers)])
+        self._prompt_layer_budgets(real_lens, layer_scores)
+        for layer in range(self.num_layers):
+            keys, values, scores = self._deferred.pop(layer)
+            budgets = [b[layer] for b in self.layer_budgets_per_prompt]
+            self.prefix[layer] = self._select(layer, keys, values, scores, budgets)
+
+    def _select(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, scores: Optional[torch.Tensor],
+                budgets: list[int]) -> list[KeptKV]:
+        """Per prompt: split its layer budget over the heads, select, gather.
+
+        keys, values: [B, H, n, D] stored heads; scores: [B, H, n] (None when nothing is compressed)."""
+        n = keys.shape[2]
         kept = []
-        for b in range(bsz):
-            pad = self.pad_lens[b]
-            if real_lens[b] <= budgets[b]:
-                positions = [torch.arange(pad, n, device=keys.device)] * stored_heads
+        for b, pad in enumerate(self.pad_lens):
+            real_len = n - pad
+            if real_len <= budgets[b]:
+                positions = [torch.arange(pad, n, device=keys.device)] * keys.shape[1]
             else:
-                positions = select_kept_positions(scores[b], pad, [budgets[b]] * stored_heads, method.window_size)
-            kept.append(self._gather(stored_keys[b], stored_values[b], positions, pad))
-        self.prefix[layer_idx] = kept
+                w = min(self.method.window_size, real_len)
+                head_budgets = self.method.head_budgets(scores[b, :, pad:n - w], budgets[b], layer_idx,
+                                                        self.model_shape)
+                positions = select_kept_positions(scores[b], pad, head_budgets, self.method.window_size)
+            kept.append(self._gather(keys[b], values[b], positions, pad))
+        return kept
+
+    def _note_prefill_bytes(self) -> None:
+        held = sum(k.nbytes() for layer in self.prefix if layer is not None for k in layer)
+        held += sum(t.numel() * t.element_size() for k, v, _ in self._deferred.values() for t in (k, v))
+        self.peak_prefill_kv_bytes = max(self.peak_prefill_kv_bytes, held)
 
     def _scores_for_layout(self, scores: torch.Tensor, stored_heads: int) -> torch.Tensor:
         """Bring [B, Hq|Hkv, n] scores to one row per stored head."""

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 
+from pyramidkv.methods.adakv import AdaKV, AdaPyramidKV
 from pyramidkv.methods.base import Method, ScoreContext
 from pyramidkv.methods.fullkv import FullKV
 from pyramidkv.methods.h2o import H2O
+from pyramidkv.methods.headkv import HeadKV
 from pyramidkv.methods.l2norm import L2Norm
 from pyramidkv.methods.pyramidkv import PyramidKV
 from pyramidkv.methods.snapkv import SnapKV
 from pyramidkv.methods.streamingllm import StreamingLLM
+from pyramidkv.methods.zigzagkv import ZigZagKV
 
 METHODS: dict[str, type[Method]] = {
-    cls.name: cls for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, L2Norm)
+    cls.name: cls for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, L2Norm, AdaKV, AdaPyramidKV, HeadKV,
+                              ZigZagKV)
 }
 
 
@@ -30,13 +34,43 @@ def get_method_class(name: str) -> type[Method]:
 
 
 def make_method(name: str, **settings) -> Method:
-    """Build a method by name. Settings that the method does not have are an error, never ignored."""
+    """Build a method by name. Settings that the method does not have are an error, never ignored.
+
+    Allocation settings go to the method's allocators: `make_method("h2o", budget=128,
+    head_allocation="adakv", floor_ratio=0.3)` builds AdaKVHeads(floor_ratio=0.3); an allocation may be
+    given by name or as an allocator object.
+    """
+    from pyramidkv.allocation import make_head_allocation, make_layer_allocation
+
     cls = get_method_class(name)
     allowed = method_options(name)
-    unknown = sorted(set(settings) - set(allowed))
-    if unknown:
-        raise ValueError(f"{cls.name} has no setting {', '.join(map(repr, unknown))}; its settings are: {', '.join(allowed)}")
-    return cls(**settings)
+    own = {k: v for k, v in settings.items() if k in allowed}
+    rest = {k: v for k, v in settings.items() if k not in allowed}
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    for field, build in (("head_allocation", make_head_allocation), ("layer_allocation", make_layer_allocation)):
+        chosen = own.get(field, defaults[field])
+        chosen_name = chosen if isinstance(chosen, str) else chosen.name
+        kind = build(chosen_name) if isinstance(chosen, str) else chosen
+        mine = {k: rest.pop(k) for k in [k for k in rest if k in {f.name for f in dataclasses.fields(kind)}]}
+        if mine:
+            own[field] = dataclasses.replace(kind, **mine)
+    if rest:
+        raise ValueError(f"{cls.name} has no setting {', '.join(map(repr, sorted(rest)))}; its settings are: "
+                         f"{', '.join(allowed)}, plus those of its head_allocation and layer_allocation "
+                         f"({_allocation_settings_hint()})")
+    return cls(**own)
+
+
+def _allocation_settings_hint() -> str:
+    from pyramidkv.allocation import HEAD_ALLOCATIONS, LAYER_ALLOCATIONS
+
+    parts = []
+    for table in (HEAD_ALLOCATIONS, LAYER_ALLOCATIONS):
+        for alloc_name, alloc in table.items():
+            names = [f.name for f in dataclasses.fields(alloc)]
+            if names:
+                parts.append(f"{alloc_name}: {', '.join(names)}")
+    return "; ".join(parts)
 
 
 __all__ = ["METHODS", "Method", "ScoreContext", "make_method", "get_method_class", "method_options"]

@@ -21,6 +21,9 @@ from typing import ClassVar, Optional
 
 import torch
 
+from pyramidkv.allocation.base import HeadAllocation, LayerAllocation, ModelShape
+from pyramidkv.allocation.uniform import UniformHeads, UniformLayers
+
 GQA_LAYOUTS = ("kv_head", "query_head")
 GQA_REDUCTIONS = ("mean", "max", "sum")
 
@@ -49,14 +52,15 @@ class SettingTypeError(TypeError, ValueError):
     """A method setting of the wrong type (a ValueError too, so callers catching bad settings catch it)."""
 
 
-def _type_error(method: "Method", field: str, value, expected: str) -> SettingTypeError:
-    return SettingTypeError(f"{method.name or type(method).__name__}: {SETTING_LABELS.get(field, field)} must be "
-                            f"{expected}, got {value!r} ({type(value).__name__})")
+def _type_error(owner: str, field: str, value, expected: str) -> SettingTypeError:
+    return SettingTypeError(f"{owner}: {SETTING_LABELS.get(field, field)} must be {expected}, "
+                            f"got {value!r} ({type(value).__name__})")
 
 
-def check_setting_type(method: "Method", field: str, value, annotation) -> None:
+def check_setting_type(owner: str, field: str, value, annotation) -> None:
     """Check one setting against its annotation: int (not bool), float (finite, int allowed), str,
-    bool, or Optional[...] of those. Raises SettingTypeError naming the setting and the value."""
+    bool, a class (an instance of it), or Optional[...] of those. Raises SettingTypeError naming
+    the owner, the setting and the value."""
     if typing.get_origin(annotation) is typing.Union:
         options = [a for a in typing.get_args(annotation) if a is not type(None)]
         if value is None:
@@ -64,16 +68,25 @@ def check_setting_type(method: "Method", field: str, value, annotation) -> None:
         annotation = options[0]
     if annotation is bool:
         if not isinstance(value, bool):
-            raise _type_error(method, field, value, "True or False")
+            raise _type_error(owner, field, value, "True or False")
     elif annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise _type_error(method, field, value, "an integer")
+            raise _type_error(owner, field, value, "an integer")
     elif annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise _type_error(method, field, value, "a finite number")
+            raise _type_error(owner, field, value, "a finite number")
     elif annotation is str:
         if not isinstance(value, str):
-            raise _type_error(method, field, value, "a string")
+            raise _type_error(owner, field, value, "a string")
+    elif isinstance(annotation, type) and not isinstance(value, annotation):
+        raise _type_error(owner, field, value, f"a {annotation.__name__}")
+
+
+def check_setting_types(obj, owner: str) -> None:
+    """check_setting_type for every field of a settings dataclass."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        check_setting_type(owner or type(obj).__name__, f.name, getattr(obj, f.name), hints[f.name])
 
 
 @dataclass(frozen=True)
@@ -97,11 +110,18 @@ class Method:
     window_size: int = 32
     gqa_layout: str = "kv_head"
     gqa_reduce: str = "mean"
+    head_allocation: HeadAllocation = UniformHeads()
+    layer_allocation: LayerAllocation = UniformLayers()
 
     def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            check_setting_type(self, f.name, getattr(self, f.name), hints[f.name])
+        from pyramidkv.allocation import make_head_allocation, make_layer_allocation
+
+        # An allocation may be given by name ("adakv"): it gets that allocator with its defaults.
+        if isinstance(self.head_allocation, str):
+            object.__setattr__(self, "head_allocation", make_head_allocation(self.head_allocation))
+        if isinstance(self.layer_allocation, str):
+            object.__setattr__(self, "layer_allocation", make_layer_allocation(self.layer_allocation))
+        check_setting_types(self, self.name)
         self.validate()
 
     # --- the two questions a method answers -------------------------------------------------
@@ -109,11 +129,23 @@ class Method:
         """[B, Hq or Hkv, n] importance of each prompt position (higher = keep)."""
         raise NotImplementedError
 
-    def layer_budgets(self, budget: int, num_layers: int, prompt_len: int) -> list[int]:
+    def layer_budgets(self, budget: int, num_layers: int, prompt_len: int,
+                      layer_scores: Optional[list[torch.Tensor]] = None) -> list[int]:
         """Tokens kept by each layer (window included) for a prompt of `prompt_len` real tokens,
-        called only when prompt_len > budget. Uniform unless overridden; a layer given
-        `prompt_len` keeps the whole prompt."""
-        return [budget] * num_layers
+        called only when prompt_len > budget: the window plus the layer allocation's share.
+        layer_scores (per layer [H, prompt_len - window]) only for allocations that need them.
+        A layer given `prompt_len` keeps the whole prompt."""
+        selected = self.layer_allocation.selected_per_layer(budget - self.window_size, num_layers, prompt_len,
+                                                            prompt_len - self.window_size, layer_scores)
+        return [self.window_size + count for count in selected]
+
+    def head_budgets(self, scores: torch.Tensor, layer_budget: int, layer_idx: int, model: ModelShape) -> list[int]:
+        """Tokens kept by each stored head of a layer (window included), summing to H x layer_budget.
+        scores: [H, candidates] of one prompt (the window excluded)."""
+        if isinstance(self.head_allocation, UniformHeads):
+            return [layer_budget] * scores.shape[0]
+        selected = self.head_allocation.selected_per_head(scores, layer_budget - self.window_size, layer_idx, model)
+        return [self.window_size + count for count in selected]
 
     # --- budget handling ---------------------------------------------------------------------
     def prompt_budget(self, real_len: int) -> int:
@@ -129,7 +161,14 @@ class Method:
             raise ValueError(f"gqa_reduce must be one of {'|'.join(GQA_REDUCTIONS)}, got {self.gqa_reduce!r}")
         if self.window_size < 0:
             raise ValueError(f"window_size must be an integer >= 0, got {self.window_size!r}")
+        if self.head_allocation.global_over_layers and not isinstance(self.layer_allocation, UniformLayers):
+            raise ValueError(f"head_allocation={self.head_allocation.name!r} splits the budget over all layers and "
+                             f"heads at once; it cannot be combined with layer_allocation="
+                             f"{self.layer_allocation.name!r} (use layer_allocation='uniform')")
         if not self.needs_budget:
+            if not isinstance(self.head_allocation, UniformHeads) or not isinstance(self.layer_allocation, UniformLayers):
+                raise ValueError(f"{self.name} keeps every token; it takes no budget allocation (got head_allocation="
+                                 f"{self.head_allocation.name!r}, layer_allocation={self.layer_allocation.name!r})")
             if self.budget is not None or self.budget_ratio is not None:
                 raise ValueError(f"{self.name} keeps every token; it takes no budget (got budget={self.budget}, "
                                  f"budget_ratio={self.budget_ratio})")
@@ -148,5 +187,8 @@ class Method:
                 raise ValueError(f"budget_ratio (max_capacity_prompts_ratio) must be in (0, 1], got {self.budget_ratio!r}")
 
     def describe(self) -> dict:
-        """The full configuration, for run_meta.json."""
-        return {"method": self.name, **dataclasses.asdict(self)}
+        """The full configuration, for run_meta.json (allocations as {"name", settings...})."""
+        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        settings["head_allocation"] = self.head_allocation.describe()
+        settings["layer_allocation"] = self.layer_allocation.describe()
+        return {"method": self.name, **settings}

@@ -26,8 +26,9 @@ class L2Norm(Method):
             raise ValueError(f"skip_layers must be an integer >= 0 (the first layers left uncompressed), "
                              f"got {self.skip_layers}")
 
-    def layer_budgets(self, budget: int, num_layers: int, prompt_len: int) -> list[int]:
-        return [prompt_len if layer < self.skip_layers else budget for layer in range(num_layers)]
+    def layer_budgets(self, budget, num_layers, prompt_len, layer_scores=None):
+        budgets = super().layer_budgets(budget, num_layers, prompt_len, layer_scores)
+        return [prompt_len if layer < self.skip_layers else b for layer, b in enumerate(budgets)]
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         return -ctx.keys.float().norm(dim=-1)  # [B, Hkv, n]

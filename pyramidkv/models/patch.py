@@ -17,6 +17,7 @@ import types
 
 from transformers.cache_utils import Cache
 
+from pyramidkv.allocation.base import ModelShape
 from pyramidkv.core.cache import CompressedCache
 from pyramidkv.methods.base import Method
 from pyramidkv.models import llama, mistral
@@ -53,6 +54,11 @@ class CompressionPatch:
         sliding = getattr(model.config, "sliding_window", None)
         if model_type == "mistral" and sliding is not None:
             logger.warning("config.sliding_window=%s is not applied to the compressed cache during decoding", sliding)
+        check_allocation = getattr(method.head_allocation, "check_model", None)
+        if check_allocation is not None:  # e.g. HeadKV's table: missing or misshapen fails here, not mid-run
+            config = model.config
+            check_allocation(ModelShape(config.num_hidden_layers, config.num_attention_heads,
+                                        config.num_key_value_heads, getattr(config, "_name_or_path", "") or ""))
         self.model = model
         self.method = method
         self.glue = MODEL_GLUE[model_type]
@@ -94,7 +100,7 @@ class CompressionPatch:
     def new_cache(self) -> CompressedCache:
         config = self.model.config
         return CompressedCache(self.method, config.num_hidden_layers, config.num_key_value_heads,
-                               config.num_attention_heads)
+                               config.num_attention_heads, model_name=getattr(config, "_name_or_path", "") or "")
 
     def _provide_cache(self, module, args, kwargs):
         cache = kwargs.get("past_key_values")
