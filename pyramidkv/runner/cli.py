@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from pyramidkv.allocation import HEAD_ALLOCATIONS, LAYER_ALLOCATIONS, Allocation
 from pyramidkv.methods import METHODS, Method, make_method
 from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
 
@@ -29,6 +30,14 @@ METHOD_FLAGS = {
     "gqa_reduce": "gqa_reduce",
     "gqa_pooling": "gqa_pooling",
     "skip_layers": "skip_layers",
+    "head_allocation": "head_allocation",
+    "layer_allocation": "layer_allocation",
+    "floor": "floor_ratio",
+    "normalize": "normalize",
+    "head_path": "head_scores",
+    "head_beta": "head_beta",
+    "attention_threshold": "attention_threshold",
+    "b_bound_ratio": "b_bound_ratio",
 }
 
 
@@ -51,7 +60,8 @@ def add_model_and_method_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--window_sizes", type=int, default=None, help="observation window (method default if unset)")
     m.add_argument("--kernel_sizes", type=int, default=None, help="SnapKV/PyramidKV pooling kernel")
     m.add_argument("--pooling", choices=["max", "avg"], default=None)
-    m.add_argument("--beta", type=float, default=None, help="PyramidKV: min layer budget = (budget - window) / beta")
+    m.add_argument("--beta", type=float, default=None,
+                   help="pyramid layer allocation: min layer budget = (budget - window) / beta (default 20)")
     m.add_argument("--num_sinks", type=int, default=None, help="StreamingLLM sink tokens")
     m.add_argument("--gqa_layout", choices=["kv_head", "query_head"], default=None)
     m.add_argument("--gqa_reduce", choices=["mean", "max", "sum"], default=None)
@@ -60,6 +70,24 @@ def add_model_and_method_args(parser: argparse.ArgumentParser) -> None:
                         "(the public code's order, default) or pool each query head first")
     m.add_argument("--skip_layers", type=int, default=None,
                    help="L2Norm: the first N layers keep the whole prompt (paper default 2)")
+    a = parser.add_argument_group("budget allocation (any method; defaults: the method's own)")
+    a.add_argument("--head_allocation", choices=list(HEAD_ALLOCATIONS), default=None,
+                   help="split each layer's budget across heads: uniform, adakv (AdaKV), headkv (HeadKV table)")
+    a.add_argument("--layer_allocation", choices=list(LAYER_ALLOCATIONS), default=None,
+                   help="split the budget across layers: uniform, pyramid (PyramidKV), zigzag (ZigZagKV)")
+    a.add_argument("--floor", type=float, default=None,
+                   help="adakv: floor_ratio, the share of the uniform budget every head keeps at least (default 0.2)")
+    a.add_argument("--normalize", action="store_true", default=None,
+                   help="adakv: scale each head's scores by its top-budget mass before the global top-k")
+    a.add_argument("--head_path", default=None,
+                   help="headkv: head-score table (HeadKV JSON; default: the table shipped for the model, "
+                        "else make one with scripts/head_scores.py)")
+    a.add_argument("--head_beta", type=float, default=None,
+                   help="headkv: each head keeps at least s - s // head_beta selected tokens (default 1.01)")
+    a.add_argument("--attention_threshold", type=float, default=None,
+                   help="zigzag: score mass LMBA counts (default 0.9)")
+    a.add_argument("--b_bound_ratio", type=float, default=None,
+                   help="zigzag: each layer's guaranteed share of the uniform budget (default 0.2)")
     r = parser.add_argument_group("run")
     r.add_argument("--num_threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is faster on a busy shared CPU)")
@@ -139,7 +167,8 @@ def method_label(method: Method) -> str:
             default = dataclasses.MISSING
         value = getattr(method, field.name)
         if value != default:
-            parts.append(f"{field.name}={_setting_text(value)}")
+            text = _setting_text(value.label() if isinstance(value, Allocation) else value)
+            parts.append(f"{field.name}={text}")
     return "_".join(parts)
 
 
