@@ -11,7 +11,7 @@ out of range, an empty prompt or an unknown highlight raise one error naming the
 on first use.
 """
 
-from pyramidkv.viz.data import Prompt, ScoreCurve, attention_weights, prefill, score_curve, tokenize
+from pyramidkv.viz.data import Prompt, allocation_variants, ScoreCurve, attention_weights, prefill, score_curve, tokenize
 from pyramidkv.viz.plots import (
     AttentionMap, BudgetMap, KeptTokenMap, Plot, budget_maps, describe_figure, kept_token_maps,
     plot_attention_map, plot_budget_maps, plot_kept_tokens, plot_score_curve,
@@ -26,7 +26,7 @@ def plot_needle_heatmap(run_dir, metric: str = "rouge1_f", annotate: bool = Fals
 
 
 __all__ = [
-    "AttentionMap", "BudgetMap", "KeptTokenMap", "Plot", "Prompt", "ScoreCurve", "attention_weights",
+    "AttentionMap", "BudgetMap", "allocation_variants", "KeptTokenMap", "Plot", "Prompt", "ScoreCurve", "attention_weights",
     "budget_maps", "describe_figure", "kept_token_maps", "plot_attention_map", "plot_budget_maps",
     "plot_kept_tokens", "plot_needle_heatmap", "plot_score_curve", "prefill", "score_curve", "tokenize",
 ]

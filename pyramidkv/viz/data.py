@@ -87,6 +87,22 @@ def highlight_positions(prompt: Prompt, highlight: Optional[str | Sequence[int]]
     return positions
 
 
+# ---- methods ---------------------------------------------------------------------------------------
+def allocation_variants(name: str, **settings) -> dict[str, Method]:
+    """The method `name` under every budget allocator that exists: one entry per (layer allocation,
+    head allocation) of `pyramidkv.allocation`'s registries, or just the method itself (uniform
+    budgets) where that package has no registries yet. Labels name the allocation."""
+    from pyramidkv import allocation, make_method
+
+    layer_allocations = getattr(allocation, "LAYER_ALLOCATIONS", None)
+    head_allocations = getattr(allocation, "HEAD_ALLOCATIONS", None)
+    if not layer_allocations or not head_allocations:
+        return {name: make_method(name, **settings)}
+    build = getattr(allocation, "make_method", make_method)
+    return {f"{name} layer={layer} head={head}": build(name, layer_allocation=layer, head_allocation=head, **settings)
+            for layer in layer_allocations for head in head_allocations}
+
+
 # ---- model helpers ---------------------------------------------------------------------------------
 def num_layers(model) -> int:
     return model.config.num_hidden_layers
