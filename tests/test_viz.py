@@ -209,13 +209,21 @@ def test_register_method_refuses_duplicates_and_non_frozen():
     with pytest.raises(ValueError, match="a method named 'snapkv' is already registered"):
         register_method(type(make_method("snapkv", budget=64)))
 
-    @dataclasses.dataclass
-    class Mutable(Method):
-        name = "mutable_test_method"
+    class Undecorated(Method):  # no @dataclass: its settings would silently not be fields
+        name = "undecorated_test_method"
 
-    with pytest.raises(TypeError, match=r"must be declared with @dataclass\(frozen=True\)"):
-        register_method(Mutable)
-    assert "mutable_test_method" not in METHODS
+    with pytest.raises(TypeError, match=r"Undecorated must be declared with @dataclass\(frozen=True\)"):
+        register_method(Undecorated)
+
+    @dataclasses.dataclass(frozen=True)
+    class BadName(Method):
+        name = "Bad Name"
+
+    with pytest.raises(ValueError, match="name must be a lowercase identifier, got 'Bad Name'"):
+        register_method(BadName)
+    with pytest.raises(TypeError, match="register_method takes a subclass of pyramidkv Method"):
+        register_method(dict)
+    assert "undecorated_test_method" not in METHODS and "Bad Name" not in METHODS
 
 
 # ---- needle heatmap from the same module ------------------------------------------------------------

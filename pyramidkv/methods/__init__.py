@@ -35,7 +35,7 @@ def register_method(cls: type[Method]) -> type[Method]:
     dataclass subclassing Method with a lowercase `name` that is not registered yet."""
     if not (isinstance(cls, type) and issubclass(cls, Method)):
         raise TypeError(f"register_method takes a subclass of pyramidkv Method, got {cls!r}")
-    if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):
+    if "__dataclass_params__" not in vars(cls) or not cls.__dataclass_params__.frozen:  # its own decorator
         raise TypeError(f"{cls.__qualname__} must be declared with @dataclass(frozen=True)")
     name = cls.name
     if not isinstance(name, str) or not name or name != name.lower() or not name.isidentifier():
