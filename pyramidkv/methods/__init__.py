@@ -33,6 +33,24 @@ def get_method_class(name: str) -> type[Method]:
     return METHODS[key]
 
 
+def register_method(cls: type[Method]) -> type[Method]:
+    """Add a method class to METHODS under its `name`, so make_method, the CLI flags and the method
+    listing find it; returns the class (usable as a decorator). The class must be a frozen
+    dataclass subclassing Method with a lowercase `name` that is not registered yet."""
+    if not (isinstance(cls, type) and issubclass(cls, Method)):
+        raise TypeError(f"register_method takes a subclass of pyramidkv Method, got {cls!r}")
+    if "__dataclass_params__" not in vars(cls) or not cls.__dataclass_params__.frozen:  # its own decorator
+        raise TypeError(f"{cls.__qualname__} must be declared with @dataclass(frozen=True)")
+    name = cls.name
+    if not isinstance(name, str) or not name or name != name.lower() or not name.isidentifier():
+        raise ValueError(f"{cls.__qualname__}.name must be a lowercase identifier, got {name!r}")
+    if name in METHODS:
+        raise ValueError(f"a method named {name!r} is already registered ({METHODS[name].__qualname__}); "
+                         f"choose another name")
+    METHODS[name] = cls
+    return cls
+
+
 def make_method(name: str, **settings) -> Method:
     """Build a method by name. Settings that the method does not have are an error, never ignored.
 
@@ -73,4 +91,4 @@ def _allocation_settings_hint() -> str:
     return "; ".join(parts)
 
 
-__all__ = ["METHODS", "Method", "ScoreContext", "make_method", "get_method_class", "method_options"]
+__all__ = ["METHODS", "Method", "ScoreContext", "make_method", "register_method", "get_method_class", "method_options"]
