@@ -30,7 +30,7 @@ from pyramidkv.runner.cli import (
 from pyramidkv.runner.results import (
     ResultsWriter, atomic_write_json, read_text_file, read_unique_rows, write_run_meta,
 )
-from pyramidkv.runner.run_folder import check_writable, disk_full_message, open_run_folder
+from pyramidkv.runner.run_folder import check_writable, exit_on_disk_full, open_run_folder
 
 RESULTS_FILE = "needle.jsonl"
 SCORE_KEYS = tuple(nd.SCORES)             # rouge1_f, recall, harness_rouge1_x10, harness_word_recall
@@ -155,12 +155,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except INPUT_ERRORS as e:
         fail(parser, e)
     try:
-        return _run(args, method, builder, model_version, lengths, depths, out_dir, fingerprint)
-    except OSError as e:
-        message = disk_full_message(out_dir, e)
-        if message is None:
-            raise
-        sys.exit(message)
+        with exit_on_disk_full(out_dir):
+            return _run(args, method, builder, model_version, lengths, depths, out_dir, fingerprint)
     finally:
         lock.release()
 

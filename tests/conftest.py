@@ -43,3 +43,21 @@ def tiny_model_dir(tmp_path_factory, smollm2_path) -> str:
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def eager_setup(smollm2_path):
+    """(eager model, ids, attentions, keys) of a ~400-token prompt: the material of the reference tests.
+
+    attentions: per layer the [Hq, n, n] attention probabilities transformers returns; keys: per layer
+    the [Hkv, n, D] post-RoPE keys of an ordinary DynamicCache (both float64 numpy)."""
+    from pyramidkv import load_model
+    from tests.prompts import STORY
+
+    model, tokenizer = load_model(smollm2_path, attn_implementation="eager", device="cpu")
+    ids = tokenizer(STORY * 2, return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        out = model(ids, output_attentions=True, use_cache=True)
+    attentions = [a[0].double().numpy() for a in out.attentions]
+    keys = [out.past_key_values[l][0][0].double().numpy() for l in range(len(attentions))]
+    return model, ids, attentions, keys

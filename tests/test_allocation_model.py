@@ -12,7 +12,7 @@ from pyramidkv.generation import generate
 from tests import reference as ref
 from tests.prompts import STORY, passkey_prompt
 from tests.test_allocation import adakv_reference, largest_remainder, lmba_reference
-from tests.test_selection_reference import eager_setup, kept_by_pyramidkv  # noqa: F401  (fixture)
+from tests.helpers import prefill
 
 BUDGET, WINDOW, KERNEL = 64, 16, 5
 S = BUDGET - WINDOW
@@ -46,7 +46,7 @@ def test_adakv_kept_positions_match_reference(eager_setup, name, settings, layou
     n, num_layers, num_kv = ids.shape[1], len(attentions), keys[0].shape[0]
     extra = {} if name == "h2o" else {"kernel_size": KERNEL}
     method = make_method(name, budget=BUDGET, window_size=WINDOW, gqa_layout=layout, **extra, **settings)
-    cache = kept_by_pyramidkv(model, ids, method)
+    cache = prefill(model, ids, method)
     if name == "ada_pyramidkv":
         layer_selected = ref.pyramid_counts(S, num_layers, 20)
     else:
@@ -68,7 +68,7 @@ def test_adakv_kept_positions_match_reference(eager_setup, name, settings, layou
 def test_zigzag_kept_positions_match_reference(eager_setup):
     model, ids, attentions, keys = eager_setup
     n, num_layers, num_kv = ids.shape[1], len(attentions), keys[0].shape[0]
-    cache = kept_by_pyramidkv(model, ids, make_method("zigzagkv", budget=BUDGET, window_size=WINDOW,
+    cache = prefill(model, ids, make_method("zigzagkv", budget=BUDGET, window_size=WINDOW,
                                                       kernel_size=KERNEL))
     scores = [layer_scores("zigzagkv", attentions[l], keys[l], num_kv, "kv_head") for l in range(num_layers)]
     values = np.array([lmba_reference(s, 0.9) for s in scores])
@@ -85,8 +85,8 @@ def test_zigzag_kept_positions_match_reference(eager_setup):
 
 def test_floor_ratio_one_is_plain_snapkv(eager_setup):
     model, ids, _, _ = eager_setup
-    plain = kept_by_pyramidkv(model, ids, make_method("snapkv", budget=BUDGET, window_size=WINDOW))
-    uniform = kept_by_pyramidkv(model, ids, make_method("adakv", budget=BUDGET, window_size=WINDOW, floor_ratio=1.0))
+    plain = prefill(model, ids, make_method("snapkv", budget=BUDGET, window_size=WINDOW))
+    uniform = prefill(model, ids, make_method("adakv", budget=BUDGET, window_size=WINDOW, floor_ratio=1.0))
     for layer in range(model.config.num_hidden_layers):
         for a, b in zip(plain.kept_positions(layer), uniform.kept_positions(layer)):
             assert a.tolist() == b.tolist()

@@ -15,7 +15,7 @@ from pyramidkv import compress, load_model, make_method
 from pyramidkv.allocation import ModelShape
 from tests import reference as ref
 from tests.test_allocation import largest_remainder
-from tests.test_selection_reference import eager_setup, kept_by_pyramidkv  # noqa: F401  (fixture)
+from tests.helpers import prefill
 
 PACKAGED = Path(__file__).resolve().parents[1] / "pyramidkv/allocation/data/head_scores/smollm2-135m_reasoning.json"
 
@@ -67,7 +67,7 @@ def test_headkv_on_smollm2_matches_the_packaged_table(eager_setup):
     budget, window, kernel = 64, 16, 5
     n, num_layers, num_kv, num_q = ids.shape[1], len(attentions), keys[0].shape[0], attentions[0].shape[0]
     method = make_method("headkv", budget=budget, window_size=window, kernel_size=kernel)
-    cache = kept_by_pyramidkv(model, ids, method)
+    cache = prefill(model, ids, method)
     counts = packaged_reference(num_layers, num_q, num_kv, budget - window, n - window)
     assert counts.sum() == num_layers * num_kv * (budget - window)
     assert len(set(counts.reshape(-1).tolist())) > 5                  # really ragged

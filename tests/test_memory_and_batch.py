@@ -5,17 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyramidkv import compress, make_method
+from pyramidkv import make_method
 from pyramidkv.generation import generate
+from tests.helpers import prefill
 from tests.prompts import STORY, passkey_prompt
-
-
-def prefill(model, ids, method, attention_mask=None):
-    with compress(model, method) as patch:
-        cache = patch.new_cache()
-        with torch.no_grad():
-            model(ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
-    return cache
 
 
 @pytest.mark.parametrize("layout,stored_heads", [("kv_head", 3), ("query_head", 9)])

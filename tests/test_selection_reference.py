@@ -9,32 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
-from pyramidkv import compress, load_model, make_method
+from pyramidkv import make_method
 from tests import reference as ref
-from tests.prompts import STORY
+from tests.helpers import prefill
 
 BUDGET, WINDOW, KERNEL = 64, 16, 5
-
-
-@pytest.fixture(scope="module")
-def eager_setup(smollm2_path):
-    model, tokenizer = load_model(smollm2_path, attn_implementation="eager", device="cpu")
-    ids = tokenizer(STORY * 2, return_tensors="pt", add_special_tokens=False).input_ids
-    with torch.no_grad():
-        out = model(ids, output_attentions=True, use_cache=True)
-    attentions = [a[0].double().numpy() for a in out.attentions]           # L x [Hq, n, n]
-    keys = [out.past_key_values[l][0][0].double().numpy() for l in range(len(attentions))]  # [Hkv, n, D]
-    return model, ids, attentions, keys
-
-
-def kept_by_pyramidkv(model, ids, method):
-    with compress(model, method) as patch:
-        cache = patch.new_cache()
-        with torch.no_grad():
-            model(ids, past_key_values=cache, use_cache=True)
-    return cache
 
 
 def reference_scores(name, attn, keys, kernel, pooling):
@@ -65,7 +45,7 @@ def test_kept_positions_match_reference(eager_setup, name, settings, layout):
     num_q, num_kv = attentions[0].shape[0], keys[0].shape[0]
     group = num_q // num_kv
     method = make_method(name, budget=BUDGET, window_size=WINDOW, gqa_layout=layout, **settings)
-    cache = kept_by_pyramidkv(model, ids, method)
+    cache = prefill(model, ids, method)
 
     if name == "pyramidkv":
         budgets = [WINDOW + c for c in ref.pyramid_counts(BUDGET - WINDOW, num_layers, 20)]
@@ -98,7 +78,7 @@ def test_streamingllm_keeps_sinks_and_recent(eager_setup):
     model, ids, attentions, _ = eager_setup
     n = ids.shape[1]
     for sinks in (4, 0):
-        cache = kept_by_pyramidkv(model, ids, make_method("streamingllm", budget=BUDGET, num_sinks=sinks))
+        cache = prefill(model, ids, make_method("streamingllm", budget=BUDGET, num_sinks=sinks))
         expected = set(range(sinks)) | set(range(n - (BUDGET - sinks), n))
         for layer in range(len(attentions)):
             for positions in cache.kept_positions(layer):
@@ -110,7 +90,7 @@ def test_gqa_reduce_max_and_sum(eager_setup):
     num_kv = keys[0].shape[0]
     for how in ("max", "sum"):
         method = make_method("snapkv", budget=BUDGET, window_size=WINDOW, kernel_size=KERNEL, gqa_reduce=how)
-        cache = kept_by_pyramidkv(model, ids, method)
+        cache = prefill(model, ids, method)
         for layer in (0, 14, 29):
             scores = ref.snapkv_scores_reduce_then_pool(attentions[layer], num_kv, how, WINDOW, KERNEL, "max")
             n = ids.shape[1]
@@ -125,7 +105,7 @@ def test_gqa_pooling_before_reduce_pools_each_query_head_first(eager_setup):
     n, num_kv = ids.shape[1], keys[0].shape[0]
     method = make_method("snapkv", budget=BUDGET, window_size=WINDOW, kernel_size=KERNEL,
                          gqa_pooling="before_reduce")
-    cache = kept_by_pyramidkv(model, ids, method)
+    cache = prefill(model, ids, method)
     differs = 0
     for layer in range(len(attentions)):
         pooled_first = ref.reduce_groups(ref.snapkv_scores(attentions[layer], WINDOW, KERNEL, "max"), num_kv, "mean")
@@ -143,7 +123,7 @@ def test_l2norm_defaults_follow_the_paper(eager_setup):
     model, ids, attentions, keys = eager_setup
     n = ids.shape[1]
     method = make_method("l2norm", budget=BUDGET)
-    cache = kept_by_pyramidkv(model, ids, method)
+    cache = prefill(model, ids, method)
     for layer in range(len(attentions)):
         for head, positions in enumerate(cache.kept_positions(layer)):
             positions = set(positions.tolist())

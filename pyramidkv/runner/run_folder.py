@@ -18,6 +18,7 @@ import os
 import socket
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -259,6 +260,19 @@ def _stored_fingerprint(folder: Path) -> Optional[dict]:
 
 
 # --- disk full ---------------------------------------------------------------------------------
+
+@contextmanager
+def exit_on_disk_full(folder: Path):
+    """Inside: a full disk (or quota) while writing `folder` ends the run with one line saying what
+    was kept and that a rerun resumes (disk_full_message); any other OSError propagates."""
+    try:
+        yield
+    except OSError as e:
+        message = disk_full_message(folder, e)
+        if message is None:
+            raise
+        sys.exit(message)
+
 
 def disk_full_message(folder: Path, error: OSError) -> Optional[str]:
     """One line for a full disk (or quota) while writing `folder`; None for any other OSError."""

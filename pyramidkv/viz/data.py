@@ -89,18 +89,16 @@ def highlight_positions(prompt: Prompt, highlight: Optional[str | Sequence[int]]
 
 # ---- methods ---------------------------------------------------------------------------------------
 def allocation_variants(name: str, **settings) -> dict[str, Method]:
-    """The method `name` under every budget allocator that exists: one entry per (layer allocation,
-    head allocation) of `pyramidkv.allocation`'s registries, or just the method itself (uniform
-    budgets) where that package has no registries yet. Labels name the allocation."""
-    from pyramidkv import allocation, make_method
+    """The method `name` under every budget allocation: one entry per (layer allocation, head
+    allocation) of `pyramidkv.allocation`'s registries that can be combined (a head allocation that
+    spans all layers, HeadKV, only with uniform layers). Labels name the allocation."""
+    from pyramidkv import make_method
+    from pyramidkv.allocation import HEAD_ALLOCATIONS, LAYER_ALLOCATIONS
 
-    layer_allocations = getattr(allocation, "LAYER_ALLOCATIONS", None)
-    head_allocations = getattr(allocation, "HEAD_ALLOCATIONS", None)
-    if not layer_allocations or not head_allocations:
-        return {name: make_method(name, **settings)}
-    build = getattr(allocation, "make_method", make_method)
-    return {f"{name} layer={layer} head={head}": build(name, layer_allocation=layer, head_allocation=head, **settings)
-            for layer in layer_allocations for head in head_allocations}
+    return {f"{name} layer={layer} head={head}": make_method(name, layer_allocation=layer, head_allocation=head,
+                                                             **settings)
+            for layer in LAYER_ALLOCATIONS for head, head_cls in HEAD_ALLOCATIONS.items()
+            if layer == "uniform" or not head_cls.global_over_layers}
 
 
 # ---- model helpers ---------------------------------------------------------------------------------

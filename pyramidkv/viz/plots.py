@@ -16,7 +16,7 @@ from matplotlib.colors import ListedColormap, LogNorm
 
 from pyramidkv.methods.base import Method
 from pyramidkv.viz.data import (
-    Prompt, ScoreCurve, attention_weights, check_index, highlight_positions, prefill, score_curve, tokenize,
+    ScoreCurve, attention_weights, check_index, highlight_positions, prefill, score_curve, tokenize,
 )
 
 NEEDLE_COLOR = "#d62728"

@@ -322,7 +322,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run_fingerprint,
     )
     from pyramidkv.runner.results import read_unique_rows, write_run_meta
-    from pyramidkv.runner.run_folder import check_writable, disk_full_message, open_run_folder
+    from pyramidkv.runner.run_folder import check_writable, exit_on_disk_full, open_run_folder
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -360,17 +360,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"note: {args.model_path} has no chat template; every prompt is used as is", file=sys.stderr)
 
     try:
-        write_run_meta(out_dir, vars(args), method, extra={
-            "benchmark": "longbench-e" if args.e else "longbench", "datasets": datasets,
-            "max_length": max_len, "max_new_tokens": max_new,
-        }, fingerprint=fingerprint)
-        print(f"results -> {out_dir}")
-        _generate_all(args, method, datasets, selected, builder, max_new, max_len, out_dir, suffix)
-    except OSError as e:
-        message = disk_full_message(out_dir, e)
-        if message is None:
-            raise
-        sys.exit(message)
+        with exit_on_disk_full(out_dir):
+            write_run_meta(out_dir, vars(args), method, extra={
+                "benchmark": "longbench-e" if args.e else "longbench", "datasets": datasets,
+                "max_length": max_len, "max_new_tokens": max_new,
+            }, fingerprint=fingerprint)
+            print(f"results -> {out_dir}")
+            _generate_all(args, method, datasets, selected, builder, max_new, max_len, out_dir, suffix)
     finally:
         lock.release()
 

@@ -211,10 +211,10 @@ def _batches(rows: list[dict], size: int) -> list[list[dict]]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from pyramidkv.runner.cli import (
-        INPUT_ERRORS, apply_num_threads, check_model_args, check_run_args, fail, method_from_args, model_label,
+        INPUT_ERRORS, check_model_args, check_run_args, fail, method_from_args, model_label,
         run_dir, run_fingerprint,
     )
-    from pyramidkv.runner.run_folder import check_writable, disk_full_message, open_run_folder
+    from pyramidkv.runner.run_folder import check_writable, exit_on_disk_full, open_run_folder
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -270,66 +270,66 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except INPUT_ERRORS as e:
         fail(parser, e)
 
-    from tqdm import tqdm
-
     from pyramidkv.runner.results import ResultsWriter, write_run_meta
 
     writers = {}
     try:
-        write_run_meta(out_dir, vars(args), method, extra={
-            "benchmark": "ruler", "tasks": [s.key for s in sets],
-            "data": {s.key: s.source for s in sets}, "resolved_model_path": str(path),
-        }, fingerprint=fingerprint)
-        print(f"results -> {out_dir}")
-        writers = {s.key: ResultsWriter(out_dir / s.file_name, key="index") for s in sets}
-        pending = {s.key: [r for r in s.rows if r["index"] not in writers[s.key].done] for s in sets}
-        total = sum(len(s.rows) for s in sets)
-        todo = sum(len(p) for p in pending.values())
-        if todo:
-            from pyramidkv import load_model
-            from pyramidkv.generation import generate
-
-            apply_num_threads(args)
-            model, tokenizer = load_model(args.model_path, attn_implementation=args.attn_implementation,
-                                          device=args.device, dtype=args.dtype, model_class=args.model_class)
-            started = time.perf_counter()
-            with tqdm(total=total, initial=total - todo, unit="sample", dynamic_ncols=True,
-                      desc="RULER") as bar:
-                for s in sets:
-                    bar.set_postfix_str(s.key)
-                    for batch in _batches(pending[s.key], args.eval_batch_size):
-                        max_new = batch[0]["max_new_tokens"]
-                        outputs = generate(model, tokenizer, [encoded[(s.key, r["index"])] for r in batch],
-                                           method, max_new_tokens=max_new)
-                        for row, out in zip(batch, outputs):
-                            writers[s.key].append({
-                                "index": row["index"], "pred": out.text, "outputs": row["outputs"],
-                                "length": row["length"], "prompt_tokens": out.prompt_tokens,
-                                "kv_bytes": out.kv_bytes_per_prompt,
-                            })
-                        bar.update(len(batch))
-            elapsed = time.perf_counter() - started
-            print(f"{todo} sample(s) in {elapsed:.1f} s ({60 * todo / elapsed:.2f} samples/min, "
-                  f"batch size {args.eval_batch_size}); {total - todo} already done")
-        else:
-            print(f"all {total} sample(s) already done; scoring only")
-    except OSError as e:
-        message = disk_full_message(out_dir, e)
-        lock.release()
-        if message is None:
-            raise
-        sys.exit(message)
+        with exit_on_disk_full(out_dir):
+            write_run_meta(out_dir, vars(args), method, extra={
+                "benchmark": "ruler", "tasks": [s.key for s in sets],
+                "data": {s.key: s.source for s in sets}, "resolved_model_path": str(path),
+            }, fingerprint=fingerprint)
+            print(f"results -> {out_dir}")
+            writers = {s.key: ResultsWriter(out_dir / s.file_name, key="index") for s in sets}
+            _decode_pending(args, method, sets, encoded, writers)
+        try:
+            result = score_run(out_dir, sets, model_label(args.model_path), method)
+        except ValueError as e:
+            fail(parser, e)
     finally:
         for writer in writers.values():
             try:
                 writer.close()
             except OSError:
                 pass
-    try:
-        result = score_run(out_dir, sets, model_label(args.model_path), method)
-    except ValueError as e:
-        fail(parser, e)
-    finally:
         lock.release()
     print(format_scores(result))
     return 0
+
+
+def _decode_pending(args, method, sets: Sequence[SampleSet], encoded: dict, writers: dict) -> None:
+    """Decode every sample not yet in its predictions file, appending one row per sample (the model
+    loads only when a sample is pending)."""
+    from tqdm import tqdm
+
+    from pyramidkv.runner.cli import apply_num_threads
+
+    pending = {s.key: [r for r in s.rows if r["index"] not in writers[s.key].done] for s in sets}
+    total = sum(len(s.rows) for s in sets)
+    todo = sum(len(p) for p in pending.values())
+    if not todo:
+        print(f"all {total} sample(s) already done; scoring only")
+        return
+    from pyramidkv import load_model
+    from pyramidkv.generation import generate
+
+    apply_num_threads(args)
+    model, tokenizer = load_model(args.model_path, attn_implementation=args.attn_implementation,
+                                  device=args.device, dtype=args.dtype, model_class=args.model_class)
+    started = time.perf_counter()
+    with tqdm(total=total, initial=total - todo, unit="sample", dynamic_ncols=True, desc="RULER") as bar:
+        for s in sets:
+            bar.set_postfix_str(s.key)
+            for batch in _batches(pending[s.key], args.eval_batch_size):
+                outputs = generate(model, tokenizer, [encoded[(s.key, r["index"])] for r in batch], method,
+                                   max_new_tokens=batch[0]["max_new_tokens"])
+                for row, out in zip(batch, outputs):
+                    writers[s.key].append({
+                        "index": row["index"], "pred": out.text, "outputs": row["outputs"],
+                        "length": row["length"], "prompt_tokens": out.prompt_tokens,
+                        "kv_bytes": out.kv_bytes_per_prompt,
+                    })
+                bar.update(len(batch))
+    elapsed = time.perf_counter() - started
+    print(f"{todo} sample(s) in {elapsed:.1f} s ({60 * todo / elapsed:.2f} samples/min, "
+          f"batch size {args.eval_batch_size}); {total - todo} already done")
