@@ -4,13 +4,14 @@
 # ours reproduces the public PyramidKV harness (Zefan-Cai/KVCache-Factory): its runners fix
 # window 8, kernel 7 and max pooling, while our defaults are window 32 (kernel 7, max pooling).
 # Only the settings a method has are printed (make_method rejects unknown ones):
-#   snapkv, pyramidkv: --window_sizes 8 --kernel_sizes 7 --pooling max
+#   snapkv, pyramidkv, and the adaptive methods it also runs (adakv, ada_pyramidkv, headkv):
+#                      --window_sizes 8 --kernel_sizes 7 --pooling max
 #   h2o:               --window_sizes 8
 #   streamingllm:      nothing (our 4 sinks + budget-4 recent tokens = the harness's window budget-4)
 #   l2norm, fullkv:    nothing (no observation window there; l2norm's defaults follow the harness)
 public_harness_method_args() {
     case "$(echo "$1" | tr '[:upper:]' '[:lower:]')" in
-        snapkv|pyramidkv) printf '%s\n' --window_sizes 8 --kernel_sizes 7 --pooling max ;;
+        snapkv|pyramidkv|adakv|ada_pyramidkv|headkv) printf '%s\n' --window_sizes 8 --kernel_sizes 7 --pooling max ;;
         h2o) printf '%s\n' --window_sizes 8 ;;
         *) ;;
     esac

@@ -158,14 +158,19 @@ def test_budget_maps_sum_to_the_method_total(eager):
     assert describe_figure(fig) == {"panels": 1, "finite": True, "markers": []}
 
 
-def test_budget_map_of_a_ragged_allocation_gets_a_head_panel(eager):
-    """A method whose heads keep different counts (here: a short prompt kept whole is uniform,
-    so a ragged map is built by hand) draws a layer x head panel; the generic reader handles it."""
-    from pyramidkv.viz.plots import BudgetMap
-
-    ragged = BudgetMap("x", np.array([[3, 5], [4, 4]]), [4, 4], 10)
-    uniform = BudgetMap("y", np.array([[4, 4], [4, 4]]), [4, 4], 10)
-    assert ragged.ragged and not uniform.ragged and ragged.total == uniform.total == 16
+def test_budget_maps_of_adaptive_allocations(eager):
+    """AdaKV and HeadKV give heads different counts (a layer x head panel each); every allocation keeps
+    exactly the uniform total; AdaKV per layer, ZigZagKV across layers."""
+    model, tokenizer = eager
+    L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
+    methods = {name: make_method(name, budget=BUDGET) for name in ("adakv", "headkv", "zigzagkv")}
+    fig, maps = plot_budget_maps(model, tokenizer, PROMPT, methods)
+    for name, m in maps.items():
+        assert m.total == L * H * BUDGET, name
+    assert maps["adakv"].per_layer.tolist() == [H * BUDGET] * L          # AdaKV moves budget across heads only
+    assert maps["adakv"].ragged and maps["headkv"].ragged and not maps["zigzagkv"].ragged
+    assert len(set(maps["zigzagkv"].per_layer.tolist())) > 1             # ZigZagKV moves it across layers
+    assert describe_figure(fig)["panels"] == 3 and describe_figure(fig)["finite"]  # layer curves + 2 head panels
 
 
 # ---- bad input ------------------------------------------------------------------------------------
