@@ -1,12 +1,14 @@
-"""Prefill time, per-token decode time and stored KV bytes per method, each also as a ratio to fullkv
-measured in the same run.
+"""Prefill time, per-token decode time and KV bytes per method, each also as a ratio to fullkv and to the
+unpatched model (plain transformers, row "plain") measured in the same run.
 
     python scripts/benchmark_latency_memory.py --context_length 4096 --max_capacity_prompts 256 \
-        --methods fullkv snapkv pyramidkv h2o streamingllm l2norm [--attn_implementation sdpa] [--out FILE.json]
+        --methods fullkv snapkv pyramidkv h2o streamingllm l2norm [--attn_implementation sdpa] [--threads 1] [--out FILE.json]
 
 Timing: a warm-up round, then `--repeats` rounds that visit every method in turn (so drifting
 machine load hits all alike); each round is one prefill and `--new_tokens` greedy decode steps
-(median step). Figures are medians over rounds. KV bytes are counted after prefill.
+(median step). Figures are medians over rounds. KV bytes are counted after prefill; peak prefill KV
+bytes are the cache's `peak_prefill_kv_bytes` where it reports one, else its bytes after prefill. The
+plain row decodes over transformers' DynamicCache (its bytes: the K/V tensors it holds).
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ import json
 import platform
 import statistics
 import time
+from typing import Optional
 
 import torch
+from transformers import DynamicCache
 
 from pyramidkv import DEFAULT_MODEL_NAME, METHODS, compress, load_model, make_method
+from pyramidkv.methods.base import Method
 from pyramidkv.runner.results import atomic_write_json
 
+PLAIN = "plain"  # the unpatched model's row
 TEXT = ("Marta kept bees on the hill behind the old mill. Every spring she counted the hives, wrote the number "
         "in a blue notebook, and carried the notebook down to the village library. ")
 
@@ -38,17 +44,24 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def dynamic_cache_bytes(cache: DynamicCache) -> int:
+    return sum(t.numel() * t.element_size() for t in (*cache.key_cache, *cache.value_cache))
+
+
 @torch.no_grad()
-def measure_once(model, ids, method, new_tokens: int, device: str) -> dict:
-    """One prefill and `new_tokens` greedy decode steps; returns the timings and the KV bytes after prefill."""
-    with compress(model, method) as patch:
-        cache = patch.new_cache()
+def measure_once(model, ids, method: Optional[Method], new_tokens: int, device: str) -> dict:
+    """One prefill and `new_tokens` greedy decode steps, patched with `method` (None: the unpatched model);
+    returns the timings and the KV bytes."""
+    patch = None if method is None else compress(model, method)
+    try:
+        cache = DynamicCache() if patch is None else patch.new_cache()
         sync(device)
         t0 = time.perf_counter()
         out = model(ids, past_key_values=cache, use_cache=True)
         sync(device)
         prefill = time.perf_counter() - t0
-        kv_bytes = cache.kv_bytes()
+        kv_bytes = dynamic_cache_bytes(cache) if patch is None else cache.kv_bytes()
+        peak = getattr(cache, "peak_prefill_kv_bytes", None)
         decode_times = []
         token = out.logits[:, -1:].argmax(-1)
         for _ in range(new_tokens):
@@ -58,11 +71,15 @@ def measure_once(model, ids, method, new_tokens: int, device: str) -> dict:
             sync(device)
             decode_times.append(time.perf_counter() - t0)
             token = out.logits[:, -1:].argmax(-1)
-    return {"prefill_s": prefill, "decode_s_per_token": statistics.median(decode_times), "kv_bytes_after_prefill": kv_bytes}
+    finally:
+        if patch is not None:
+            patch.remove()
+    return {"prefill_s": prefill, "decode_s_per_token": statistics.median(decode_times),
+            "kv_bytes_after_prefill": kv_bytes, "peak_prefill_kv_bytes": kv_bytes if peak is None else peak}
 
 
 def measure_all(model, ids, methods: dict, new_tokens: int, repeats: int, device: str) -> dict:
-    """Round-robin over the methods `repeats` times (after one warm-up round), so a change in machine
+    """methods: row name -> Method (None: unpatched). Round-robin over the methods `repeats` times (after one warm-up round), so a change in machine
     load hits every method alike; the median of each figure per method."""
     samples = {name: [] for name in methods}
     for round_idx in range(repeats + 1):
@@ -86,8 +103,11 @@ def main() -> None:
     parser.add_argument("--gqa_layout", default="kv_head", choices=["kv_head", "query_head"])
     parser.add_argument("--new_tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     model, tokenizer = load_model(args.model_path, args.attn_implementation, args.device, args.dtype)
     device = str(next(model.parameters()).device)
@@ -96,21 +116,31 @@ def main() -> None:
     built = {name: make_method(name, **({} if name == "fullkv" else
                                         {"budget": args.max_capacity_prompts, "gqa_layout": args.gqa_layout}))
              for name in methods}
+    built = {PLAIN: None, **built}
     rows = measure_all(model, ids, built, args.new_tokens, args.repeats, device)
-    base = rows["fullkv"]
+    add_ratios(rows)
     print(f"\nn = {args.context_length} tokens, budget {args.max_capacity_prompts}, {args.attn_implementation}, "
-          f"{device}, {args.gqa_layout}, {args.new_tokens} new tokens, median of {args.repeats} interleaved rounds\n")
-    print("| method | prefill s | x fullkv | decode ms/token | x fullkv | KV MiB | x fullkv |")
-    print("|---|---|---|---|---|---|---|")
+          f"{device}, {args.gqa_layout}, {args.new_tokens} new tokens, median of {args.repeats} interleaved rounds, "
+          f"{torch.get_num_threads()} threads\n")
+    print("| method | prefill s | x plain | decode ms/token | x plain | x fullkv | KV MiB | peak prefill KV MiB | x fullkv |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
-        r["prefill_ratio"] = r["prefill_s"] / base["prefill_s"]
-        r["decode_ratio"] = r["decode_s_per_token"] / base["decode_s_per_token"]
-        r["kv_ratio"] = r["kv_bytes_after_prefill"] / base["kv_bytes_after_prefill"]
-        print(f"| {name} | {r['prefill_s']:.3f} | {r['prefill_ratio']:.3f} | {1000 * r['decode_s_per_token']:.1f} | "
-              f"{r['decode_ratio']:.3f} | {r['kv_bytes_after_prefill'] / 2**20:.2f} | {r['kv_ratio']:.4f} |")
+        print(f"| {name} | {r['prefill_s']:.3f} | {r['prefill_ratio_plain']:.3f} | {1000 * r['decode_s_per_token']:.1f} | "
+              f"{r['decode_ratio_plain']:.3f} | {r['decode_ratio']:.3f} | {r['kv_bytes_after_prefill'] / 2**20:.2f} | "
+              f"{r['peak_prefill_kv_bytes'] / 2**20:.2f} | {r['kv_ratio']:.4f} |")
     if args.out:
         atomic_write_json(args.out, {"arguments": vars(args), "device": device, "platform": platform.platform(),
-                                     "torch": torch.__version__, "results": rows})
+                                     "torch": torch.__version__, "threads": torch.get_num_threads(), "results": rows})
+
+
+def add_ratios(rows: dict) -> None:
+    """Each figure of each row as a ratio to fullkv (`*_ratio`) and to plain transformers (`*_ratio_plain`)."""
+    figures = {"prefill": "prefill_s", "decode": "decode_s_per_token", "kv": "kv_bytes_after_prefill",
+               "peak_prefill_kv": "peak_prefill_kv_bytes"}
+    for name, r in rows.items():
+        for label, key in figures.items():
+            r[f"{label}_ratio"] = r[key] / rows["fullkv"][key]
+            r[f"{label}_ratio_plain"] = r[key] / rows[PLAIN][key]
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import torch
 
 from pyramidkv import make_method
 from pyramidkv.core import scoring
-from pyramidkv.core.cache import _attend
+from pyramidkv.core.cache import CompressedCache, KeptKV
 from pyramidkv.core.selection import select_kept_positions, top_k_recent_first
 from tests import reference as ref
 
@@ -93,15 +93,29 @@ def test_chunked_column_sums_equal_dense_and_stay_small(monkeypatch):
     assert len(seen) == math.ceil(n / 8) and max(seen) <= bsz * hq * n * 8  # no [n, n] block per head
 
 
-def test_ragged_attention_matches_dense_masked_attention():
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_ragged_attention_matches_per_segment_softmax(q_len):
+    """Hand-built ragged cache (2 prompts x 5 heads, every count different, so blocks of segments
+    span prompts) against softmax(q k^T / sqrt(d)) v per prompt and head, written out directly."""
     torch.manual_seed(1)
-    heads, group, d = 3, 2, 8
-    lengths = [5, 9, 2]
-    q = torch.randn(heads, group, d)
-    tail_k, tail_v = torch.randn(heads, 3, d), torch.randn(heads, 3, d)
-    prefix = [(torch.randn(n, d), torch.randn(n, d)) for n in lengths]
-    for h, (pk, pv) in enumerate(prefix):
-        got = _attend(q[h:h + 1], [pk[None], tail_k[h:h + 1]], [pv[None], tail_v[h:h + 1]], [None, None])[0]
-        keys, values = torch.cat([pk, tail_k[h]]), torch.cat([pv, tail_v[h]])
-        weights = torch.softmax(q[h] @ keys.T / math.sqrt(d), dim=-1)
-        torch.testing.assert_close(got, weights @ values)
+    bsz, heads, group, d, t = 2, 5, 2, 8, 4
+    lengths = [[5, 9, 2, 7, 1], [3, 4, 11, 6, 8]]
+    cache = CompressedCache(make_method("fullkv"), num_layers=1, num_kv_heads=heads, num_query_heads=heads * group)
+    prefix = [(torch.randn(sum(n), d), torch.randn(sum(n), d)) for n in lengths]
+    cache.prefix[0] = [KeptKV(k, v, n, torch.zeros(sum(n), dtype=torch.long)) for (k, v), n in zip(prefix, lengths)]
+    tail_k, tail_v = torch.randn(bsz, heads, t, d), torch.randn(bsz, heads, t, d)
+    for i in range(t - q_len):  # one token per step (the tail buffer grows), then q_len tokens at once
+        cache.append(0, tail_k[:, :, i:i + 1], tail_v[:, :, i:i + 1])
+    cache.append(0, tail_k[:, :, t - q_len:], tail_v[:, :, t - q_len:])
+    q = torch.randn(bsz, heads * group, q_len, d)
+    got = cache.attend(0, q)
+    for b in range(bsz):
+        offsets = [0] + torch.tensor(lengths[b]).cumsum(0).tolist()
+        for h in range(heads):
+            keys = torch.cat([prefix[b][0][offsets[h]:offsets[h + 1]], tail_k[b, h]])
+            values = torch.cat([prefix[b][1][offsets[h]:offsets[h + 1]], tail_v[b, h]])
+            for g in range(group):
+                for i in range(q_len):
+                    visible = keys.shape[0] - (q_len - 1 - i)  # token i of q sees the tail up to itself
+                    weights = torch.softmax(q[b, h * group + g, i] @ keys[:visible].T / math.sqrt(d), dim=-1)
+                    torch.testing.assert_close(got[b, h * group + g, i], weights @ values[:visible])

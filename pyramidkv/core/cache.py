@@ -7,7 +7,11 @@ Layout, per layer:
     HeadKV) and prompts of a batch different counts (short prompts are kept
     whole) without padding or masks. Nothing is stored for left padding.
   * tail: tokens appended after the prompt, dense [B, H, t, D] (every prompt of
-    the batch appends one token per step).
+    the batch appends one token per step), a view of a buffer that grows geometrically.
+Decoding (`attend`) batches all prompts and heads of a layer: one matmul over [B, H, L, D]
+views when every head keeps the same count; otherwise the layer's rows are attended in
+blocks of (prompt, head) segments with a mask of which row belongs to which segment (see
+`DecodeLayout`): no Python loop over heads, no padded copy.
 Stored heads H are the KV heads (`kv_head` layout) or the query heads
 (`query_head`: K/V repeated over the GQA group before compression).
 
@@ -80,29 +84,79 @@ def left_padding_lengths(attention_mask: Optional[torch.Tensor], batch_size: int
     return [int(p) for p in pads]
 
 
-def _attend(queries: torch.Tensor, key_parts: list[torch.Tensor], value_parts: list[torch.Tensor],
-            masks: list[Optional[torch.Tensor]]) -> torch.Tensor:
-    """Softmax attention over several key blocks at once, without concatenating them.
+# The tail buffer grows by this many tokens, or by an eighth of its length when that is more:
+# amortised O(1) appends, at most max(128 tokens, 12.5 %) of the tail allocated but unused.
+TAIL_GROWTH_TOKENS = 128
+# Ragged attention multiplies each query block with every key row of its block of segments and
+# masks the rows of other segments: at most this many segments per block bounds the wasted FLOPs.
+SEGMENTS_PER_BLOCK = 4
 
-    queries: [H, G, D]; key/value parts: [H, L_i, D]; masks: None or bool [G, L_i].
-    Returns [H, G, D]. Softmax in float32, as in the eager attention of transformers.
+
+def _softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Softmax over the last axis in float32 (as transformers' eager attention), back in `dtype`."""
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+
+
+@dataclass
+class SegmentBlock:
+    """Consecutive segments (one segment = one prompt's stored head) of a layer, attended in one matmul.
+
+    segments: [start, stop) into the B * H segments; rows: [start, stop) into the layer's flat K/V rows;
+    own_rows: bool [stop - start segments, rows], True where a row belongs to that segment.
     """
-    scale = queries.shape[-1] ** -0.5
-    scores = []
-    for keys, mask in zip(key_parts, masks):
-        s = torch.matmul(queries, keys.transpose(-1, -2)) * scale
-        if mask is not None:
-            s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
-        scores.append(s)
-    probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1, dtype=torch.float32).to(queries.dtype)
-    out = None
-    start = 0
-    for values in value_parts:
-        stop = start + values.shape[-2]
-        part = torch.matmul(probs[..., start:stop], values)
-        out = part if out is None else out + part
-        start = stop
-    return out
+
+    segments: tuple[int, int]
+    rows: tuple[int, int]
+    own_rows: torch.Tensor
+
+
+@dataclass
+class DecodeLayout:
+    """How `attend` reads one layer's kept prompt tokens; built at the layer's first decode step.
+
+    Either every prompt and head keeps the same count L: dense_keys/values [B, H, L, D] (views of
+    the KeptKV storage); or ragged: flat_keys/values [R, D], all prompts' rows prompt-major then
+    head-major (the KeptKV keys/values are views of them), attended block by block.
+    """
+
+    prefix: list[KeptKV]  # the layer's prefix this layout was built for
+    dense_keys: Optional[torch.Tensor] = None
+    dense_values: Optional[torch.Tensor] = None
+    flat_keys: Optional[torch.Tensor] = None
+    flat_values: Optional[torch.Tensor] = None
+    blocks: Optional[list[SegmentBlock]] = None
+
+    @classmethod
+    def build(cls, prefix: list[KeptKV]) -> "DecodeLayout":
+        """One storage block per layer: the prompts' K/V are moved into one tensor (a copy only when
+        B > 1 or the rows are not contiguous) and each KeptKV keeps views of it; nothing is duplicated."""
+        if len(prefix) == 1 and prefix[0].keys.is_contiguous() and prefix[0].values.is_contiguous():
+            flat_keys, flat_values = prefix[0].keys, prefix[0].values
+        else:
+            flat_keys = torch.cat([kept.keys for kept in prefix])
+            flat_values = torch.cat([kept.values for kept in prefix])
+            start = 0
+            for kept in prefix:
+                stop = start + kept.keys.shape[0]
+                kept.keys, kept.values = flat_keys[start:stop], flat_values[start:stop]
+                start = stop
+        lengths = [n for kept in prefix for n in kept.lengths]  # per segment (prompt-major, head-major)
+        heads, dim = len(prefix[0].lengths), flat_keys.shape[-1]
+        if len(set(lengths)) == 1:
+            shape = (len(prefix), heads, lengths[0], dim)
+            return cls(prefix, dense_keys=flat_keys.view(shape), dense_values=flat_values.view(shape))
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        blocks = []
+        for first in range(0, len(lengths), SEGMENTS_PER_BLOCK):
+            last = min(first + SEGMENTS_PER_BLOCK, len(lengths))
+            rows = torch.arange(offsets[first], offsets[last], device=flat_keys.device)
+            starts = torch.tensor(offsets[first:last], device=flat_keys.device)
+            stops = torch.tensor(offsets[first + 1:last + 1], device=flat_keys.device)
+            own_rows = (rows[None, :] >= starts[:, None]) & (rows[None, :] < stops[:, None])
+            blocks.append(SegmentBlock((first, last), (offsets[first], offsets[last]), own_rows))
+        return cls(prefix, flat_keys=flat_keys, flat_values=flat_values, blocks=blocks)
 
 
 class CompressedCache(Cache):
@@ -127,6 +181,9 @@ class CompressedCache(Cache):
         # layer -> (stored keys [B, H, n, D], stored values, scores [B, H, n] or None).
         self._deferred: dict[int, tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = {}
         self.peak_prefill_kv_bytes = 0   # most K/V bytes held at once during prefill (kept + deferred)
+        # Decode-time state: tail buffers (key, value) [B, H, capacity, D]; per-layer DecodeLayout.
+        self._tail_buffers: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = [None] * num_layers
+        self._decode_layouts: list[Optional[DecodeLayout]] = [None] * num_layers
 
     # ---- transformers Cache API -------------------------------------------------------------
     def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
@@ -272,45 +329,88 @@ class CompressedCache(Cache):
 
     # ---- decoding: append and attend --------------------------------------------------------
     def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """keys, values: [B, Hkv, q, D] new tokens (after RoPE)."""
+        """keys, values: [B, Hkv, q, D] new tokens (after RoPE).
+
+        Written into a per-layer buffer [B, H, capacity, D] that grows geometrically (no copy of the
+        tail per step); `tail_keys[layer_idx]` is the view [B, H, t, D] of the t tokens appended so far.
+        """
         if self.method.gqa_layout == "query_head" and self.group > 1:
             keys = keys.repeat_interleave(self.group, dim=1)
             values = values.repeat_interleave(self.group, dim=1)
-        if self.tail_keys[layer_idx] is None:
-            self.tail_keys[layer_idx], self.tail_values[layer_idx] = keys, values
-        else:
-            self.tail_keys[layer_idx] = torch.cat([self.tail_keys[layer_idx], keys], dim=2)
-            self.tail_values[layer_idx] = torch.cat([self.tail_values[layer_idx], values], dim=2)
+        bsz, heads, q_len, dim = keys.shape
+        tail = self.tail_keys[layer_idx]
+        t = 0 if tail is None else tail.shape[2]
+        key_buffer, value_buffer = self._tail_buffers[layer_idx] or (None, None)
+        if key_buffer is None or t + q_len > key_buffer.shape[2]:
+            capacity = t + q_len + max(TAIL_GROWTH_TOKENS, t // 8)
+            grown = [keys.new_empty(bsz, heads, capacity, dim) for _ in range(2)]
+            if t:
+                grown[0][:, :, :t] = key_buffer[:, :, :t]
+                grown[1][:, :, :t] = value_buffer[:, :, :t]
+            key_buffer, value_buffer = grown
+            self._tail_buffers[layer_idx] = (key_buffer, value_buffer)
+        key_buffer[:, :, t:t + q_len] = keys
+        value_buffer[:, :, t:t + q_len] = values
+        self.tail_keys[layer_idx] = key_buffer[:, :, :t + q_len]
+        self.tail_values[layer_idx] = value_buffer[:, :, :t + q_len]
+
+    def tail_capacity_bytes(self) -> int:
+        """Bytes allocated for appended tokens, all layers, including the not yet used part of the
+        tail buffers (`kv_bytes` counts only what is stored)."""
+        return sum(buffer.numel() * buffer.element_size()
+                   for buffers in self._tail_buffers if buffers is not None for buffer in buffers)
+
+    def decode_layout(self, layer_idx: int) -> DecodeLayout:
+        """The layer's `DecodeLayout`, built on first use (and again if the prefix was replaced)."""
+        layout = self._decode_layouts[layer_idx]
+        if layout is None or layout.prefix is not self.prefix[layer_idx]:
+            layout = DecodeLayout.build(self.prefix[layer_idx])
+            self._decode_layouts[layer_idx] = layout
+        return layout
 
     def attend(self, layer_idx: int, queries: torch.Tensor) -> torch.Tensor:
-        """Attention of new queries over kept prompt tokens + appended tokens.
+        """Attention of new queries over kept prompt tokens + appended tokens, all prompts and heads batched.
 
         queries: [B, Hq, q, D] for the q most recently appended tokens. Returns [B, Hq, q, D].
         """
         bsz, num_q_heads, q_len, dim = queries.shape
-        tail_keys, tail_values = self.tail_keys[layer_idx], self.tail_values[layer_idx]
-        heads = tail_keys.shape[1]
-        group = num_q_heads // heads
-        t = tail_keys.shape[2]
-        # Query rows of one stored head: its `group` query heads x q tokens -> [B, H, G, D].
-        grouped = queries.reshape(bsz, heads, group * q_len, dim)
-        # New token i (of q) sees the tail up to its own position.
-        tail_pos = torch.arange(t, device=queries.device)
-        query_pos = torch.arange(t - q_len, t, device=queries.device).repeat(group)
-        tail_mask = None if q_len == 1 else tail_pos[None, :] <= query_pos[:, None]
+        tail_keys, tail_values = self.tail_keys[layer_idx], self.tail_values[layer_idx]  # [B, H, t, D]
+        heads, t = tail_keys.shape[1], tail_keys.shape[2]
+        rows = num_q_heads // heads * q_len
+        # Query rows of one stored head (its query heads x q tokens), pre-scaled: [B, H, rows, D].
+        grouped = queries.reshape(bsz, heads, rows, dim) * dim ** -0.5
+        # New token i (of q) sees the tail up to its own position: bool [rows, t].
+        tail_mask = None
+        if q_len > 1:
+            query_pos = torch.arange(t - q_len, t, device=queries.device).repeat(num_q_heads // heads)
+            tail_mask = torch.arange(t, device=queries.device)[None, :] <= query_pos[:, None]
+        tail_scores = torch.matmul(grouped, tail_keys.transpose(-1, -2))  # [B, H, rows, t]
+        if tail_mask is not None:
+            tail_scores = tail_scores.masked_fill(~tail_mask, torch.finfo(tail_scores.dtype).min)
+        layout = self.decode_layout(layer_idx)
+        if layout.dense_keys is not None:
+            prefix_scores = torch.matmul(grouped, layout.dense_keys.transpose(-1, -2))  # [B, H, rows, L]
+            probs = _softmax(torch.cat([prefix_scores, tail_scores], dim=-1), queries.dtype)
+            kept = prefix_scores.shape[-1]
+            out = torch.matmul(probs[..., :kept], layout.dense_values)
+            out = out + torch.matmul(probs[..., kept:], tail_values)  # [B, H, rows, D]
+            return out.reshape(bsz, num_q_heads, q_len, dim)
+        # Ragged: segments (prompt, head) in blocks; each block's query rows meet all the block's
+        # key rows in one matmul, and the rows of other segments are masked out.
+        grouped = grouped.reshape(bsz * heads, rows, dim)
+        tail_scores = tail_scores.reshape(bsz * heads, rows, t)
+        tail_values = tail_values.reshape(bsz * heads, t, dim)
         outputs = []
-        for b, kept in enumerate(self.prefix[layer_idx]):
-            if kept.uniform:
-                prefix_keys, prefix_values = kept.dense()
-                out = _attend(grouped[b], [prefix_keys, tail_keys[b]], [prefix_values, tail_values[b]], [None, tail_mask])
-            else:
-                out = torch.stack([
-                    _attend(grouped[b, h:h + 1], [k[None], tail_keys[b, h:h + 1]], [v[None], tail_values[b, h:h + 1]],
-                            [None, tail_mask])[0]
-                    for h, (k, v) in enumerate(kept.per_head())
-                ])
-            outputs.append(out)
-        return torch.stack(outputs).reshape(bsz, num_q_heads, q_len, dim)
+        for block in layout.blocks:
+            (first, last), (row_start, row_stop) = block.segments, block.rows
+            block_queries = grouped[first:last].reshape(-1, dim)  # [S * rows, D]
+            scores = torch.matmul(block_queries, layout.flat_keys[row_start:row_stop].T).view(last - first, rows, -1)
+            scores = scores.masked_fill(~block.own_rows[:, None, :], torch.finfo(scores.dtype).min)
+            probs = _softmax(torch.cat([scores, tail_scores[first:last]], dim=-1), queries.dtype)
+            kept = row_stop - row_start
+            out = torch.matmul(probs[..., :kept].reshape(-1, kept), layout.flat_values[row_start:row_stop])
+            outputs.append(out.view(last - first, rows, dim) + torch.matmul(probs[..., kept:], tail_values[first:last]))
+        return torch.cat(outputs).reshape(bsz, num_q_heads, q_len, dim)
 
     # ---- inspection ---------------------------------------------------------------------------
     def kv_bytes(self, batch_idx: Optional[int] = None, tail_tokens: Optional[int] = None) -> int:

@@ -1,0 +1,34 @@
+"""The latency/memory benchmark script end to end, with tiny settings on the tiny random Llama."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_benchmark_writes_plain_row_and_ratios(tiny_model_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_latency_memory.py"), "--model_path", tiny_model_dir,
+                    "--device", "cpu", "--context_length", "96", "--max_capacity_prompts", "40", "--new_tokens", "2",
+                    "--repeats", "1", "--threads", "1", "--methods", "fullkv", "snapkv", "--out", str(out)],
+                   check=True, cwd=ROOT, capture_output=True, text=True,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})  # this checkout's pyramidkv, not an installed one
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["plain", "fullkv", "snapkv"]
+    plain, full, snap = results["plain"], results["fullkv"], results["snapkv"]
+    # 2 layers x 2 KV heads x 96 tokens x head_dim 16 x (K + V) x float32
+    assert plain["kv_bytes_after_prefill"] == full["kv_bytes_after_prefill"] == 2 * 2 * 96 * 16 * 2 * 4
+    assert snap["kv_bytes_after_prefill"] == 2 * 2 * 40 * 16 * 2 * 4
+    assert snap["peak_prefill_kv_bytes"] >= snap["kv_bytes_after_prefill"]
+    for row in results.values():
+        assert row["decode_s_per_token"] > 0 and row["prefill_s"] > 0
+        assert row["decode_ratio_plain"] == row["decode_s_per_token"] / plain["decode_s_per_token"]
+        assert row["decode_ratio"] == row["decode_s_per_token"] / full["decode_s_per_token"]
+        assert row["kv_ratio_plain"] == row["kv_bytes_after_prefill"] / plain["kv_bytes_after_prefill"]
+        assert "prefill_ratio_plain" in row and "peak_prefill_kv_ratio_plain" in row
+    assert snap["kv_ratio"] == 40 / 96
