@@ -14,7 +14,6 @@ plain row decodes over transformers' DynamicCache (its bytes: the K/V tensors it
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
