@@ -159,3 +159,20 @@ def test_bad_allocation_settings(settings, message):
 def test_fullkv_takes_no_allocation():
     with pytest.raises(ValueError, match="fullkv keeps every token; it takes no budget allocation"):
         make_method("fullkv", head_allocation="adakv")
+
+
+def test_run_folders_tell_allocations_apart():
+    """Two configurations of one sweep never share a folder; the method's own allocator keeps short names."""
+    from pyramidkv.runner.cli import run_dir
+
+    names = {
+        ("adakv", ()): "adakv",
+        ("adakv", (("floor_ratio", 0.5),)): "adakv_floor_ratio=0.5",
+        ("snapkv", (("head_allocation", "adakv"),)): "snapkv_head_allocation=adakv",
+        ("h2o", (("head_allocation", "adakv"), ("floor_ratio", 0.3))): "h2o_head_allocation=adakv-floor_ratio=0.3",
+        ("snapkv", (("layer_allocation", "zigzag"),)): "snapkv_layer_allocation=zigzag",
+        ("pyramidkv", (("beta", 10.0),)): "pyramidkv_beta=10",
+        ("headkv", (("head_scores", "/tables/llama.json"),)): "headkv_head_scores=-tables-llama.json",
+    }
+    for (name, settings), folder in names.items():
+        assert run_dir("out", "m", make_method(name, budget=128, **dict(settings))).name == folder

@@ -305,7 +305,9 @@ def test_sweep_and_plot_example(tmp_path):
 
 def test_see_what_it_keeps_example_writes_the_readme_figures(tmp_path):
     figures = load_example("see_what_it_keeps").main(["--figures_dir", str(tmp_path)])
-    expected_panels = {"kept_tokens": 4, "attention_map": 3, "score_curve": 1, "budget_map": 1}
+    # budget map: the per-layer panel + one layer x head panel per allocation whose heads keep different
+    # counts (adakv under uniform, pyramid and zigzag layers, and headkv)
+    expected_panels = {"kept_tokens": 4, "attention_map": 3, "score_curve": 1, "budget_map": 5}
     for name, (fig, _) in figures.items():
         info = describe_figure(fig)
         assert info["panels"] == expected_panels[name] and info["finite"], (name, info)
@@ -342,7 +344,7 @@ def test_notebook_runs_top_to_bottom_with_checked_figures(smollm2_path):
     checks = json.loads(line.removeprefix("FIGURE_CHECKS "))
     figures = checks["figures"]
     expected_panels = {"attention_layer12": 9, "attention_layer12_needle": 3, "snapkv_scores_layer12": 1,
-                       "kept_tokens": 4, "budget_map": 1}
+                       "kept_tokens": 4, "budget_map": 5}  # 1 + a head panel per ragged allocation (4)
     assert {k: v["panels"] for k, v in figures.items()} == expected_panels
     assert all(v["finite"] for v in figures.values())
     for name in ("attention_layer12", "attention_layer12_needle", "snapkv_scores_layer12", "kept_tokens"):

@@ -36,14 +36,14 @@ class Allocation:
     def describe(self) -> dict:
         return {"name": self.name, **dataclasses.asdict(self)}
 
+    def changed_settings(self) -> list[tuple[str, object]]:
+        """(setting, value) for every setting that differs from its default, in field order."""
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
+
     def label(self) -> str:
-        """The name plus every setting that differs from its default (for folder names)."""
-        parts = [self.name]
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value != f.default:
-                parts.append(f"{f.name}={value:g}" if isinstance(value, float) else f"{f.name}={value}")
-        return "-".join(parts)
+        """The name plus every changed setting (for folder names): adakv-floor_ratio=0.5."""
+        return "-".join([self.name] + [f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}"
+                                       for name, value in self.changed_settings()])
 
     def validate(self) -> None:
         """Range checks; raise ValueError naming the setting, the value and what is allowed."""

@@ -154,7 +154,9 @@ def _setting_text(value) -> str:
 def method_label(method: Method) -> str:
     """The method part of the folder name: the name, then `_{setting}={value}` for every method
     setting (dataclass field other than the budget) that differs from its default, in field order,
-    e.g. snapkv, snapkv_window_size=8_pooling=avg."""
+    e.g. snapkv, snapkv_window_size=8_pooling=avg. An allocation of another kind than the method's
+    appears as `head_allocation=adakv-floor_ratio=0.3`; the method's own allocator with other
+    settings as just those settings (pyramidkv_beta=10, adakv_floor_ratio=0.5)."""
     parts = [method.name]
     for field in dataclasses.fields(method):
         if field.name in ("budget", "budget_ratio"):
@@ -166,9 +168,15 @@ def method_label(method: Method) -> str:
         else:
             default = dataclasses.MISSING
         value = getattr(method, field.name)
-        if value != default:
-            text = _setting_text(value.label() if isinstance(value, Allocation) else value)
-            parts.append(f"{field.name}={text}")
+        if value == default:
+            continue
+        if isinstance(value, Allocation) and type(value) is type(default):
+            # the method's own allocator with other settings: just those settings (pyramidkv_beta=10)
+            parts.extend(f"{name}={_setting_text(v)}" for name, v in value.changed_settings())
+        elif isinstance(value, Allocation):
+            parts.append(f"{field.name}={_setting_text(value.label())}")
+        else:
+            parts.append(f"{field.name}={_setting_text(value)}")
     return "_".join(parts)
 
 
