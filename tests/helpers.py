@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from pyramidkv import compress
+
+_SHARED_CANDIDATES = (Path(__file__).resolve().parents[1].parent / "shared", Path("/work/shared"))
+
+
+def longbench_data_dir() -> Path:
+    """The real LongBench files (multi_news, multifieldqa_zh, passage_retrieval_zh) in the `shared/`
+    folder beside the checkout (as CI lays it out), else /work/shared. Missing data is an error, not a skip."""
+    for root in _SHARED_CANDIDATES:
+        folder = root / "longbench" / "data"
+        if (folder / "multi_news.jsonl").is_file():
+            return folder
+    raise FileNotFoundError(f"LongBench test data not found in any of: "
+                            f"{', '.join(str(r / 'longbench' / 'data') for r in _SHARED_CANDIDATES)}")
 
 
 def prefill(model, ids, method, attention_mask=None):

@@ -10,15 +10,15 @@ from __future__ import annotations
 import functools
 import json
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from pyramidkv.benchmarks.longbench import evaluate as E
 from pyramidkv.benchmarks.longbench import metrics as M
+from tests.helpers import longbench_data_dir
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "longbench" / "data"
+DATA = longbench_data_dir()
 DATASETS = ("multi_news", "multifieldqa_zh", "passage_retrieval_zh")
 SETS_PER_DATASET = 1000
 ROWS_PER_FILE = 12
@@ -77,10 +77,7 @@ def _candidates(dataset: str, row: dict, rng: random.Random) -> list:
 def shipped_rows():
     rows = {}
     for dataset in DATASETS:
-        path = DATA / f"{dataset}.jsonl"
-        if not path.is_file():
-            pytest.skip(f"{path} not available")
-        with open(path, encoding="utf-8") as f:
+        with open(DATA / f"{dataset}.jsonl", encoding="utf-8") as f:
             rows[dataset] = [json.loads(next(f)) for _ in range(ROWS_PER_FILE)]
     return rows
 

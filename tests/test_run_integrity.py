@@ -17,9 +17,10 @@ import torch
 
 from pyramidkv.benchmarks.longbench import run as longbench
 from pyramidkv.benchmarks.ruler.run import main as ruler_main
+from tests.helpers import longbench_data_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-MULTI_NEWS = Path("/work/shared/longbench/data/multi_news.jsonl")
+MULTI_NEWS = longbench_data_dir() / "multi_news.jsonl"
 
 
 def _load(name: str, path: Path):
@@ -104,8 +105,6 @@ def test_other_model_files_under_the_same_name_are_refused(tiny_model_dir, tmp_p
 
 
 def test_longbench_and_needle_resume_compare_the_configuration(tiny_model_dir, tmp_path, capsys):
-    if not MULTI_NEWS.is_file():
-        pytest.skip(f"{MULTI_NEWS} not available")
     data = tmp_path / "data"
     data.mkdir()
     with open(MULTI_NEWS, encoding="utf-8") as src:
@@ -224,8 +223,6 @@ def test_model_and_device_errors_are_one_line_before_loading(runner, bad, tmp_pa
         pytest.skip("flash-attn is installed here")
     if bad == "cuda" and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    if runner == "longbench" and not MULTI_NEWS.is_file():
-        pytest.skip(f"{MULTI_NEWS} not available")
     extra, message = BAD_SETUPS[bad]
     extra = extra(tmp_path)
     save = tmp_path / "out"
