@@ -95,3 +95,19 @@ def test_model_without_a_table_names_the_script(tiny_model_dir):
     with pytest.raises(ValueError, match=r"scripts/head_scores\.py"):
         compress(model, make_method("headkv", budget=64))
     assert getattr(model, "_pyramidkv_patch", None) is None          # nothing left patched
+
+
+def test_a_head_table_edited_in_place_changes_the_run_fingerprint(tmp_path, smollm2_path):
+    """Resuming a HeadKV run after its table changed under the same path must be refused."""
+    import argparse
+
+    from pyramidkv.runner.cli import run_fingerprint
+    from pyramidkv.runner.run_folder import fingerprint_differences
+
+    table = write_table(tmp_path / "t.json", {f"{l}-{h}": [1.0 + h] for l in range(30) for h in range(9)})
+    method = make_method("headkv", budget=64, head_scores=table)
+    args = argparse.Namespace(method="headkv", head_path=table)
+    before = run_fingerprint(args, method, (smollm2_path, None, "cpu", "float32"))
+    write_table(tmp_path / "t.json", {f"{l}-{h}": [9.0 - h] for l in range(30) for h in range(9)})
+    after = run_fingerprint(args, method, (smollm2_path, None, "cpu", "float32"))
+    assert any(line.startswith("head_scores_file:") for line in fingerprint_differences(before, after))

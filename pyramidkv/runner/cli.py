@@ -195,8 +195,11 @@ def check_model_args(args: argparse.Namespace):
 
 def run_fingerprint(args: argparse.Namespace, method: Method, model_check, extra: dict | None = None) -> dict:
     """The generation fingerprint of this invocation (see pyramidkv/runner/run_folder.py)."""
-    from pyramidkv.runner.run_folder import generation_fingerprint, model_fingerprint
+    from pyramidkv.runner.run_folder import file_digest, generation_fingerprint, model_fingerprint
 
     path, _, device, dtype = model_check
+    table = getattr(method.head_allocation, "head_scores", None)
+    if table is not None and Path(table).is_file():  # a table edited in place under the same path shows
+        extra = {**(extra or {}), "head_scores_file": file_digest(Path(table))}
     return generation_fingerprint(vars(args), method, model_fingerprint(path),
                                   {"device": device.split(":")[0], "dtype": dtype}, extra)

@@ -150,7 +150,8 @@ class RunLock:
 
 # --- configuration fingerprint -----------------------------------------------------------------
 
-def _file_digest(path: Path) -> str:
+def file_digest(path: Path) -> str:
+    """size:sha256 of a file (whole up to 8 MiB, else its first, middle and last MiB)."""
     size = path.stat().st_size
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -169,7 +170,7 @@ def model_fingerprint(resolved_path: str) -> dict:
     folder = Path(resolved_path)
     if not folder.is_dir():
         return {"hub_id": str(resolved_path)}
-    return {p.name: _file_digest(p) for p in sorted(folder.iterdir())
+    return {p.name: file_digest(p) for p in sorted(folder.iterdir())
             if p.is_file() and not p.name.startswith(".")}
 
 
