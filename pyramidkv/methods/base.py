@@ -1,10 +1,12 @@
 """What a compression method is: a scorer plus a budget split, with its defaults in one dataclass.
 
-A method answers two questions, each in one overridable function:
-  * `score(ctx)`: how important each prompt token is (higher = keep);
-  * `layer_budgets(budget, num_layers, prompt_len)`: how many tokens each layer keeps.
-The shared core (`pyramidkv.core`) turns the answers into a smaller cache:
-selection, GQA layout, eviction and storage are the same for every method.
+A method answers three questions:
+  * `score(ctx)`: how important each prompt token is (higher = keep), the one function to write;
+  * its `layer_allocation`: how many tokens each layer keeps (`layer_budgets`);
+  * its `head_allocation`: how a layer's tokens are split across its heads (`head_budgets`).
+The allocations are allocator objects from `pyramidkv.allocation` (uniform unless the method or
+the user picks another). The shared core (`pyramidkv.core`) turns the answers into a smaller
+cache: selection, GQA layout, eviction and storage are the same for every method.
 
 Methods are frozen dataclasses: settings are checked once, by type and range, when the
 method is built, and cannot change afterwards (`dataclasses.replace(method, kernel_size=5)`
