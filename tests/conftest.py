@@ -23,6 +23,22 @@ def smollm2(smollm2_path):
 
 
 @pytest.fixture(scope="session")
+def tokenizer(smollm2_path):
+    """SmolLM2's tokenizer alone (no weights loaded)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def formatter(tokenizer):
+    """The RULER prompt formatter for SmolLM2 (chat template, no system turn)."""
+    from pyramidkv.benchmarks.ruler.generate import PromptFormatter
+
+    return PromptFormatter(tokenizer)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, smollm2_path) -> str:
     """A 2-layer random Llama (GQA 4 query / 2 KV heads) with SmolLM2's tokenizer, saved as an HF directory.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -29,3 +30,11 @@ def prefill(model, ids, method, attention_mask=None):
         with torch.no_grad():
             model(ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
     return cache
+
+
+def load_script(name: str, path: Path):
+    """Import a script that is not part of the package (runners, scripts/, examples/) as module `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

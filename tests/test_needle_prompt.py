@@ -16,13 +16,6 @@ SENTENCE_END = re.compile(r"[.!?][\"')\]}\u201d\u2019]*$")
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_path)
-
-
-@pytest.fixture(scope="module")
 def builder(tokenizer):
     b = nd.NeedleHaystack(tokenizer, nd.load_haystack_text())
     b.prepare(max(LENGTHS))

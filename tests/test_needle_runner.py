@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,21 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCORE_KEYS = {"rouge1_f", "recall", "harness_rouge1_x10", "harness_word_recall"}
 ROW_KEYS = {"key", "context_length", "depth_percent", "pred", "prompt_tokens", "kv_bytes", *SCORE_KEYS}
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-runner = _load("run_needle_in_haystack", ROOT / "run_needle_in_haystack.py")
-visualize = _load("needle_visualize", ROOT / "scripts" / "scripts_needle" / "visualize.py")
+runner = load_script("run_needle_in_haystack", ROOT / "run_needle_in_haystack.py")
+visualize = load_script("needle_visualize", ROOT / "scripts" / "scripts_needle" / "visualize.py")
 
 
 def _args(model_dir, save_dir, *extra, method=("--method", "snapkv", "--max_capacity_prompts", "64")):

@@ -24,18 +24,6 @@ MAX_SHORTFALL = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_path)
-
-
-@pytest.fixture(scope="module")
-def formatter(tokenizer):
-    return PromptFormatter(tokenizer)
-
-
 def _fit(task, length, formatter, index=0, seed=42):
     spec = TASKS[task]
     builder = make_builder(spec, seed, length, index, count_tokens=formatter.count)

@@ -53,18 +53,6 @@ NIAH_SETUP = {  # task: (haystack, key regex, value kind, value regex, num_keys,
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_path)
-
-
-@pytest.fixture(scope="module")
-def formatter(tokenizer):
-    return PromptFormatter(tokenizer)
-
-
 def official_split(text: str, answer_prefix: str) -> tuple[str, str]:
     """RULER's split of input and answer prefix: at the last occurrence of the prefix's first 10 characters."""
     cut = text.rfind(answer_prefix[:10])

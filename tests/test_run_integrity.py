@@ -17,20 +17,13 @@ import torch
 
 from pyramidkv.benchmarks.longbench import run as longbench
 from pyramidkv.benchmarks.ruler.run import main as ruler_main
-from tests.helpers import longbench_data_dir
+from tests.helpers import load_script, longbench_data_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTI_NEWS = longbench_data_dir() / "multi_news.jsonl"
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-needle = _load("run_needle_in_haystack_integrity", ROOT / "run_needle_in_haystack.py")
+needle = load_script("run_needle_in_haystack_integrity", ROOT / "run_needle_in_haystack.py")
 
 
 def _ruler_data(folder: Path) -> Path:
@@ -191,7 +184,7 @@ def test_a_second_run_into_a_locked_folder_fails_naming_the_holder(tmp_path, cap
 # --- items 6, 7, 13: checked before anything loads, one line, exit 2, nothing left on disk ---------
 
 @pytest.fixture
-def no_model_load(monkeypatch):
+def no_modelload_script(monkeypatch):
     import pyramidkv
     import pyramidkv.models.loading as loading
 

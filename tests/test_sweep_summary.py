@@ -87,12 +87,9 @@ def test_summary_errors(tmp_path):
 
 
 def _load_summary_module():
-    import importlib.util
+    from tests.helpers import load_script
 
-    spec = importlib.util.spec_from_file_location("summarize_results", ROOT / "scripts" / "summarize_results.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("summarize_results", ROOT / "scripts" / "summarize_results.py")
 
 
 def test_summary_plot_shows_every_run(tmp_path):

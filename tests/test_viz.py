@@ -4,7 +4,6 @@ attention, HF's own DynamicCache keys, numpy), the notebook and example scripts 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -26,7 +25,7 @@ from pyramidkv import load_model, make_method  # noqa: E402
 from pyramidkv.viz import (  # noqa: E402
     describe_figure, plot_attention_map, plot_budget_maps, plot_kept_tokens, plot_needle_heatmap, plot_score_curve,
 )
-from tests.helpers import prefill  # noqa: E402
+from tests.helpers import load_script, prefill  # noqa: E402
 from tests.prompts import passkey_prompt  # noqa: E402
 from tests.reference import assert_same_selection, pyramid_counts, snapkv_scores_reduce_then_pool  # noqa: E402
 
@@ -67,10 +66,7 @@ def needle_positions(tokenizer, prompt=PROMPT, key=PASS_KEY) -> list[int]:
 
 
 def load_example(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"example_{name}", EXAMPLES / f"{name}.py")
 
 
 # ---- figure data vs independent references --------------------------------------------------------
