@@ -184,7 +184,7 @@ def test_a_second_run_into_a_locked_folder_fails_naming_the_holder(tmp_path, cap
 # --- items 6, 7, 13: checked before anything loads, one line, exit 2, nothing left on disk ---------
 
 @pytest.fixture
-def no_modelload_script(monkeypatch):
+def no_model_load(monkeypatch):
     import pyramidkv
     import pyramidkv.models.loading as loading
 
