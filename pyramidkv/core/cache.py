@@ -28,7 +28,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from pyramidkv.allocation.base import ModelShape
-from pyramidkv.core.scoring import reduce_query_groups
+from pyramidkv.core.scoring import scores_per_stored_head
 from pyramidkv.core.selection import select_kept_positions
 from pyramidkv.methods.base import Method, ScoreContext
 
@@ -249,13 +249,12 @@ class CompressedCache(Cache):
         if method.gqa_layout == "query_head" and self.group > 1:
             stored_keys = keys.repeat_interleave(self.group, dim=1)
             stored_values = values.repeat_interleave(self.group, dim=1)
-        stored_heads = stored_keys.shape[1]
 
         scores = None
         if any(real > self._nominal_budget(real) for real in real_lens):
             real = torch.arange(n, device=keys.device)[None, :] >= torch.tensor(self.pad_lens, device=keys.device)[:, None]
             scores = method.score(ScoreContext(layer_idx, self.num_layers, queries, keys, values, real))
-            scores = self._scores_for_layout(scores, stored_heads)  # [B, H, n]
+            scores = scores_per_stored_head(scores, method, self.num_kv_heads, self.num_query_heads)  # [B, H, n]
         if method.layer_allocation.needs_scores:
             self._deferred[layer_idx] = (stored_keys, stored_values, scores)
             self._note_prefill_bytes()
@@ -306,18 +305,6 @@ class CompressedCache(Cache):
         held = sum(k.nbytes() for layer in self.prefix if layer is not None for k in layer)
         held += sum(t.numel() * t.element_size() for k, v, _ in self._deferred.values() for t in (k, v))
         self.peak_prefill_kv_bytes = max(self.peak_prefill_kv_bytes, held)
-
-    def _scores_for_layout(self, scores: torch.Tensor, stored_heads: int) -> torch.Tensor:
-        """Bring [B, Hq|Hkv, n] scores to one row per stored head."""
-        heads = scores.shape[1]
-        if heads == stored_heads:
-            return scores
-        if heads == self.num_query_heads and stored_heads == self.num_kv_heads:
-            return reduce_query_groups(scores, self.num_kv_heads, self.method.gqa_reduce)
-        if heads == self.num_kv_heads and stored_heads == self.num_query_heads:
-            return scores.repeat_interleave(self.group, dim=1)
-        raise ValueError(f"{self.method.name}.score returned {heads} heads; expected {self.num_query_heads} "
-                         f"(query heads) or {self.num_kv_heads} (KV heads)")
 
     @staticmethod
     def _gather(keys: torch.Tensor, values: torch.Tensor, positions: list[torch.Tensor], pad: int) -> KeptKV:

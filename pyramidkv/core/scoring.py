@@ -97,3 +97,18 @@ def reduce_query_groups(scores: torch.Tensor, num_kv_heads: int, how: str) -> to
     if how == "sum":
         return grouped.sum(dim=2)
     raise ValueError(f"gqa_reduce must be one of mean|max|sum, got {how!r}")
+
+
+def scores_per_stored_head(scores: torch.Tensor, method, num_kv_heads: int, num_query_heads: int) -> torch.Tensor:
+    """Bring a method's [B, Hq|Hkv, n] scores to one row per stored head of its GQA layout: reduced over
+    each query group (`method.gqa_reduce`) in the kv_head layout, repeated over it in the query_head one."""
+    stored = num_query_heads if method.gqa_layout == "query_head" else num_kv_heads
+    heads = scores.shape[1]
+    if heads == stored:
+        return scores
+    if heads == num_query_heads and stored == num_kv_heads:
+        return reduce_query_groups(scores, num_kv_heads, method.gqa_reduce)
+    if heads == num_kv_heads and stored == num_query_heads:
+        return scores.repeat_interleave(num_query_heads // num_kv_heads, dim=1)
+    raise ValueError(f"{method.name}.score returned {heads} heads; expected {num_query_heads} "
+                     f"(query heads) or {num_kv_heads} (KV heads)")

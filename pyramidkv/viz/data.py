@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from pyramidkv.core.scoring import reduce_query_groups
+from pyramidkv.core.scoring import scores_per_stored_head
 from pyramidkv.methods.base import Method, ScoreContext
 from pyramidkv.models.attention import project_qkv
 from pyramidkv.models.patch import MODEL_GLUE, compress
@@ -244,20 +244,6 @@ class ScoreCurve:
     budget: int
 
 
-def stored_head_scores(scores: torch.Tensor, method: Method, num_kv_heads: int, num_query_heads: int) -> torch.Tensor:
-    """[1, Hq|Hkv, n] method scores -> one row per stored head, as the cache ranks them."""
-    stored = num_query_heads if method.gqa_layout == "query_head" else num_kv_heads
-    heads = scores.shape[1]
-    if heads == stored:
-        return scores
-    if heads == num_query_heads and stored == num_kv_heads:
-        return reduce_query_groups(scores, num_kv_heads, method.gqa_reduce)
-    if heads == num_kv_heads and stored == num_query_heads:
-        return scores.repeat_interleave(num_query_heads // num_kv_heads, dim=1)
-    raise ValueError(f"{method.name}.score returned {heads} heads; expected {num_query_heads} or {num_kv_heads}")
-
-
-@torch.no_grad()
 def score_curve(model, prompt: Prompt, method: Method, layer: int, head: int) -> ScoreCurve:
     """The method's score for every prompt position of one stored head, with the cache's kept set."""
     if not method.needs_budget:
@@ -268,7 +254,7 @@ def score_curve(model, prompt: Prompt, method: Method, layer: int, head: int) ->
     queries, keys, values = run.qkv[layer]
     real = torch.ones(1, len(prompt), dtype=torch.bool, device=keys.device)
     raw = method.score(ScoreContext(layer, num_layers(model), queries, keys, values, real))
-    scores = stored_head_scores(raw, method, model.config.num_key_value_heads, model.config.num_attention_heads)
+    scores = scores_per_stored_head(raw, method, model.config.num_key_value_heads, model.config.num_attention_heads)
     curve = scores[0, head].float().cpu().numpy()
     kept = run.kept[layer][head]
     n = len(prompt)

@@ -90,15 +90,6 @@ def resolve_tasks(names: Sequence[str]) -> list[str]:
     return tasks
 
 
-def budget_value(method):
-    """Per-layer budget (int), "r<ratio>" for a ratio budget, None for a full cache (the common schema)."""
-    if method.budget is not None:
-        return method.budget
-    if method.budget_ratio is not None:
-        return f"r{method.budget_ratio:g}"
-    return None
-
-
 def collect_sample_sets(args, tasks: list[str], lengths: list[int], tokenizer, model_name: str,
                         window: int) -> list[SampleSet]:
     from pyramidkv.benchmarks.ruler.generate import (
@@ -165,6 +156,7 @@ def score_run(out_dir: Path, sets: Sequence[SampleSet], model_name: str, method)
     import io
 
     from pyramidkv.benchmarks.ruler.scoring import score_task
+    from pyramidkv.runner.cli import budget_value
     from pyramidkv.runner.results import atomic_write_json, atomic_write_text, read_unique_rows
 
     scores, counts = {}, {}
