@@ -13,7 +13,8 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from pyramidkv.allocation import HEAD_ALLOCATIONS, LAYER_ALLOCATIONS, Allocation
+from pyramidkv.allocation import HEAD_ALLOCATIONS, LAYER_ALLOCATIONS
+from pyramidkv.components import Component
 from pyramidkv.methods import METHODS, Method, make_method
 from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
 
@@ -170,10 +171,10 @@ def method_label(method: Method) -> str:
         value = getattr(method, field.name)
         if value == default:
             continue
-        if isinstance(value, Allocation) and type(value) is type(default):
+        if isinstance(value, Component) and type(value) is type(default):
             # the method's own allocator with other settings: just those settings (pyramidkv_beta=10)
             parts.extend(f"{name}={_setting_text(v)}" for name, v in value.changed_settings())
-        elif isinstance(value, Allocation):
+        elif isinstance(value, Component):
             parts.append(f"{field.name}={_setting_text(value.label())}")
         else:
             parts.append(f"{field.name}={_setting_text(value)}")
