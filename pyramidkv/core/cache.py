@@ -28,8 +28,9 @@ import torch
 from transformers.cache_utils import Cache
 
 from pyramidkv.allocation.base import ModelShape
-from pyramidkv.core.scoring import scores_per_stored_head
+from pyramidkv.core.scoring import scores_per_stored_head, window_attention
 from pyramidkv.core.selection import select_kept_positions
+from pyramidkv.merging.base import merge_prompt
 from pyramidkv.methods.base import Method, ScoreContext
 
 
@@ -178,8 +179,9 @@ class CompressedCache(Cache):
         self.tail_values: list[Optional[torch.Tensor]] = [None] * num_layers
         self.layer_budgets_per_prompt: Optional[list[list[int]]] = None
         # Layers scored but not yet gathered (allocations that need every layer's scores, e.g. ZigZagKV):
-        # layer -> (stored keys [B, H, n, D], stored values, scores [B, H, n] or None).
-        self._deferred: dict[int, tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = {}
+        # layer -> (stored keys [B, H, n, D], stored values, scores [B, H, n] or None,
+        #           the merge rule's window attention [B, H, n] or None).
+        self._deferred: dict[int, tuple] = {}
         self.peak_prefill_kv_bytes = 0   # most K/V bytes held at once during prefill (kept + deferred)
         # Decode-time state: tail buffers (key, value) [B, H, capacity, D]; per-layer DecodeLayout.
         self._tail_buffers: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = [None] * num_layers
@@ -250,19 +252,23 @@ class CompressedCache(Cache):
             stored_keys = keys.repeat_interleave(self.group, dim=1)
             stored_values = values.repeat_interleave(self.group, dim=1)
 
-        scores = None
+        scores = merge_attention = None
         if any(real > self._nominal_budget(real) for real in real_lens):
             real = torch.arange(n, device=keys.device)[None, :] >= torch.tensor(self.pad_lens, device=keys.device)[:, None]
             scores = method.score(ScoreContext(layer_idx, self.num_layers, queries, keys, values, real))
             scores = scores_per_stored_head(scores, method, self.num_kv_heads, self.num_query_heads)  # [B, H, n]
+            if method.merge is not None and method.merge.needs_attention:
+                # The observation window's mean attention to every prompt token, per stored head.
+                attention = window_attention(queries, keys, real, method.window_size).mean(dim=2)  # [B, Hq, n]
+                merge_attention = scores_per_stored_head(attention, method, self.num_kv_heads, self.num_query_heads)
         if method.layer_allocation.needs_scores:
-            self._deferred[layer_idx] = (stored_keys, stored_values, scores)
+            self._deferred[layer_idx] = (stored_keys, stored_values, scores, merge_attention)
             self._note_prefill_bytes()
             if layer_idx == self.num_layers - 1:
                 self._gather_deferred(real_lens)
             return
         budgets = [b[layer_idx] for b in self._prompt_layer_budgets(real_lens)]
-        self.prefix[layer_idx] = self._select(layer_idx, stored_keys, stored_values, scores, budgets)
+        self.prefix[layer_idx] = self._select(layer_idx, stored_keys, stored_values, scores, budgets, merge_attention)
         self._note_prefill_bytes()
 
     def _gather_deferred(self, real_lens: list[int]) -> None:
@@ -278,32 +284,44 @@ class CompressedCache(Cache):
             layer_scores.append([self._deferred[layer][2][b, :, pad:n - w] for layer in range(self.num_layers)])
         self._prompt_layer_budgets(real_lens, layer_scores)
         for layer in range(self.num_layers):
-            keys, values, scores = self._deferred.pop(layer)
+            keys, values, scores, merge_attention = self._deferred.pop(layer)
             budgets = [b[layer] for b in self.layer_budgets_per_prompt]
-            self.prefix[layer] = self._select(layer, keys, values, scores, budgets)
+            self.prefix[layer] = self._select(layer, keys, values, scores, budgets, merge_attention)
 
     def _select(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, scores: Optional[torch.Tensor],
-                budgets: list[int]) -> list[KeptKV]:
-        """Per prompt: split its layer budget over the heads, select, gather.
+                budgets: list[int], merge_attention: Optional[torch.Tensor] = None) -> list[KeptKV]:
+        """Per prompt: split its layer budget over the heads, select, merge (if the method has a merge
+        rule), gather.
 
-        keys, values: [B, H, n, D] stored heads; scores: [B, H, n] (None when nothing is compressed)."""
+        keys, values: [B, H, n, D] stored heads; scores: [B, H, n] (None when nothing is compressed);
+        merge_attention: [B, H, n] for merge rules that need it."""
         n = keys.shape[2]
+        method = self.method
         kept = []
         for b, pad in enumerate(self.pad_lens):
             real_len = n - pad
             if real_len <= budgets[b]:
                 positions = [torch.arange(pad, n, device=keys.device)] * keys.shape[1]
-            else:
-                w = min(self.method.window_size, real_len)
-                head_budgets = self.method.head_budgets(scores[b, :, pad:n - w], budgets[b], layer_idx,
-                                                        self.model_shape)
-                positions = select_kept_positions(scores[b], pad, head_budgets, self.method.window_size)
-            kept.append(self._gather(keys[b], values[b], positions, pad))
+                kept.append(self._gather(keys[b], values[b], positions, pad))
+                continue
+            w = min(method.window_size, real_len)
+            head_budgets = method.head_budgets(scores[b, :, pad:n - w], budgets[b], layer_idx, self.model_shape)
+            positions = select_kept_positions(scores[b], pad, head_budgets, method.window_size)
+            if method.merge is None:
+                kept.append(self._gather(keys[b], values[b], positions, pad))
+                continue
+            seed = method.merge.seed_for(layer_idx)
+            generator = None if seed is None else torch.Generator(device=keys.device).manual_seed(seed)
+            attention = None if merge_attention is None else merge_attention[b]
+            per_head_keys, per_head_values = merge_prompt(method.merge, keys[b], values[b], positions, pad, attention,
+                                                          method.window_size, generator)
+            kept.append(KeptKV(torch.cat(per_head_keys).contiguous(), torch.cat(per_head_values).contiguous(),
+                               [len(p) for p in positions], torch.cat(positions) - pad))
         return kept
 
     def _note_prefill_bytes(self) -> None:
         held = sum(k.nbytes() for layer in self.prefix if layer is not None for k in layer)
-        held += sum(t.numel() * t.element_size() for k, v, _ in self._deferred.values() for t in (k, v))
+        held += sum(t.numel() * t.element_size() for k, v, *_ in self._deferred.values() for t in (k, v))
         self.peak_prefill_kv_bytes = max(self.peak_prefill_kv_bytes, held)
 
     @staticmethod

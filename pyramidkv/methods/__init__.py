@@ -6,6 +6,7 @@ import dataclasses
 
 from pyramidkv.methods.adakv import AdaKV, AdaPyramidKV
 from pyramidkv.methods.base import Method, ScoreContext
+from pyramidkv.methods.cam import CAM
 from pyramidkv.methods.fullkv import FullKV
 from pyramidkv.methods.h2o import H2O
 from pyramidkv.methods.headkv import HeadKV
@@ -17,7 +18,7 @@ from pyramidkv.methods.zigzagkv import ZigZagKV
 
 METHODS: dict[str, type[Method]] = {
     cls.name: cls for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, L2Norm, AdaKV, AdaPyramidKV, HeadKV,
-                              ZigZagKV)
+                              ZigZagKV, CAM)
 }
 
 
@@ -54,40 +55,52 @@ def register_method(cls: type[Method]) -> type[Method]:
 def make_method(name: str, **settings) -> Method:
     """Build a method by name. Settings that the method does not have are an error, never ignored.
 
-    Allocation settings go to the method's allocators: `make_method("h2o", budget=128,
-    head_allocation="adakv", floor_ratio=0.3)` builds AdaKVHeads(floor_ratio=0.3); an allocation may be
-    given by name or as an allocator object.
+    Settings of the method's units go to them: `make_method("h2o", budget=128, head_allocation="adakv",
+    floor_ratio=0.3)` builds AdaKVHeads(floor_ratio=0.3), `make_method("snapkv", budget=128,
+    merge="mergingpress", merge_fraction=0.75)` MergingPress(merge_fraction=0.75); a unit may be given
+    by name or as an object.
     """
     from pyramidkv.allocation import make_head_allocation, make_layer_allocation
+    from pyramidkv.merging import make_merge_rule
 
     cls = get_method_class(name)
     allowed = method_options(name)
     own = {k: v for k, v in settings.items() if k in allowed}
     rest = {k: v for k, v in settings.items() if k not in allowed}
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    for field, build in (("head_allocation", make_head_allocation), ("layer_allocation", make_layer_allocation)):
+    for field, build in (("head_allocation", make_head_allocation), ("layer_allocation", make_layer_allocation),
+                         ("merge", make_merge_rule)):
         chosen = own.get(field, defaults[field])
-        chosen_name = chosen if isinstance(chosen, str) else chosen.name
-        kind = build(chosen_name) if isinstance(chosen, str) else chosen
+        if chosen is None:
+            continue
+        kind = build(chosen) if isinstance(chosen, str) else chosen
         mine = {k: rest.pop(k) for k in [k for k in rest if k in {f.name for f in dataclasses.fields(kind)}]}
         if mine:
             own[field] = dataclasses.replace(kind, **mine)
+    from pyramidkv.merging import MERGE_RULES
+
+    for key in rest:
+        owners = [rule for rule, unit in MERGE_RULES.items() if key in {f.name for f in dataclasses.fields(unit)}]
+        if owners and own.get("merge", defaults["merge"]) is None:
+            raise ValueError(f"{key} is a setting of the merge rule {' / '.join(owners)}, but {cls.name} has no merge "
+                             f"rule; choose one with merge={owners[0]!r} (--merge {owners[0]})")
     if rest:
         raise ValueError(f"{cls.name} has no setting {', '.join(map(repr, sorted(rest)))}; its settings are: "
-                         f"{', '.join(allowed)}, plus those of its head_allocation and layer_allocation "
-                         f"({_allocation_settings_hint()})")
+                         f"{', '.join(allowed)}, plus those of its head_allocation, layer_allocation and merge "
+                         f"rule ({_unit_settings_hint()})")
     return cls(**own)
 
 
-def _allocation_settings_hint() -> str:
+def _unit_settings_hint() -> str:
     from pyramidkv.allocation import HEAD_ALLOCATIONS, LAYER_ALLOCATIONS
+    from pyramidkv.merging import MERGE_RULES
 
     parts = []
-    for table in (HEAD_ALLOCATIONS, LAYER_ALLOCATIONS):
-        for alloc_name, alloc in table.items():
-            names = [f.name for f in dataclasses.fields(alloc)]
+    for table in (HEAD_ALLOCATIONS, LAYER_ALLOCATIONS, MERGE_RULES):
+        for unit_name, unit in table.items():
+            names = [f.name for f in dataclasses.fields(unit)]
             if names:
-                parts.append(f"{alloc_name}: {', '.join(names)}")
+                parts.append(f"{unit_name}: {', '.join(names)}")
     return "; ".join(parts)
 
 

@@ -25,6 +25,7 @@ import torch
 
 from pyramidkv.allocation.base import HeadAllocation, LayerAllocation, ModelShape
 from pyramidkv.allocation.uniform import UniformHeads, UniformLayers
+from pyramidkv.merging.base import MergeRule
 
 GQA_LAYOUTS = ("kv_head", "query_head")
 GQA_REDUCTIONS = ("mean", "max", "sum")
@@ -102,6 +103,9 @@ class Method:
     gqa_layout: "kv_head" keeps one set per KV head (scores reduced over the
         query group with `gqa_reduce`); "query_head" repeats K/V to the query
         heads first, as the published baselines do (costs g x the memory).
+    head_allocation, layer_allocation: how the budget is split (pyramidkv.allocation).
+    merge: what happens to evicted tokens: None drops them; a merge rule (pyramidkv.merging,
+        by name or object) folds them into the kept ones without changing which are kept.
     """
 
     name: ClassVar[str] = ""
@@ -114,6 +118,7 @@ class Method:
     gqa_reduce: str = "mean"
     head_allocation: HeadAllocation = UniformHeads()
     layer_allocation: LayerAllocation = UniformLayers()
+    merge: Optional[MergeRule] = None
 
     def __post_init__(self) -> None:
         from pyramidkv.allocation import make_head_allocation, make_layer_allocation
@@ -123,6 +128,10 @@ class Method:
             object.__setattr__(self, "head_allocation", make_head_allocation(self.head_allocation))
         if isinstance(self.layer_allocation, str):
             object.__setattr__(self, "layer_allocation", make_layer_allocation(self.layer_allocation))
+        if isinstance(self.merge, str):
+            from pyramidkv.merging import make_merge_rule
+
+            object.__setattr__(self, "merge", make_merge_rule(self.merge))
         check_setting_types(self, self.name)
         self.validate()
 
@@ -174,7 +183,12 @@ class Method:
             if self.budget is not None or self.budget_ratio is not None:
                 raise ValueError(f"{self.name} keeps every token; it takes no budget (got budget={self.budget}, "
                                  f"budget_ratio={self.budget_ratio})")
+            if self.merge is not None:
+                raise ValueError(f"{self.name} keeps every token, so it evicts none to merge; it takes no merge "
+                                 f"rule (got merge={self.merge.name!r})")
             return
+        if self.merge is not None:
+            self.merge.check_method(self)
         if (self.budget is None) == (self.budget_ratio is None):
             raise ValueError(f"{self.name} needs exactly one of budget (max_capacity_prompts) or budget_ratio "
                              f"(max_capacity_prompts_ratio); got budget={self.budget}, budget_ratio={self.budget_ratio}")
@@ -193,4 +207,5 @@ class Method:
         settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         settings["head_allocation"] = self.head_allocation.describe()
         settings["layer_allocation"] = self.layer_allocation.describe()
+        settings["merge"] = None if self.merge is None else self.merge.describe()
         return {"method": self.name, **settings}
