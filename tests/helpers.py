@@ -23,12 +23,13 @@ def longbench_data_dir() -> Path:
                             f"{', '.join(str(r / 'longbench' / 'data') for r in _SHARED_CANDIDATES)}")
 
 
-def prefill(model, ids, method, attention_mask=None):
-    """The CompressedCache `method` leaves after one prefill forward of `ids` (the model is unpatched after)."""
+def prefill(model, ids, method, attention_mask=None, position_ids=None):
+    """The CompressedCache `method` leaves after one prefill forward of `ids` (the model is unpatched after).
+    Left-padded prompts get their true RoPE positions only when position_ids are given (as generate does)."""
     with compress(model, method) as patch:
         cache = patch.new_cache()
         with torch.no_grad():
-            model(ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+            model(ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache, use_cache=True)
     return cache
 
 

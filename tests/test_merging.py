@@ -11,66 +11,7 @@ import torch
 
 from pyramidkv import make_method
 from pyramidkv.merging import CamMerge, MergeGroup, MergingPress, PivotMerge, WeightedMerge, merge_prompt
-
-
-# ---- numpy references ----------------------------------------------------------------------------
-def ref_route(evicted_keys, kept_keys):
-    """Per evicted token: (cosine to its most similar kept key, that kept index); ties -> lowest index."""
-    def unit(x):
-        norms = np.linalg.norm(x, axis=-1, keepdims=True)
-        return x / np.where(norms == 0, 1, norms)
-    sims = unit(evicted_keys) @ unit(kept_keys).T  # [e, k]
-    targets = [int(np.flatnonzero(row == row.max())[0]) for row in sims]
-    return np.array([sims[i, t] for i, t in enumerate(targets)]), targets
-
-
-def ref_pivot(kept, evicted, targets):
-    out = kept.copy()
-    for j in range(len(kept)):
-        members = [kept[j]] + [(evicted[i] + kept[j]) / 2 for i, t in enumerate(targets) if t == j]
-        out[j] = np.mean(members, axis=0)
-    return out
-
-
-def ref_weighted(kept, evicted, targets, weights):
-    out = kept.copy()
-    for j in range(len(kept)):
-        mine = [i for i, t in enumerate(targets) if t == j]
-        total = kept[j] + sum(weights[i] * evicted[i] for i in mine)
-        out[j] = total / (1 + sum(weights[i] for i in mine))
-    return out
-
-
-def ref_mergingpress(kept_keys, kept_values, evicted_keys, evicted_values, threshold, fraction):
-    sims, targets = ref_route(evicted_keys, kept_keys)
-    eligible = [i for i in range(len(sims)) if sims[i] >= threshold]
-    if fraction < 1:
-        # highest similarity first, the earlier position first among equals
-        ranked = sorted(eligible, key=lambda i: (-sims[i], i))
-        eligible = ranked[:round(fraction * len(eligible))]
-    weights = np.zeros(len(sims))
-    for i in eligible:
-        v_e, v_t = np.linalg.norm(evicted_values[i]), np.linalg.norm(kept_values[targets[i]])
-        weights[i] = max(sims[i], 0.0) * v_e / (v_e + v_t + 1e-6)
-    return ref_weighted(kept_values, evicted_values, targets, weights)
-
-
-def ref_cam(kept_positions, kept_values, evicted_positions, evicted_values, attention, window, start_ratio, spread,
-            draws=None):
-    n = len(attention)
-    start = math.ceil(start_ratio * n)
-    reference = max(list(attention[:start]) + list(attention[n - window:]))
-    out = kept_values.copy()
-    for i, position in enumerate(evicted_positions):
-        if position < start:
-            continue
-        p = min(max(attention[position] / reference, 0.0), 1.0)
-        if draws is not None:
-            p = draws[i]
-        later = [j for j, kept in enumerate(kept_positions) if kept > position][:spread]
-        for j in later:
-            out[j] = out[j] + p * evicted_values[i] / spread
-    return out
+from tests.reference import ref_cam, ref_mergingpress, ref_pivot, ref_route, ref_weighted
 
 
 # ---- hand-made case ------------------------------------------------------------------------------
