@@ -36,6 +36,7 @@ from pyramidkv.quantization.sparse import outlier_count, top_magnitude
 from pyramidkv.quantization.uniform import group_min_max
 
 DATATYPES = ("uniform", "nuq")
+MAX_FIT_VALUES = 1 << 20
 
 
 def nearest_level(u: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
@@ -45,11 +46,14 @@ def nearest_level(u: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
 
 
 def fit_levels(sample: torch.Tensor, count: int, iterations: int) -> torch.Tensor:
-    """1-D k-means: `count` sorted fp32 levels for the values `sample` [M]; start at the quantiles
-    (i + 0.5) / count; an empty cluster keeps its level. No sample: evenly spaced levels in [0, 1]."""
+    """1-D k-means: `count` sorted fp32 levels for the values `sample` [M] (at most MAX_FIT_VALUES of
+    them, evenly spaced in sorted order, when M is larger); start at the quantiles (i + 0.5) / count;
+    an empty cluster keeps its level. No sample: evenly spaced levels in [0, 1]."""
     if sample.numel() == 0:
         return torch.linspace(0, 1, count, device=sample.device)
-    ordered = sample.float().sort().values
+    ordered = sample.float().flatten().sort().values
+    if ordered.numel() > MAX_FIT_VALUES:                   # evenly spaced order statistics keep it quick
+        ordered = ordered[:: -(-ordered.numel() // MAX_FIT_VALUES)]
     start = ((torch.arange(count, device=sample.device) + 0.5) / count * ordered.numel()).long()
     levels = ordered[start.clamp(max=ordered.numel() - 1)]
     for _ in range(iterations):
