@@ -3,7 +3,8 @@
 Asymmetric uniform quantization (uniform.py): keys per channel (groups of G tokens of one channel),
 values per token (groups of G channels of one token). The R most recent tokens stay in full
 precision in the cache and leave that window in whole groups, never re-quantized (the cache's job).
-Defaults, Sec. 4 of the paper: 2 bits, G = 32, R = 128.
+Defaults, the paper's experimental setting (as shared/ADAPTIVE.md records it): 2 bits, G = 32,
+R = 128.
 """
 
 from __future__ import annotations
