@@ -16,9 +16,8 @@ information); `datatype="nuq"` here is NOT that: a plain 1-D k-means (determinis
 `kmeans_iterations` Lloyd steps) on the block's own normalized values (x - min) / (max - min),
 fitted at each call (one codebook per block, so per layer when the cache quantizes a layer's prefill
 at once), stored as 2^nbits fp16 levels in [0, 1]; a value's code is its nearest level (ties: the
-lower one). The paper's headline setting is 3 bits (abstract: < 0.1 perplexity degradation at 3 bits),
-with 1% outliers; 3-bit codes
-do not pack whole into bytes here, so the default is 4 bits (nuq4-1%, also in the paper's tables).
+lower one). The paper's headline setting is 3 bits (abstract: < 0.1 perplexity degradation at 3
+bits) with 1% outliers; 3-bit codes do not pack whole into bytes here, so the default is 4 bits.
 sink_tokens 1 is the attention-sink token of shared/ADAPTIVE.md; the public KVQuant README suggests
 "a small number of initial keys and values (eg. 5)".
 With no calibrated key ranges the keys need whole groups of tokens, so the cache keeps at most an
