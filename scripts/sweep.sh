@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sweep methods x budgets on one benchmark, one run after another, then summarize.
-#   METHODS="snapkv h2o" BUDGETS="64 128 256" scripts/sweep.sh BENCHMARK SAVE_DIR [runner args...]
+#   METHODS="snapkv h2o" BUDGETS="64 128 256" [VARIANTS="-|--merge pivot"] scripts/sweep.sh BENCHMARK SAVE_DIR [runner args...]
 # BENCHMARK: longbench | ruler | needle. Runner args go to every run, e.g.
 #   scripts/sweep.sh ruler results/ruler --model_path smollm2-135m --context_lengths 2048 --num_samples 5
 # A rerun resumes: finished samples are skipped by the runners. PUBLIC_HARNESS_SETTINGS=1 runs each

@@ -1,25 +1,33 @@
-# Sourced by scripts/sweep.sh and scripts/slurm/sweep.sbatch: the (method, budget) grid of a sweep.
+# Sourced by scripts/sweep.sh and scripts/slurm/sweep.sbatch: the (method, budget, variant) grid of a sweep.
 # Inputs (environment): METHODS="snapkv pyramidkv h2o streamingllm l2norm", BUDGETS="64 128 256",
-#   FULLKV=1 to add one fullkv run (it takes no budget),
+#   VARIANTS: runner flags each method x budget is also run with, separated by "|"; "-" is the method as
+#     it is. E.g. VARIANTS="-|--merge mergingpress|--merge pivot" runs every method without merging,
+#     with merge-on-evict and with pivot merging (each in its own folder, see the README).
+#   FULLKV=1 to add one fullkv run (it takes no budget and no variant),
 #   PUBLIC_HARNESS_SETTINGS=1 to run every method with the public harness's settings (window 8,
 #   kernel 7, max pooling where the method has them; default 0: this package's defaults).
-# Output: the array SWEEP_TASKS of "method budget" pairs ("fullkv -" for the full cache).
+# Output: the array SWEEP_TASKS of "method budget|variant" entries ("fullkv -|-" for the full cache).
 METHODS=${METHODS:-"snapkv pyramidkv h2o streamingllm l2norm"}
 BUDGETS=${BUDGETS:-"64 128 256"}
+VARIANTS=${VARIANTS:-"-"}
 FULLKV=${FULLKV:-1}
 SWEEP_TASKS=()
-if [ "$FULLKV" = "1" ]; then SWEEP_TASKS+=("fullkv -"); fi
+if [ "$FULLKV" = "1" ]; then SWEEP_TASKS+=("fullkv -|-"); fi
+IFS='|' read -r -a _sweep_variants <<< "$VARIANTS"
 for method in $METHODS; do
   if [ "$method" = "fullkv" ]; then continue; fi
-  for budget in $BUDGETS; do SWEEP_TASKS+=("$method $budget"); done
+  for budget in $BUDGETS; do
+    for variant in "${_sweep_variants[@]}"; do SWEEP_TASKS+=("$method $budget|$variant"); done
+  done
 done
 
 source "$(dirname "${BASH_SOURCE[0]}")/public_harness_settings.sh"
 
-# run_sweep_task BENCHMARK "method budget" [extra runner args...]: one run, results in the usual layout.
+# run_sweep_task BENCHMARK "method budget|variant" [extra runner args...]: one run, results in the usual layout.
 run_sweep_task() {
   local benchmark=$1 task=$2; shift 2
-  local method=${task% *} budget=${task#* }
+  local head=${task%%|*} variant=${task#*|}
+  local method=${head% *} budget=${head#* }
   local runner
   case "$benchmark" in
     longbench) runner=run_longbench.py ;;
@@ -31,6 +39,8 @@ run_sweep_task() {
   if [ "$budget" != "-" ]; then budget_args=(--max_capacity_prompts "$budget"); fi
   local method_args=()
   if [ "${PUBLIC_HARNESS_SETTINGS:-0}" = "1" ]; then mapfile -t method_args < <(public_harness_method_args "$method"); fi
-  echo ">>> $benchmark: method=$method budget=$budget ${method_args[*]}" >&2
-  "${PYTHON:-python}" "$runner" --method "$method" "${budget_args[@]}" "${method_args[@]}" "$@"
+  local variant_args=()
+  if [ "$variant" != "-" ] && [ "$variant" != "$task" ]; then read -r -a variant_args <<< "$variant"; fi
+  echo ">>> $benchmark: method=$method budget=$budget ${method_args[*]} ${variant_args[*]}" >&2
+  "${PYTHON:-python}" "$runner" --method "$method" "${budget_args[@]}" "${method_args[@]}" "${variant_args[@]}" "$@"
 }

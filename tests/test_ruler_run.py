@@ -198,3 +198,26 @@ def test_system_prompt_flag(tiny_model_dir, tmp_path, capsys):
     assert "--system_prompt needs the chat template" in err
     err = _run_error(_args(tiny_model_dir, tmp_path, *common, "--system_prompt", " "), capsys)
     assert "--system_prompt ' ' is empty" in err
+
+
+def test_merge_flags_reach_the_method_and_get_their_own_folder(tiny_model_dir, tmp_path, capsys):
+    common = ("--tasks", "vt", "--context_lengths", "1024", "--num_samples", "1")
+    assert main(_args(tiny_model_dir, tmp_path, *common)) == 0
+    assert main(_args(tiny_model_dir, tmp_path, *common, "--merge", "mergingpress", "--merge_fraction", "0.5")) == 0
+    assert main(_args(tiny_model_dir, tmp_path, *common, method=("--method", "cam", "--max_capacity_prompts", "64",
+                                                                 "--merge_sampling", "--merge_seed", "3"))) == 0
+    budget_dir = tmp_path / f"{Path(tiny_model_dir).name}_64"
+    assert sorted(p.name for p in budget_dir.iterdir()) == [
+        "cam_sampling=True_seed=3", "snapkv", "snapkv_merge=mergingpress-merge_fraction=0.5"]
+    meta = json.loads((budget_dir / "snapkv_merge=mergingpress-merge_fraction=0.5" / "run_meta.json").read_text())
+    assert meta["method"]["merge"] == {"name": "mergingpress", "similarity_threshold": 0.0, "merge_fraction": 0.5}
+    assert json.loads((budget_dir / "snapkv" / "run_meta.json").read_text())["method"]["merge"] is None
+    cam = json.loads((budget_dir / "cam_sampling=True_seed=3" / "run_meta.json").read_text())["method"]["merge"]
+    assert cam == {"name": "cam", "start_budget_ratio": 0.1, "merge_budget": None, "sampling": True, "seed": 3}
+    err = _run_error(_args(tiny_model_dir, tmp_path, "--merge_fraction", "0.5"), capsys)
+    assert "merge_fraction is a setting of the merge rule mergingpress" in err
+    err = _run_error(_args(tiny_model_dir, tmp_path, "--merge", "mergingpress", "--similarity_threshold", "2"), capsys)
+    assert "similarity_threshold must be in [-1, 1] (a cosine similarity), got 2.0" in err
+    with pytest.raises(SystemExit):
+        main(_args(tiny_model_dir, tmp_path, "--merge", "average"))
+    assert "invalid choice: 'average'" in capsys.readouterr().err

@@ -21,8 +21,21 @@ def bash(cmd: str, **env) -> subprocess.CompletedProcess:
 def test_sweep_grid_has_fullkv_once_plus_methods_times_budgets():
     out = bash('source scripts/sweep_tasks.sh; printf "%s\\n" "${SWEEP_TASKS[@]}"',
                METHODS="snapkv fullkv h2o", BUDGETS="64 128 256")
-    assert out.stdout.splitlines() == ["fullkv -", "snapkv 64", "snapkv 128", "snapkv 256",
-                                       "h2o 64", "h2o 128", "h2o 256"]
+    assert out.stdout.splitlines() == ["fullkv -|-", "snapkv 64|-", "snapkv 128|-", "snapkv 256|-",
+                                       "h2o 64|-", "h2o 128|-", "h2o 256|-"]
+
+
+def test_sweep_variants_run_each_method_and_budget_with_each_flag_set():
+    env = dict(METHODS="snapkv", BUDGETS="64", VARIANTS="-|--merge mergingpress --merge_fraction 0.5|--merge pivot",
+               PYTHON="echo", FULLKV="1")
+    got = bash('source scripts/sweep_tasks.sh; for t in "${SWEEP_TASKS[@]}"; do run_sweep_task ruler "$t" '
+               '--save_dir out; done', **env)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.splitlines() == [
+        "run_ruler.py --method fullkv --save_dir out",
+        "run_ruler.py --method snapkv --max_capacity_prompts 64 --save_dir out",
+        "run_ruler.py --method snapkv --max_capacity_prompts 64 --merge mergingpress --merge_fraction 0.5 --save_dir out",
+        "run_ruler.py --method snapkv --max_capacity_prompts 64 --merge pivot --save_dir out"]
 
 
 def test_slurm_array_index_runs_its_own_task():

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pyramidkv.allocation import HEAD_ALLOCATIONS, LAYER_ALLOCATIONS
 from pyramidkv.components import Component
+from pyramidkv.merging import MERGE_RULES
 from pyramidkv.methods import METHODS, Method, make_method
 from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
 
@@ -39,6 +40,13 @@ METHOD_FLAGS = {
     "head_beta": "head_beta",
     "attention_threshold": "attention_threshold",
     "b_bound_ratio": "b_bound_ratio",
+    "merge": "merge",
+    "similarity_threshold": "similarity_threshold",
+    "merge_fraction": "merge_fraction",
+    "merge_budget": "merge_budget",
+    "start_budget_ratio": "start_budget_ratio",
+    "merge_sampling": "sampling",
+    "merge_seed": "seed",
 }
 
 
@@ -89,6 +97,22 @@ def add_model_and_method_args(parser: argparse.ArgumentParser) -> None:
                    help="zigzag: score mass LMBA counts (default 0.9)")
     a.add_argument("--b_bound_ratio", type=float, default=None,
                    help="zigzag: each layer's guaranteed share of the uniform budget (default 0.2)")
+    mg = parser.add_argument_group("merging evicted tokens (any method but fullkv; default: drop them)")
+    mg.add_argument("--merge", type=str.lower, choices=list(MERGE_RULES), default=None,
+                    help="fold evicted tokens into kept ones: pivot | weighted (the public harness's rules), "
+                         "mergingpress (merge-on-evict, values only), cam (CaM)")
+    mg.add_argument("--similarity_threshold", type=float, default=None,
+                    help="mergingpress: merge only evicted tokens at least this cosine-similar to their target "
+                         "(default 0.0)")
+    mg.add_argument("--merge_fraction", type=float, default=None,
+                    help="mergingpress: merge only this fraction of the eligible tokens, most similar first (default 1.0)")
+    mg.add_argument("--merge_budget", type=int, default=None,
+                    help="cam: kept tokens each evicted value is spread over (default: the window size)")
+    mg.add_argument("--start_budget_ratio", type=float, default=None,
+                    help="cam: share of the prompt's first tokens used as CaM's reference and never merged (default 0.1)")
+    mg.add_argument("--merge_sampling", action="store_true", default=None,
+                    help="cam: draw each merge (Bernoulli) instead of merging its expectation (seeded by --merge_seed)")
+    mg.add_argument("--merge_seed", type=int, default=None, help="cam with --merge_sampling: the seed (default 0)")
     r = parser.add_argument_group("run")
     r.add_argument("--num_threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is faster on a busy shared CPU)")
