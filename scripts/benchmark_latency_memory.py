@@ -4,6 +4,10 @@ unpatched model (plain transformers, row "plain") measured in the same run.
     python scripts/benchmark_latency_memory.py --context_length 4096 --max_capacity_prompts 256 \
         --methods fullkv snapkv pyramidkv h2o streamingllm l2norm [--attn_implementation sdpa] [--threads 1] [--out FILE.json]
 
+A method may carry settings: `snapkv:merge=mergingpress`, `snapkv:merge=mergingpress,merge_fraction=0.5`,
+`h2o:window_size=16` (comma-separated setting=value; the row is named by the whole spec), so a method
+and its variants are measured side by side in one run.
+
 Timing: a warm-up round, then `--repeats` rounds that visit every method in turn (so drifting
 machine load hits all alike); each round is one prefill and `--new_tokens` greedy decode steps
 (median step). Figures are medians over rounds. KV bytes are counted after prefill; peak prefill KV
@@ -98,7 +102,7 @@ def main() -> None:
     parser.add_argument("--context_length", type=int, default=4096)
     parser.add_argument("--max_capacity_prompts", type=int, default=256)
     parser.add_argument("--methods", nargs="+", default=["fullkv", "snapkv", "pyramidkv", "h2o", "streamingllm", "l2norm"],
-                        choices=list(METHODS))
+                        help=f"method specs NAME[:setting=value,...], NAME one of {', '.join(METHODS)}")
     parser.add_argument("--gqa_layout", default="kv_head", choices=["kv_head", "query_head"])
     parser.add_argument("--new_tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -111,10 +115,11 @@ def main() -> None:
     model, tokenizer = load_model(args.model_path, args.attn_implementation, args.device, args.dtype)
     device = str(next(model.parameters()).device)
     ids = prompt_ids(tokenizer, args.context_length).to(device)
-    methods = ["fullkv"] + [m for m in args.methods if m != "fullkv"]
-    built = {name: make_method(name, **({} if name == "fullkv" else
-                                        {"budget": args.max_capacity_prompts, "gqa_layout": args.gqa_layout}))
-             for name in methods}
+    specs = ["fullkv"] + [m for m in args.methods if m != "fullkv"]
+    try:
+        built = {spec: method_from_spec(spec, args.max_capacity_prompts, args.gqa_layout) for spec in specs}
+    except ValueError as error:
+        parser.error(str(error))
     built = {PLAIN: None, **built}
     rows = measure_all(model, ids, built, args.new_tokens, args.repeats, device)
     add_ratios(rows)
@@ -130,6 +135,31 @@ def main() -> None:
     if args.out:
         atomic_write_json(args.out, {"arguments": vars(args), "device": device, "platform": platform.platform(),
                                      "torch": torch.__version__, "threads": torch.get_num_threads(), "results": rows})
+
+
+def _setting_value(text: str):
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+def method_from_spec(spec: str, budget: int, gqa_layout: str) -> Method:
+    """NAME[:setting=value,...] -> the method, with the benchmark's budget and GQA layout unless the spec sets them."""
+    name, _, rest = spec.partition(":")
+    settings = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"method spec {spec!r}: expected NAME:setting=value[,setting=value...], got {item!r}")
+        settings[key] = _setting_value(value)
+    if name.lower() not in METHODS:
+        raise ValueError(f"method spec {spec!r}: unknown method {name!r}; choose one of: {', '.join(METHODS)}")
+    if METHODS[name.lower()].needs_budget:
+        settings = {"budget": budget, "gqa_layout": gqa_layout, **settings}
+    return make_method(name, **settings)
 
 
 def add_ratios(rows: dict) -> None:

@@ -15,11 +15,14 @@ def test_benchmark_writes_plain_row_and_ratios(tiny_model_dir, tmp_path):
     out = tmp_path / "bench.json"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_latency_memory.py"), "--model_path", tiny_model_dir,
                     "--device", "cpu", "--context_length", "96", "--max_capacity_prompts", "40", "--new_tokens", "2",
-                    "--repeats", "1", "--threads", "1", "--methods", "fullkv", "snapkv", "--out", str(out)],
+                    "--repeats", "1", "--threads", "1", "--methods", "fullkv", "snapkv", "snapkv:merge=mergingpress,merge_fraction=0.5",
+                    "--out", str(out)],
                    check=True, cwd=ROOT, capture_output=True, text=True,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})  # this checkout's pyramidkv, not an installed one
     results = json.loads(out.read_text())["results"]
-    assert list(results) == ["plain", "fullkv", "snapkv"]
+    assert list(results) == ["plain", "fullkv", "snapkv", "snapkv:merge=mergingpress,merge_fraction=0.5"]
+    assert results["snapkv:merge=mergingpress,merge_fraction=0.5"]["kv_bytes_after_prefill"] == \
+        results["snapkv"]["kv_bytes_after_prefill"]  # merging changes what is stored, not how much
     plain, full, snap = results["plain"], results["fullkv"], results["snapkv"]
     # 2 layers x 2 KV heads x 96 tokens x head_dim 16 x (K + V) x float32
     assert plain["kv_bytes_after_prefill"] == full["kv_bytes_after_prefill"] == 2 * 2 * 96 * 16 * 2 * 4
@@ -32,3 +35,10 @@ def test_benchmark_writes_plain_row_and_ratios(tiny_model_dir, tmp_path):
         assert row["kv_ratio_plain"] == row["kv_bytes_after_prefill"] / plain["kv_bytes_after_prefill"]
         assert "prefill_ratio_plain" in row and "peak_prefill_kv_ratio_plain" in row
     assert snap["kv_ratio"] == 40 / 96
+
+
+def test_benchmark_refuses_a_bad_method_spec(tiny_model_dir):
+    got = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_latency_memory.py"), "--model_path",
+                          tiny_model_dir, "--methods", "snapkv:merge"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert got.returncode == 2 and "expected NAME:setting=value" in got.stderr
