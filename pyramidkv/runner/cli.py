@@ -47,6 +47,8 @@ METHOD_FLAGS = {
     "start_budget_ratio": "start_budget_ratio",
     "merge_sampling": "sampling",
     "merge_seed": "seed",
+    "decode_budget": "decode_budget",
+    "decode_interval": "decode_interval",
 }
 
 
@@ -113,6 +115,13 @@ def add_model_and_method_args(parser: argparse.ArgumentParser) -> None:
     mg.add_argument("--merge_sampling", action="store_true", default=None,
                     help="cam: draw each merge (Bernoulli) instead of merging its expectation (seeded by --merge_seed)")
     mg.add_argument("--merge_seed", type=int, default=None, help="cam with --merge_sampling: the seed (default 0)")
+    d = parser.add_argument_group("compression during decoding (any method but fullkv; default: off)")
+    d.add_argument("--decode_budget", type=int, default=None,
+                   help="tokens per head the cache may hold while generating (>= the window); every "
+                        "--decode_interval new tokens each layer re-selects down to it with the method's scorer")
+    d.add_argument("--decode_interval", type=int, default=None,
+                   help="new tokens between two decode-time compressions; the cache holds at most "
+                        "decode_budget + decode_interval tokens per head (default 32)")
     r = parser.add_argument_group("run")
     r.add_argument("--num_threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is faster on a busy shared CPU)")
