@@ -65,6 +65,7 @@ def test_300_new_tokens_never_hold_more_than_budget_plus_interval(smollm2, name)
     method = make_method(name, decode_budget=192, decode_interval=32, **settings)
     layers = model.config.num_hidden_layers
     kept = min(n, settings["budget"])
+    kept = 192 if kept >= 224 else kept  # a kept prompt reaching the bound is re-selected right after prefill
     expected = [kept] + expected_held(kept, 300, 192, 32)
     window = method.window_size
     seen = []
@@ -76,6 +77,8 @@ def test_300_new_tokens_never_hold_more_than_budget_plus_interval(smollm2, name)
             counts = cache.held_counts(layer)[0]
             assert max(counts) <= 224
             assert counts == [expected[step]] * 3, (layer, step)
+            if layer not in (0, layers // 2, layers - 1):  # positions on three layers (time)
+                continue
             for positions in cache.held_positions(layer):
                 p = positions.tolist()
                 assert p == sorted(set(p)) and p[-1] == total - 1
@@ -115,13 +118,12 @@ def test_left_padded_batch_of_3_equals_single_runs(smollm2, name, settings):
 
     def check(cache, step):
         counts = cache.held_counts(0)
-        if step:  # the prefill (step 0) keeps up to the prefill budget
-            assert max(max(c) for c in counts) <= 104
+        assert max(max(c) for c in counts) <= 104
         fired.append(counts[2][0])
 
     with StepObserver(model, check):
         batch = generate(model, tokenizer, prompts, method, 30, min_new_tokens=30)
-    assert 96 in fired  # the whole-kept 76-token prompt was compressed too (at step 28)
+    assert fired[:3] == [76, 77, 78] and 96 in fired  # the whole-kept 76-token prompt too (at step 28)
     for s, b in zip(single, batch):
         assert b.text == s.text
         assert b.kv_bytes_per_prompt == s.kv_bytes_per_prompt
@@ -198,12 +200,11 @@ def test_merge_rule_folds_evicted_decode_tokens_without_changing_which_are_kept(
                              **({"merge": merge} if merge else {}))
         with compress(model, method) as patch, torch.no_grad():
             cache = patch.new_cache()
-            model(ids, past_key_values=cache, use_cache=True)
-            model(torch.tensor([feed[:1]]), past_key_values=cache, use_cache=True)  # 187 held -> compressed
+            model(ids, past_key_values=cache, use_cache=True)  # 186 >= 168: re-selected right after prefill
             assert cache.held_counts(0)[0] == [160] * 3
             states[merge] = [(cache.held_positions(layer), cache.prefix[layer][0].values.clone())
                              for layer in range(model.config.num_hidden_layers)]
-            for token in feed[1:]:
+            for token in feed:
                 model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
                 assert max(cache.held_counts(5)[0]) <= 168
     changed = 0

@@ -275,10 +275,14 @@ class CompressedCache(Cache):
             self._note_prefill_bytes()
             if layer_idx == self.num_layers - 1:
                 self._gather_deferred(real_lens)
+                if self.decoding is not None:
+                    self.decoding.after_prefill(range(self.num_layers))
             return
         budgets = [b[layer_idx] for b in self._prompt_layer_budgets(real_lens)]
         self.prefix[layer_idx] = self._select(layer_idx, stored_keys, stored_values, scores, budgets, merge_attention)
         self._note_prefill_bytes()
+        if self.decoding is not None:
+            self.decoding.after_prefill([layer_idx])
 
     def _gather_deferred(self, real_lens: list[int]) -> None:
         """All layers are scored: allocate the layer budgets from their scores, then select and gather."""

@@ -16,8 +16,9 @@ a `CompressedCache` owns a `DecodeCompressor` state and, after every decode step
      This happens after the step's attention, so a head holds at most decode_budget +
      decode_interval tokens at any moment, for any number of new tokens, and exactly
      decode_budget right after a compression (every decode_interval tokens in steady state).
-     A prompt whose kept prompt already holds more (kept whole, or a larger prefill budget) is
-     compressed at its first decode step; one holding fewer grows until it reaches the bound.
+     The same rule is applied once right after prefill: a prompt whose kept part already
+     reaches the bound (kept whole, or a larger prefill budget) is re-selected then, with the
+     prompt's last queries as the window; one holding fewer grows until it reaches the bound.
      Heads holding no more than decode_budget keep everything.
 
 The decision is per prompt and per layer (a prompt's result does not depend on its batch). When
@@ -91,6 +92,17 @@ class DecodeCompressor:
         if heads != self.cache.num_query_heads:
             raw_scores = raw_scores.repeat_interleave(self.cache.num_query_heads // heads, dim=1)
         self._prefill_scores[layer_idx] = raw_scores.float()
+
+    def after_prefill(self, layers) -> None:
+        """The prompt part of these layers is stored: a layer whose kept prompt already reaches
+        decode_budget + decode_interval in some head is re-selected now, with the prompt's last
+        queries as the window, so the bound holds from the first decode step on."""
+        for layer_idx in layers:
+            if self.method.accumulates_attention:
+                self._start_accumulation(layer_idx)
+            fire = [max(kept.lengths) >= self.limit for kept in self.cache.prefix[layer_idx]]
+            if any(fire):
+                self._compress(layer_idx, fire)
 
     def after_attend(self, layer_idx: int, queries: torch.Tensor) -> None:
         """After a decode step's attention at one layer (queries [B, Hq, q, D] of the new tokens)."""
@@ -171,6 +183,9 @@ class DecodeCompressor:
         cache = self.cache
         kept = cache.prefix[layer_idx][b]
         tail_keys, tail_values = cache.tail_keys[layer_idx], cache.tail_values[layer_idx]
+        if tail_keys is None:  # nothing appended since the last compression (or the prefill)
+            tail_keys = tail_values = kept.keys.new_zeros(len(cache.prefix[layer_idx]), len(kept.lengths), 0,
+                                                          kept.keys.shape[-1])
         t = tail_keys.shape[2]
         start = cache.prompt_len - cache.pad_lens[b] + self.folded[layer_idx]
         tail_positions = torch.arange(start, start + t, device=kept.positions.device, dtype=kept.positions.dtype)
@@ -198,7 +213,8 @@ class DecodeCompressor:
                                      [len(h[2]) for h in heads], torch.cat([h[2] for h in heads])))
             if self.method.accumulates_attention:
                 new_acc.append(torch.cat([h[3] for h in heads]))
-        t = cache.tail_keys[layer_idx].shape[2]
+        tail = cache.tail_keys[layer_idx]
+        t = 0 if tail is None else tail.shape[2]
         cache.prefix[layer_idx] = new_prefix  # a new list: attend rebuilds the layer's DecodeLayout
         cache.tail_keys[layer_idx] = cache.tail_values[layer_idx] = None
         cache._decode_layouts[layer_idx] = None
