@@ -1,7 +1,9 @@
 """StreamingLLM (Xiao et al., 2024, "Efficient Streaming Language Models with Attention Sinks").
 
 Keeps the first `num_sinks` tokens (attention sinks) and the most recent
-`budget - num_sinks` tokens. With `decode_budget`, the same rule during decoding: the cache
+`budget - num_sinks` tokens.
+
+With `decode_budget`, the same rule during decoding: the cache
 holds the sinks and the most recent tokens (the paper's rolling cache, re-trimmed every
 `decode_interval` tokens).
 """
