@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 
 from pyramidkv import compress, load_model, make_method
 from pyramidkv.generation import generate
+from pyramidkv.methods.base import Method, ScoreContext
 from tests.prompts import STORY, passkey_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,6 +129,46 @@ def test_left_padded_batch_of_3_equals_single_runs(smollm2, name, settings):
     for s, b in zip(single, batch):
         assert b.text == s.text
         assert b.kv_bytes_per_prompt == s.kv_bytes_per_prompt
+
+
+@dataclass(frozen=True)
+class FirstTokensMethod(Method):
+    """A user method with no decode_score of its own (keeps the earliest tokens at prefill)."""
+
+    name = "first_tokens_test"
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        n = ctx.keys.shape[2]
+        return -torch.arange(n, dtype=torch.float32).expand(ctx.keys.shape[0], ctx.keys.shape[1], n)
+
+
+@pytest.mark.parametrize("method", [
+    make_method("pyramidkv", budget=128, window_size=16, decode_budget=64, decode_interval=8),
+    make_method("zigzagkv", budget=128, window_size=16, decode_budget=64, decode_interval=8),  # layers deferred
+    make_method("l2norm", budget=128, decode_budget=64, decode_interval=8),
+    make_method("cam", budget=128, window_size=16, decode_budget=64, decode_interval=8),
+    FirstTokensMethod(budget=128, window_size=16, decode_budget=64, decode_interval=8),  # the default decode_score
+], ids=["pyramidkv", "zigzagkv", "l2norm", "cam", "user-method"])
+def test_other_methods_stay_within_the_bound(smollm2, method):
+    model, tokenizer = smollm2
+    n = len(tokenizer(STORY, add_special_tokens=False).input_ids)
+    layers = model.config.num_hidden_layers
+    compressed = []
+
+    def check(cache, step):
+        assert cache.get_seq_length() == n + step
+        for layer in range(layers):
+            counts = cache.held_counts(layer)[0]
+            assert max(counts) <= 72, (layer, step, counts)
+            for positions in cache.held_positions(layer):
+                if method.window_size:
+                    assert positions[-method.window_size:].tolist() == list(range(n + step - method.window_size,
+                                                                                   n + step))
+        compressed.append(sum(cache.decoding.compressions))
+
+    with StepObserver(model, check):
+        generate(model, tokenizer, [STORY], method, 13, min_new_tokens=13)
+    assert compressed[-1] > compressed[0] > 0  # after prefill, and again while decoding
 
 
 # --- H2O: accumulated attention against eager attention weights ---------------------------------
