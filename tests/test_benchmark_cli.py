@@ -62,3 +62,13 @@ def test_benchmark_refuses_a_bad_method_spec(tiny_model_dir):
                           tiny_model_dir, "--methods", "snapkv:merge"], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert got.returncode == 2 and "expected NAME:setting=value" in got.stderr
+
+
+def test_merge_overhead_script_times_every_rule(tiny_model_dir):
+    got = subprocess.run([sys.executable, str(ROOT / "scripts" / "merge_overhead.py"), "--model_path", tiny_model_dir,
+                          "--context_length", "96", "--max_capacity_prompts", "40"], cwd=ROOT, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert got.returncode == 0, got.stderr
+    lines = got.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines[1:]] == ["pivot", "weighted", "mergingpress", "cam"]
+    assert all("vs no merge" in line for line in lines[1:])
