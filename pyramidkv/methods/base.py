@@ -26,6 +26,7 @@ import torch
 from pyramidkv.allocation.base import HeadAllocation, LayerAllocation, ModelShape
 from pyramidkv.allocation.uniform import UniformHeads, UniformLayers
 from pyramidkv.merging.base import MergeRule
+from pyramidkv.quantization.base import Quantizer
 
 GQA_LAYOUTS = ("kv_head", "query_head")
 GQA_REDUCTIONS = ("mean", "max", "sum")
@@ -106,6 +107,9 @@ class Method:
     head_allocation, layer_allocation: how the budget is split (pyramidkv.allocation).
     merge: what happens to evicted tokens: None drops them; a merge rule (pyramidkv.merging,
         by name or object) folds them into the kept ones without changing which are kept.
+    quant_method: how the kept tokens are stored: None in the model dtype; a quantizer
+        (pyramidkv.quantization, by name or object: kivi, kvquant, gear) stores the kept prompt
+        tokens and the generated ones in packed low-bit codes outside a full-precision recent window.
     """
 
     name: ClassVar[str] = ""
@@ -119,6 +123,7 @@ class Method:
     head_allocation: HeadAllocation = UniformHeads()
     layer_allocation: LayerAllocation = UniformLayers()
     merge: Optional[MergeRule] = None
+    quant_method: Optional[Quantizer] = None
 
     def __post_init__(self) -> None:
         from pyramidkv.allocation import make_head_allocation, make_layer_allocation
@@ -132,6 +137,10 @@ class Method:
             from pyramidkv.merging import make_merge_rule
 
             object.__setattr__(self, "merge", make_merge_rule(self.merge))
+        if isinstance(self.quant_method, str):
+            from pyramidkv.quantization import make_quantizer
+
+            object.__setattr__(self, "quant_method", make_quantizer(self.quant_method))
         check_setting_types(self, self.name)
         self.validate()
 
@@ -208,4 +217,5 @@ class Method:
         settings["head_allocation"] = self.head_allocation.describe()
         settings["layer_allocation"] = self.layer_allocation.describe()
         settings["merge"] = None if self.merge is None else self.merge.describe()
+        settings["quant_method"] = None if self.quant_method is None else self.quant_method.describe()
         return {"method": self.name, **settings}
