@@ -316,3 +316,21 @@ def test_cli_quantization_flags_reach_the_method_and_get_their_own_folder(tiny_m
     err = _cli_error(main, _ruler_args(tiny_model_dir, tmp_path, "--quant_method", "int4"), capsys)
     assert "invalid choice: 'int4'" in err
     assert sorted(p.name for p in budget_dir.iterdir()) == ["snapkv", label]   # nothing written for bad input
+
+
+def test_sweep_runs_quantized_variants_and_the_quantized_full_cache():
+    import os
+    import subprocess
+    from pathlib import Path
+
+    env = {**os.environ, "METHODS": "snapkv", "BUDGETS": "256", "VARIANTS": "-|--quant_method kivi --nbits 2",
+           "FULLKV_VARIANTS": "-|--quant_method kivi --nbits 2", "PYTHON": "echo"}
+    got = subprocess.run(["bash", "-c", 'source scripts/sweep_tasks.sh; for t in "${SWEEP_TASKS[@]}"; do '
+                          'run_sweep_task ruler "$t" --save_dir out; done'], cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, env=env)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.splitlines() == [
+        "run_ruler.py --method fullkv --save_dir out",
+        "run_ruler.py --method fullkv --quant_method kivi --nbits 2 --save_dir out",
+        "run_ruler.py --method snapkv --max_capacity_prompts 256 --save_dir out",
+        "run_ruler.py --method snapkv --max_capacity_prompts 256 --quant_method kivi --nbits 2 --save_dir out"]
