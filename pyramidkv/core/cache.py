@@ -271,7 +271,8 @@ class CompressedCache(Cache):
                 self._gather_deferred(real_lens)
             return
         budgets = [b[layer_idx] for b in self._prompt_layer_budgets(real_lens)]
-        self._store_prefix(layer_idx, self._select(layer_idx, stored_keys, stored_values, scores, budgets, merge_attention))
+        kept = self._select(layer_idx, stored_keys, stored_values, scores, budgets, merge_attention)
+        self._store_prefix(layer_idx, kept)
         self._note_prefill_bytes()
 
     def _gather_deferred(self, real_lens: list[int]) -> None:

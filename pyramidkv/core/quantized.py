@@ -35,6 +35,7 @@ quantized keys stored before RoPE) and residual (full-precision sink + window ro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -63,41 +64,69 @@ def _code_table(nbits: int, device: torch.device) -> torch.Tensor:
     return _LUTS[key]
 
 
+class Scratch:
+    """Work buffers that every dequantization of one cache reuses (as large as the largest span, so bounded):
+    a decode step then allocates no multi-MB temporaries, which cost page faults on every step. A tensor
+    taken from it is overwritten by the next dequantization: use it at once."""
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(shape)
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
+            buffer = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer[:numel].view(shape)
+
+
 def _levels(codes: torch.Tensor, nbits: int, count: int, codebook: Optional[torch.Tensor],
-            row_codebook: Optional[torch.Tensor]) -> torch.Tensor:
+            row_codebook: Optional[torch.Tensor], scratch: Optional[Scratch] = None) -> torch.Tensor:
     """Packed codes uint8 [n, V, bytes] -> fp32 levels [n, V, count] (the code itself, or its codebook level).
     codebook: [2^nbits] shared; row_codebook: [n, 2^nbits], one per leading row."""
     table = _code_table(nbits, codes.device)                                   # [256, per_byte]
     n, rows, nbytes = codes.shape
+    per_byte = 8 // nbits
     if row_codebook is not None:
         ints = table.index_select(0, codes.reshape(-1).int()).view(n, -1)
         levels = row_codebook.float().gather(1, ints)
     else:
         lut = table.float() if codebook is None else codebook.float()[table]
-        levels = lut.index_select(0, codes.reshape(-1).int())
-    return levels.view(n, rows, nbytes * (8 // nbits))[..., :count]
+        if scratch is None:
+            levels = lut.index_select(0, codes.reshape(-1).int())
+        else:
+            index = scratch.take("index", codes.shape, torch.int32, codes.device).copy_(codes).view(-1)
+            out = scratch.take("levels", (index.numel(), per_byte), torch.float32, codes.device)
+            levels = torch.index_select(lut, 0, index, out=out)
+    return levels.view(n, rows, nbytes * per_byte)[..., :count]
 
 
 def dequantize_span(block: QuantizedBlock, start: int, stop: int, dtype: torch.dtype,
-                    row_codebook: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Tokens [start, stop) of a block, dequantized: [N, stop - start, D] (maybe a transposed view).
+                    row_codebook: Optional[torch.Tensor] = None, scratch: Optional[Scratch] = None) -> torch.Tensor:
+    """Tokens [start, stop) of a block, dequantized: [N, stop - start, D] (maybe a transposed view; with
+    `scratch`, maybe a view of its buffers).
 
     start is a multiple of the group size and of 8 // nbits (the codes of a channel row are then cut at a
     byte boundary); stop a multiple of the group size or T. Same values as block.dequantize()[:, start:stop]."""
     n, tokens, dim = block.shape
     g, nbits, span = block.group_size, block.nbits, stop - start
+
+    def combine(zero, levels, scale):
+        out = None if scratch is None else scratch.take("dequantized", levels.shape, torch.float32, levels.device)
+        return torch.addcmul(zero, levels, scale, out=out)
+
     if block.layout == "channel":                       # keys: rows are channels, codes packed along T
         codes = block.codes[:, :, start * nbits // 8: packed_length(stop, nbits)]
-        levels = _levels(codes, nbits, span, block.codebook, row_codebook).reshape(n, dim, span // g, g)
+        levels = _levels(codes, nbits, span, block.codebook, row_codebook, scratch).reshape(n, dim, span // g, g)
         scale = block.scale[:, :, start // g: stop // g].float().unsqueeze(-1)
         zero = block.zero[:, :, start // g: stop // g].float().unsqueeze(-1)
-        x = torch.addcmul(zero, levels, scale).view(n, dim, span).transpose(1, 2)
+        x = combine(zero, levels, scale).view(n, dim, span).transpose(1, 2)
     else:                                               # values: rows are tokens, codes packed along D
-        levels = _levels(block.codes[:, start:stop], nbits, dim, block.codebook, row_codebook)
+        levels = _levels(block.codes[:, start:stop], nbits, dim, block.codebook, row_codebook, scratch)
         levels = levels.reshape(n, span, dim // g, g)
         scale = block.scale[:, start:stop].float().unsqueeze(-1)
         zero = block.zero[:, start:stop].float().unsqueeze(-1)
-        x = torch.addcmul(zero, levels, scale).view(n, span, dim)
+        x = combine(zero, levels, scale).view(n, span, dim)
     if block.left is not None:
         x = x + block.left[:, start:stop].float() @ block.right.float().transpose(1, 2)
     if block.outlier_index is not None:
@@ -107,6 +136,25 @@ def dequantize_span(block: QuantizedBlock, start: int, stop: int, dtype: torch.d
         where = (torch.arange(n, device=local.device).unsqueeze(1) * (span * dim) + local)[inside]
         x.view(-1)[where] = block.outlier_value.reshape(n, -1)[inside].float()
     return x.to(dtype)
+
+
+def weighted_values(block: QuantizedBlock, probs: torch.Tensor, start: int, stop: int, dtype: torch.dtype,
+                    row_codebook: Optional[torch.Tensor] = None, scratch: Optional[Scratch] = None) -> torch.Tensor:
+    """probs [N, rows, stop - start] @ the block's values (token layout) [start, stop) -> [N, rows, D].
+
+    Without outliers and low-rank term, the per-token scale and zero are folded into the weights instead of
+    dequantizing: out[:, :, group j] = (probs * scale[:, :, j]) @ levels[:, :, group j] + (probs @ zero[:, :, j])."""
+    if block.left is not None or block.outlier_index is not None:
+        return probs @ dequantize_span(block, start, stop, dtype, row_codebook, scratch)
+    n, _, dim = block.shape
+    g = block.group_size
+    levels = _levels(block.codes[:, start:stop], block.nbits, dim, block.codebook, row_codebook, scratch)
+    weights = probs.float()
+    scale = block.scale[:, start:stop].float()                                   # [N, span, D / G]
+    zero = block.zero[:, start:stop].float()
+    parts = [(weights * scale[:, :, j].unsqueeze(1)) @ levels[:, :, j * g:(j + 1) * g] for j in range(dim // g)]
+    out = torch.cat(parts, dim=-1) + (weights @ zero).repeat_interleave(g, dim=-1)
+    return out.to(dtype)
 
 
 def _per_row_bytes(block: QuantizedBlock) -> dict[str, int]:
@@ -204,10 +252,11 @@ class QuantizedLayer:
     """One layer's quantized storage for all segments (prompt-major, then stored head), and its attention."""
 
     def __init__(self, quantizer: Quantizer, kept: list[KeptKV], rope_positions: list[torch.Tensor],
-                 rotary: Optional[RotaryTable]):
+                 rotary: Optional[RotaryTable], scratch: Optional[Scratch] = None):
         """kept: per prompt, the KeptKV the method selected; rope_positions: per prompt, long [T] RoPE
-        position of each of its kept rows."""
+        position of each of its kept rows; scratch: work buffers shared with the cache's other layers."""
         q = self.quantizer = quantizer
+        self.scratch = scratch
         self.heads = len(kept[0].lengths)
         self.rotary = rotary if q.keys_before_rope else None
         first = kept[0].keys
@@ -340,8 +389,8 @@ class QuantizedLayer:
         step = self.quantizer.group_size * 4
         return max(step, CHUNK_ELEMENTS // max(1, rows * dim) // step * step)
 
-    def _prefill_keys(self, group: PrefillGroup, start: int, stop: int, dtype) -> torch.Tensor:
-        k = dequantize_span(group.keys, start, stop, torch.float32)
+    def _prefill_keys(self, group: PrefillGroup, start: int, stop: int, dtype, scratch=None) -> torch.Tensor:
+        k = dequantize_span(group.keys, start, stop, torch.float32, scratch=scratch)
         if self.rotary is not None:
             k = self.rotary.rotate(k, group.positions[:, start:stop])
         return k.to(dtype)
@@ -351,16 +400,16 @@ class QuantizedLayer:
         per = max(1, CHUNK_ELEMENTS // (self.quantizer.group_size * dim))
         return [(a, min(a + per, self.decode_keys.rows)) for a in range(0, self.decode_keys.rows, per)]
 
-    def _decode_keys(self, start: int, stop: int, dtype) -> torch.Tensor:
+    def _decode_keys(self, start: int, stop: int, dtype, scratch=None) -> torch.Tensor:
         block, codebook = self.decode_keys.block(start, stop)
-        k = dequantize_span(block, 0, block.shape[1], torch.float32, codebook)
+        k = dequantize_span(block, 0, block.shape[1], torch.float32, codebook, scratch)
         if self.rotary is not None:
             k = self.rotary.rotate(k, self.decode_positions[start:stop])
         return k.to(dtype)
 
-    def _decode_values(self, start: int, stop: int, dtype) -> torch.Tensor:
+    def _decode_values(self, start: int, stop: int, dtype, scratch=None) -> torch.Tensor:
         block, codebook = self.decode_values.block(start, stop)
-        return dequantize_span(block, 0, block.shape[1], dtype, codebook)
+        return dequantize_span(block, 0, block.shape[1], dtype, codebook, scratch)
 
     def attend(self, queries: torch.Tensor) -> torch.Tensor:
         """queries [B, Hq, 1, D] of the token just appended -> attention output [B, Hq, 1, D]."""
@@ -377,7 +426,8 @@ class QuantizedLayer:
             for group in self.prefill:
                 step = self._chunk(group.segments.numel(), dim)
                 q = grouped if whole else grouped[group.segments]
-                scores = torch.cat([q @ self._prefill_keys(group, a, min(a + step, group.tokens), dtype).transpose(1, 2)
+                scores = torch.cat([q @ self._prefill_keys(group, a, min(a + step, group.tokens), dtype,
+                                                           self.scratch).transpose(1, 2)
                                     for a in range(0, group.tokens, step)], dim=-1)
                 if whole:
                     pre = scores
@@ -391,7 +441,7 @@ class QuantizedLayer:
             dec = grouped.new_full((segs, rows, blocks, g), lowest)
             for a, b in self._decode_spans(dim):
                 seg, slot = self.decode_segment[a:b], self.decode_slot[a:b]
-                dec[seg, :, slot] = grouped[seg] @ self._decode_keys(a, b, dtype).transpose(1, 2)
+                dec[seg, :, slot] = grouped[seg] @ self._decode_keys(a, b, dtype, self.scratch).transpose(1, 2)
             parts.append(dec.view(segs, rows, blocks * g))
         # Full-precision part: [S, rows, F].
         width = int(self.fp_len.max())
@@ -405,8 +455,8 @@ class QuantizedLayer:
             for group in self.prefill:
                 step = self._chunk(group.segments.numel(), dim)
                 p = probs if whole else probs[group.segments]
-                part = sum(p[..., a:min(a + step, group.tokens)]
-                           @ dequantize_span(group.values, a, min(a + step, group.tokens), dtype)
+                part = sum(weighted_values(group.values, p[..., a:min(a + step, group.tokens)], a,
+                                           min(a + step, group.tokens), dtype, scratch=self.scratch)
                            for a in range(0, group.tokens, step))
                 if whole:
                     out = out + part
@@ -416,7 +466,9 @@ class QuantizedLayer:
             dec_probs = probs[..., longest:longest + blocks * g].view(segs, rows, blocks, g)
             for a, b in self._decode_spans(dim):
                 seg, slot = self.decode_segment[a:b], self.decode_slot[a:b]
-                out = out.index_add(0, seg, dec_probs[seg, :, slot] @ self._decode_values(a, b, dtype))
+                block, codebook = self.decode_values.block(a, b)
+                out = out.index_add(0, seg, weighted_values(block, dec_probs[seg, :, slot], 0, g, dtype, codebook,
+                                                            self.scratch))
         return out.reshape(bsz, num_q_heads, q_len, dim)
 
     # ---- inspection --------------------------------------------------------------------------------
@@ -463,6 +515,7 @@ class QuantizedCompressedCache(CompressedCache):
             raise ValueError(f"{self.quantizer.name} stores keys before RoPE: the cache needs the model's rotary module")
         self.rotary = None if rotary_emb is None else RotaryTable(rotary_emb)
         self.layers: list[Optional[QuantizedLayer]] = [None] * num_layers
+        self.scratch = Scratch()
         self.appended = [0] * num_layers
 
     def _store_prefix(self, layer_idx: int, kept: list[KeptKV]) -> None:
@@ -473,7 +526,7 @@ class QuantizedCompressedCache(CompressedCache):
         for b, (kv, pad) in enumerate(zip(kept, self.pad_lens)):
             padded = kv.positions + pad
             rope.append(padded if ids is None else ids[min(b, ids.shape[0] - 1)][padded].long())
-        self.layers[layer_idx] = QuantizedLayer(self.quantizer, kept, rope, self.rotary)
+        self.layers[layer_idx] = QuantizedLayer(self.quantizer, kept, rope, self.rotary, self.scratch)
         # The prefix keeps what the inspection API reads (counts, positions); the K/V live in the layer store.
         empty = kept[0].keys.new_zeros(0, dim)
         self.prefix[layer_idx] = [KeptKV(empty, empty, list(kv.lengths), kv.positions) for kv in kept]
