@@ -334,3 +334,29 @@ def test_sweep_runs_quantized_variants_and_the_quantized_full_cache():
         "run_ruler.py --method fullkv --quant_method kivi --nbits 2 --save_dir out",
         "run_ruler.py --method snapkv --max_capacity_prompts 256 --save_dir out",
         "run_ruler.py --method snapkv --max_capacity_prompts 256 --quant_method kivi --nbits 2 --save_dir out"]
+
+
+def test_benchmark_reports_bytes_by_part_and_the_fp16_ratio(tiny_model_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "bench.json"
+    quantized = "fullkv:quant_method=kivi,group_size=16,residual_length=32"
+    subprocess.run([sys.executable, str(root / "scripts" / "benchmark_latency_memory.py"), "--model_path", tiny_model_dir,
+                    "--device", "cpu", "--context_length", "96", "--max_capacity_prompts", "40", "--new_tokens", "2",
+                    "--repeats", "1", "--threads", "1", "--methods", "fullkv", quantized, "--out", str(out)],
+                   check=True, cwd=root, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    rows = json.loads(out.read_text())["results"]
+    row = rows[quantized]
+    # Per stored head (2 layers x 2 KV heads, head dim 16): 64 of 96 tokens quantized at 2 bits, 32 in fp32.
+    codes, scales = 2 * 64 * 16 * 2 // 8, 16 * 4 * 2 + 64 * 1 * 2
+    assert (row["kv_bytes_codes"], row["kv_bytes_scales"], row["kv_bytes_zeros"]) == (4 * codes, 4 * scales, 4 * scales)
+    assert row["kv_bytes_residual"] == 4 * 32 * 16 * 2 * 4
+    assert row["kv_bytes_after_prefill"] == 4 * (codes + 2 * scales + 32 * 16 * 2 * 4)
+    fp16_full = 4 * 96 * 16 * 2 * 2
+    assert rows["fullkv"]["kv_bytes_fp16"] == fp16_full
+    assert row["kv_ratio_fp16"] == row["formula_kv_ratio_fp16"] == 4 * (codes + 2 * scales + 32 * 16 * 2 * 2) / fp16_full
+    assert row["decode_ratio_unquantized"] == row["decode_s_per_token"] / rows["fullkv"]["decode_s_per_token"]

@@ -557,7 +557,14 @@ class QuantizedCompressedCache(CompressedCache):
         return self.layers[layer_idx].attend(queries)
 
     def tail_capacity_bytes(self) -> int:
-        return 0
+        """Bytes allocated for full-precision rows and decode-time blocks, all layers, unused capacity included."""
+        total = 0
+        for layer in self.layers:
+            if layer is not None:
+                total += sum(t.numel() * t.element_size() for t in (layer.fp_keys, layer.fp_values))
+                for stack in (layer.decode_keys, layer.decode_values):
+                    total += sum(b.numel() * b.element_size() for b in stack._buffers.values())
+        return total
 
     # ---- inspection ----------------------------------------------------------------------------------
     def kv_bytes_breakdown(self, batch_idx: Optional[int] = None, tail_tokens: Optional[int] = None) -> dict[str, int]:
