@@ -360,3 +360,33 @@ def test_benchmark_reports_bytes_by_part_and_the_fp16_ratio(tiny_model_dir, tmp_
     assert rows["fullkv"]["kv_bytes_fp16"] == fp16_full
     assert row["kv_ratio_fp16"] == row["formula_kv_ratio_fp16"] == 4 * (codes + 2 * scales + 32 * 16 * 2 * 2) / fp16_full
     assert row["decode_ratio_unquantized"] == row["decode_s_per_token"] / rows["fullkv"]["decode_s_per_token"]
+
+
+def test_kvquant_quantizes_keys_before_rope(smollm2):
+    """The quantized keys are the k_proj outputs (captured by a hook, before RoPE); read back, the keys
+    are the model's post-RoPE keys (an unpatched DynamicCache run), both up to 8-bit rounding."""
+    model, tokenizer = smollm2
+    ids = story_ids(tokenizer)
+    layer = 5
+    captured = []
+    hook = model.model.layers[layer].self_attn.k_proj.register_forward_hook(lambda m, i, o: captured.append(o))
+    try:
+        with torch.no_grad():
+            plain = model(ids, use_cache=True).past_key_values
+    finally:
+        hook.remove()
+    heads = model.config.num_key_value_heads
+    before_rope = captured[0][0].view(ids.shape[1], heads, HEAD_DIM).transpose(0, 1)      # [H, n, D]
+    after_rope = plain[layer][0][0]                                                        # [H, n, D]
+    method = make_method("fullkv", quant_method="kvquant", nbits=8, group_size=16, residual_length=16)
+    cache, _, _ = decode(model, ids, method, 0)
+    store = cache.layers[layer]
+    (group,) = store.prefill
+    tokens = group.tokens
+    assert int(store.sink.min()) == 1 and tokens > 100                 # token 0 is the sink, in full precision
+    bound = 0.01 * float(before_rope.abs().max())
+    torch.testing.assert_close(group.keys.dequantize(), before_rope[:, 1:1 + tokens], atol=bound, rtol=0)
+    for h, (positions, keys, _) in enumerate(cache.stored_kv(layer, 0)):
+        assert torch.equal(positions, torch.arange(ids.shape[1]))
+        assert torch.equal(keys[0], after_rope[h, 0])                  # the sink: exactly as the model made it
+        torch.testing.assert_close(keys, after_rope[h], atol=bound, rtol=0)
