@@ -19,9 +19,17 @@ spec without its quantizer where that row is in the run (`decode_ratio_unquantiz
 
 Timing: a warm-up round, then `--repeats` rounds that visit every method in turn (so drifting
 machine load hits all alike); each round is one prefill and `--new_tokens` greedy decode steps
-(median step). Figures are medians over rounds. KV bytes are counted after prefill; peak prefill KV
-bytes are the cache's `peak_prefill_kv_bytes` where it reports one, else its bytes after prefill. The
+(median step, and the mean: compression during decoding makes some steps slower). Figures are
+medians over rounds. KV bytes are counted after prefill; peak prefill KV bytes are the cache's
+`peak_prefill_kv_bytes` where it reports one, else its bytes after prefill; peak KV bytes are the
+most stored at any moment of the whole run (prefill peak, after every decode step, and for
+compression during decoding, e.g. `snapkv:decode_budget=512`, just before each re-selection). The
 plain row decodes over transformers' DynamicCache (its bytes: the K/V tensors it holds).
+
+Compression during decoding (docs/decoding.md), 1024 new tokens:
+
+    python scripts/benchmark_latency_memory.py --context_length 1024 --max_capacity_prompts 512 \
+        --methods fullkv snapkv snapkv:decode_budget=512 --new_tokens 1024 --repeats 1 --threads 1
 """
 
 from __future__ import annotations
@@ -73,10 +81,13 @@ def measure_once(model, ids, method: Optional[Method], new_tokens: int, device: 
         out = model(ids, past_key_values=cache, use_cache=True)
         sync(device)
         prefill = time.perf_counter() - t0
-        kv_bytes = dynamic_cache_bytes(cache) if patch is None else cache.kv_bytes()
+        stored = (lambda: dynamic_cache_bytes(cache)) if patch is None else cache.kv_bytes
+        kv_bytes = stored()
         breakdown = cache.kv_bytes_breakdown() if hasattr(cache, "kv_bytes_breakdown") else {"residual": kv_bytes}
         formula = None if method is None else kivi_formula_bytes_fp16(cache, method, model.config)
         peak = getattr(cache, "peak_prefill_kv_bytes", None)
+        peak_prefill = kv_bytes if peak is None else peak
+        peak_all = peak_prefill
         decode_times = []
         token = out.logits[:, -1:].argmax(-1)
         for _ in range(new_tokens):
@@ -86,13 +97,20 @@ def measure_once(model, ids, method: Optional[Method], new_tokens: int, device: 
             sync(device)
             decode_times.append(time.perf_counter() - t0)
             token = out.logits[:, -1:].argmax(-1)
+            peak_all = max(peak_all, stored())  # outside the timed region
+        decoding = getattr(cache, "decoding", None)
+        if decoding is not None:  # the instants just before each decode-time re-selection
+            peak_all = max(peak_all, decoding.peak_kv_bytes)
+        final = stored()
     finally:
         if patch is not None:
             patch.remove()
     element = next(model.parameters()).element_size()
     fp16 = kv_bytes - breakdown["residual"] + breakdown["residual"] * 2 // element
     result = {"prefill_s": prefill, "decode_s_per_token": statistics.median(decode_times),
-              "kv_bytes_after_prefill": kv_bytes, "peak_prefill_kv_bytes": kv_bytes if peak is None else peak,
+              "decode_s_per_token_mean": statistics.fmean(decode_times),
+              "kv_bytes_after_prefill": kv_bytes, "peak_prefill_kv_bytes": peak_prefill,
+              "kv_bytes_final": final, "peak_kv_bytes": peak_all,
               "kv_bytes_fp16": fp16, **{f"kv_bytes_{part}": size for part, size in breakdown.items()}}
     if formula is not None:
         result["formula_kv_bytes_fp16"] = formula
@@ -160,12 +178,14 @@ def main() -> None:
     print(f"\nn = {args.context_length} tokens, budget {args.max_capacity_prompts}, {args.attn_implementation}, "
           f"{device}, {args.gqa_layout}, {args.new_tokens} new tokens, median of {args.repeats} interleaved rounds, "
           f"{torch.get_num_threads()} threads\n")
-    print("| method | prefill s | x plain | decode ms/token | x plain | x fullkv | KV MiB | peak prefill KV MiB | x fullkv |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| method | prefill s | x plain | decode ms/token | x plain | x fullkv | mean ms/token | KV MiB | "
+          "peak prefill KV MiB | x fullkv | peak KV MiB (whole run) | x fullkv |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         print(f"| {name} | {r['prefill_s']:.3f} | {r['prefill_ratio_plain']:.3f} | {1000 * r['decode_s_per_token']:.1f} | "
-              f"{r['decode_ratio_plain']:.3f} | {r['decode_ratio']:.3f} | {r['kv_bytes_after_prefill'] / 2**20:.2f} | "
-              f"{r['peak_prefill_kv_bytes'] / 2**20:.2f} | {r['kv_ratio']:.4f} |")
+              f"{r['decode_ratio_plain']:.3f} | {r['decode_ratio']:.3f} | {1000 * r['decode_s_per_token_mean']:.1f} | "
+              f"{r['kv_bytes_after_prefill'] / 2**20:.2f} | {r['peak_prefill_kv_bytes'] / 2**20:.2f} | "
+              f"{r['kv_ratio']:.4f} | {r['peak_kv_bytes'] / 2**20:.2f} | {r['peak_kv_ratio']:.4f} |")
     if any("quant_method" in name for name in rows):
         print("\n| method | KV x fullkv fp16 | formula | decode x unquantized | codes MiB | scales+zeros MiB | "
               "outliers+factors+positions MiB | residual MiB |")
@@ -217,8 +237,8 @@ def method_from_spec(spec: str, budget: int, gqa_layout: str) -> Method:
 def add_ratios(rows: dict) -> None:
     """Each figure of each row as a ratio to fullkv (`*_ratio`) and to plain transformers (`*_ratio_plain`);
     KV bytes also against fullkv in fp16, decode time also against the row's spec without its quantizer."""
-    figures = {"prefill": "prefill_s", "decode": "decode_s_per_token", "kv": "kv_bytes_after_prefill",
-               "peak_prefill_kv": "peak_prefill_kv_bytes"}
+    figures = {"prefill": "prefill_s", "decode": "decode_s_per_token", "decode_mean": "decode_s_per_token_mean",
+               "kv": "kv_bytes_after_prefill", "peak_prefill_kv": "peak_prefill_kv_bytes", "peak_kv": "peak_kv_bytes"}
     for name, r in rows.items():
         for label, key in figures.items():
             r[f"{label}_ratio"] = r[key] / rows["fullkv"][key]

@@ -6,13 +6,13 @@
 # Only the settings a method has are printed (make_method rejects unknown ones):
 #   snapkv, pyramidkv, and the adaptive methods it also runs (adakv, ada_pyramidkv, headkv):
 #                      --window_sizes 8 --kernel_sizes 7 --pooling max
-#   h2o:               --window_sizes 8
+#   h2o, cam:          --window_sizes 8 (CAM there has no pooling: our cam's kernel_size 1 already)
 #   streamingllm:      nothing (our 4 sinks + budget-4 recent tokens = the harness's window budget-4)
 #   l2norm, fullkv:    nothing (no observation window there; l2norm's defaults follow the harness)
 public_harness_method_args() {
     case "$(echo "$1" | tr '[:upper:]' '[:lower:]')" in
         snapkv|pyramidkv|adakv|ada_pyramidkv|headkv) printf '%s\n' --window_sizes 8 --kernel_sizes 7 --pooling max ;;
-        h2o) printf '%s\n' --window_sizes 8 ;;
+        h2o|cam) printf '%s\n' --window_sizes 8 ;;
         *) ;;
     esac
 }

@@ -37,6 +37,26 @@ def test_benchmark_writes_plain_row_and_ratios(tiny_model_dir, tmp_path):
     assert snap["kv_ratio"] == 40 / 96
 
 
+def test_benchmark_peak_over_the_run_with_decode_compression(tiny_model_dir, tmp_path):
+    """Peak KV bytes cover the whole generation: fullkv ends at 96 + 40 tokens; with
+    decode_budget 48 / interval 8 a head never holds more than 56 tokens (the peak just before a
+    re-selection); snapkv without it ends at 40 + 40."""
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_latency_memory.py"), "--model_path", tiny_model_dir,
+                    "--device", "cpu", "--context_length", "96", "--max_capacity_prompts", "40", "--new_tokens", "40",
+                    "--repeats", "1", "--threads", "1", "--methods", "fullkv", "snapkv",
+                    "snapkv:decode_budget=48,decode_interval=8,window_size=16", "--out", str(out)],
+                   check=True, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    results = json.loads(out.read_text())["results"]
+    per_token = 2 * 2 * 16 * 2 * 4  # layers x KV heads x head_dim x (K + V) x float32
+    assert results["fullkv"]["peak_kv_bytes"] == results["plain"]["peak_kv_bytes"] == (96 + 40) * per_token
+    assert results["snapkv"]["peak_kv_bytes"] == results["snapkv"]["kv_bytes_final"] == (40 + 40) * per_token
+    decoded = results["snapkv:decode_budget=48,decode_interval=8,window_size=16"]
+    # the most at once: layer 0 at 56 just before it re-selects, layer 1 still at 55 (its append comes next)
+    assert decoded["peak_kv_bytes"] == (56 + 55) * per_token // 2
+    assert decoded["kv_bytes_final"] <= 56 * per_token
+
+
 def test_benchmark_refuses_a_bad_method_spec(tiny_model_dir):
     got = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_latency_memory.py"), "--model_path",
                           tiny_model_dir, "--methods", "snapkv:merge"], cwd=ROOT, capture_output=True, text=True,

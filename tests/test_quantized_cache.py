@@ -390,3 +390,8 @@ def test_kvquant_quantizes_keys_before_rope(smollm2):
         assert torch.equal(positions, torch.arange(ids.shape[1]))
         assert torch.equal(keys[0], after_rope[h, 0])                  # the sink: exactly as the model made it
         torch.testing.assert_close(keys, after_rope[h], atol=bound, rtol=0)
+
+
+def test_quantized_storage_refuses_decode_time_compression():
+    with pytest.raises(ValueError, match="decode_budget .* does not combine with quant_method='kivi'"):
+        make_method("snapkv", budget=128, decode_budget=256, quant_method="kivi")

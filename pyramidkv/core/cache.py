@@ -189,6 +189,12 @@ class CompressedCache(Cache):
         # RoPE positions [B or 1, q] of the tokens of the current forward (set by the patched attention;
         # a quantized cache that stores keys before RoPE reads them).
         self.rope_position_ids: Optional[torch.Tensor] = None
+        # Compression during decoding (method.decode_budget): pyramidkv/core/decoding.py.
+        self.decoding = None
+        if method.decode_budget is not None:
+            from pyramidkv.core.decoding import DecodeCompressor
+
+            self.decoding = DecodeCompressor(self)
 
     # ---- transformers Cache API -------------------------------------------------------------
     def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
@@ -196,7 +202,8 @@ class CompressedCache(Cache):
         if self.prefix[layer_idx] is None:
             return 0
         tail = self.tail_keys[layer_idx]
-        return self.prompt_len + (0 if tail is None else tail.shape[2])
+        folded = 0 if self.decoding is None else self.decoding.folded[layer_idx]  # tokens moved out of the tail
+        return self.prompt_len + folded + (0 if tail is None else tail.shape[2])
 
     def get_max_length(self) -> Optional[int]:
         return None
@@ -255,25 +262,31 @@ class CompressedCache(Cache):
             stored_keys = keys.repeat_interleave(self.group, dim=1)
             stored_values = values.repeat_interleave(self.group, dim=1)
 
-        scores = merge_attention = None
+        scores = merge_attention = raw_scores = None
         if any(real > self._nominal_budget(real) for real in real_lens):
             real = torch.arange(n, device=keys.device)[None, :] >= torch.tensor(self.pad_lens, device=keys.device)[:, None]
-            scores = method.score(ScoreContext(layer_idx, self.num_layers, queries, keys, values, real))
-            scores = scores_per_stored_head(scores, method, self.num_kv_heads, self.num_query_heads)  # [B, H, n]
+            raw_scores = method.score(ScoreContext(layer_idx, self.num_layers, queries, keys, values, real))
+            scores = scores_per_stored_head(raw_scores, method, self.num_kv_heads, self.num_query_heads)  # [B, H, n]
             if method.merge is not None and method.merge.needs_attention:
                 # The observation window's mean attention to every prompt token, per stored head.
                 attention = window_attention(queries, keys, real, method.window_size).mean(dim=2)  # [B, Hq, n]
                 merge_attention = scores_per_stored_head(attention, method, self.num_kv_heads, self.num_query_heads)
+        if self.decoding is not None:
+            self.decoding.observe_prefill(layer_idx, queries, keys, raw_scores)
         if method.layer_allocation.needs_scores:
             self._deferred[layer_idx] = (stored_keys, stored_values, scores, merge_attention)
             self._note_prefill_bytes()
             if layer_idx == self.num_layers - 1:
                 self._gather_deferred(real_lens)
+                if self.decoding is not None:
+                    self.decoding.after_prefill(range(self.num_layers))
             return
         budgets = [b[layer_idx] for b in self._prompt_layer_budgets(real_lens)]
         kept = self._select(layer_idx, stored_keys, stored_values, scores, budgets, merge_attention)
         self._store_prefix(layer_idx, kept)
         self._note_prefill_bytes()
+        if self.decoding is not None:
+            self.decoding.after_prefill([layer_idx])
 
     def _gather_deferred(self, real_lens: list[int]) -> None:
         """All layers are scored: allocate the layer budgets from their scores, then select and gather."""
@@ -425,11 +438,37 @@ class CompressedCache(Cache):
             outputs.append(out.view(last - first, rows, dim) + torch.matmul(probs[..., kept:], tail_values[first:last]))
         return torch.cat(outputs).reshape(bsz, num_q_heads, q_len, dim)
 
+    def after_attend(self, layer_idx: int, queries: torch.Tensor) -> None:
+        """Called by the patched attention after each decode step's `attend` (queries [B, Hq, q, D]):
+        compression during decoding, when the method has a decode_budget."""
+        if self.decoding is not None:
+            self.decoding.after_attend(layer_idx, queries)
+
     # ---- inspection ---------------------------------------------------------------------------
+    def held_counts(self, layer_idx: int) -> list[list[int]]:
+        """Tokens held per prompt and stored head at one layer: kept (prompt and, after decode-time
+        compressions, generated) tokens + the tail."""
+        tail = self.tail_keys[layer_idx]
+        t = 0 if tail is None else tail.shape[2]
+        return [[n + t for n in kept.lengths] for kept in self.prefix[layer_idx]]
+
+    def held_positions(self, layer_idx: int, batch_idx: int = 0) -> list[torch.Tensor]:
+        """Positions (0 = first real prompt token) of every token held per stored head, ascending."""
+        kept = self.prefix[layer_idx][batch_idx]
+        tail = self.tail_keys[layer_idx]
+        t = 0 if tail is None else tail.shape[2]
+        start = self.prompt_len - self.pad_lens[batch_idx] + (0 if self.decoding is None else self.decoding.folded[layer_idx])
+        tail_positions = torch.arange(start, start + t, dtype=kept.positions.dtype, device=kept.positions.device)
+        return [torch.cat([p, tail_positions]) for p in kept.positions_per_head()]
+
     def kv_bytes(self, batch_idx: Optional[int] = None, tail_tokens: Optional[int] = None) -> int:
         """Bytes of stored keys and values (prompt part + appended tokens), all layers;
         of one prompt of the batch when batch_idx is given. tail_tokens counts only the first
         that many appended tokens (a prompt that stopped while the rest of its batch decoded on)."""
+        if self.decoding is not None and batch_idx is not None and tail_tokens is not None:
+            recorded = self.decoding.bytes_history.get(tail_tokens)  # compression during decoding folds the tail
+            if recorded is not None:
+                return recorded[batch_idx]
         total = 0
         for layer_idx in range(self.num_layers):
             kept_per_prompt = self.prefix[layer_idx] or []

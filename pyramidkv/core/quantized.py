@@ -586,6 +586,18 @@ class QuantizedCompressedCache(CompressedCache):
     def kv_bytes(self, batch_idx: Optional[int] = None, tail_tokens: Optional[int] = None) -> int:
         return sum(self.kv_bytes_breakdown(batch_idx, tail_tokens).values())
 
+    def held_counts(self, layer_idx: int) -> list[list[int]]:
+        """Tokens stored per prompt and stored head at one layer (kept prompt tokens + appended ones)."""
+        return [[n + self.appended[layer_idx] for n in kept.lengths] for kept in self.prefix[layer_idx]]
+
+    def held_positions(self, layer_idx: int, batch_idx: int = 0) -> list[torch.Tensor]:
+        """Positions (0 = first real prompt token) of every token stored per stored head, ascending."""
+        kept = self.prefix[layer_idx][batch_idx]
+        start = self.prompt_len - self.pad_lens[batch_idx]
+        tail = torch.arange(start, start + self.appended[layer_idx], dtype=kept.positions.dtype,
+                            device=kept.positions.device)
+        return [torch.cat([p, tail]) for p in kept.positions_per_head()]
+
     def stored_kv(self, layer_idx: int, batch_idx: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per stored head, (RoPE positions [n], keys [n, D], values [n, D]) of every token it stores (kept
         prompt tokens, then generated ones), dequantized, keys after RoPE, in time order."""

@@ -5,7 +5,7 @@ import sys
 
 from pyramidkv.methods import METHODS
 
-COMMON = {"budget", "budget_ratio", "gqa_layout", "gqa_reduce"}
+COMMON = {"budget", "budget_ratio", "gqa_layout", "gqa_reduce", "decode_budget", "decode_interval"}
 
 
 def method_table() -> str:

@@ -48,6 +48,24 @@ class ScoreContext:
     real: torch.Tensor
 
 
+@dataclass
+class DecodeScoreContext(ScoreContext):
+    """What a method's `decode_score` sees when the cache re-selects during decoding (one layer).
+
+    Each row is one stored head of one prompt (prompt-major): keys/values [R, 1, m, D] hold the
+    tokens the head holds now (kept prompt tokens, then generated ones), in position order and
+    left-padded to a common m (real [R, m] False there). queries [R, g, m, D]: only the last
+    min(window, m) rows are real queries, those of the most recent tokens (g = the query heads
+    of the stored head: the GQA group in the kv_head layout, 1 in query_head); earlier rows are 0.
+    positions: [R, m] true positions (0 = first real prompt token; -1 at padding).
+    accumulated: [R, g, m] attention each held token has received from every query since it
+    was appended (prompt queries included), for methods with `accumulates_attention`; else None.
+    """
+
+    positions: Optional[torch.Tensor] = None
+    accumulated: Optional[torch.Tensor] = None
+
+
 # Settings named with their command-line flag in errors.
 SETTING_LABELS = {"budget": "budget (max_capacity_prompts)", "budget_ratio": "budget_ratio (max_capacity_prompts_ratio)"}
 
@@ -110,10 +128,21 @@ class Method:
     quant_method: how the kept tokens are stored: None in the model dtype; a quantizer
         (pyramidkv.quantization, by name or object: kivi, kvquant, gear) stores the kept prompt
         tokens and the generated ones in packed low-bit codes outside a full-precision recent window.
+    decode_budget: tokens per stored head the cache may hold while generating (None: no
+        compression during decoding; the prompt part is compressed once, generated tokens are
+        all kept). With it, every layer re-selects (kept prompt + generated tokens) down to
+        decode_budget with `decode_score` whenever a head would hold decode_budget +
+        decode_interval tokens (see pyramidkv/core/decoding.py and docs/decoding.md).
+    decode_interval: new tokens between two decode-time compressions (default 32: the memory
+        overshoot is at most 32 tokens per head, and each re-selection, O(decode_budget) work
+        per layer, is amortised over 32 steps).
     """
 
     name: ClassVar[str] = ""
     needs_budget: ClassVar[bool] = True
+    # During decoding the cache accumulates the attention every held token receives (H2O) and
+    # passes it to decode_score as ctx.accumulated; costs one extra attention pass per step.
+    accumulates_attention: ClassVar[bool] = False
 
     budget: Optional[int] = None
     budget_ratio: Optional[float] = None
@@ -124,6 +153,8 @@ class Method:
     layer_allocation: LayerAllocation = UniformLayers()
     merge: Optional[MergeRule] = None
     quant_method: Optional[Quantizer] = None
+    decode_budget: Optional[int] = None
+    decode_interval: int = 32
 
     def __post_init__(self) -> None:
         from pyramidkv.allocation import make_head_allocation, make_layer_allocation
@@ -148,6 +179,16 @@ class Method:
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """[B, Hq or Hkv, n] importance of each prompt position (higher = keep)."""
         raise NotImplementedError
+
+    def decode_score(self, ctx: "DecodeScoreContext") -> torch.Tensor:
+        """[R, g or 1, m] importance of each held token when the cache re-selects during decoding
+        (only with decode_budget). Default, for methods that declare nothing else: the attention
+        of the most recent max(window_size, 1) queries to each held token, summed over them
+        (SnapKV's window score without pooling). Methods whose `score` reads only the last
+        window_size queries (or none) use it as is; H2O returns the accumulated attention."""
+        from pyramidkv.core.scoring import window_attention
+
+        return window_attention(ctx.queries, ctx.keys, ctx.real, max(self.window_size, 1)).sum(dim=2)
 
     def layer_budgets(self, budget: int, num_layers: int, prompt_len: int,
                       layer_scores: Optional[list[torch.Tensor]] = None) -> list[int]:
@@ -195,7 +236,13 @@ class Method:
             if self.merge is not None:
                 raise ValueError(f"{self.name} keeps every token, so it evicts none to merge; it takes no merge "
                                  f"rule (got merge={self.merge.name!r})")
+            if self.decode_budget is not None:
+                raise ValueError(f"{self.name} keeps every token and has no scorer to choose which to keep while "
+                                 f"decoding; it takes no decode_budget (got {self.decode_budget}); use e.g. "
+                                 f"streamingllm, h2o or snapkv with decode_budget")
+            self._validate_decode_settings()
             return
+        self._validate_decode_settings()
         if self.merge is not None:
             self.merge.check_method(self)
         if (self.budget is None) == (self.budget_ratio is None):
@@ -210,6 +257,26 @@ class Method:
         else:
             if not (0.0 < self.budget_ratio <= 1.0):
                 raise ValueError(f"budget_ratio (max_capacity_prompts_ratio) must be in (0, 1], got {self.budget_ratio!r}")
+
+    def _validate_decode_settings(self) -> None:
+        if self.decode_interval < 1:
+            raise ValueError(f"decode_interval must be an integer >= 1 (new tokens between two decode-time "
+                             f"compressions), got {self.decode_interval!r}")
+        if self.decode_budget is None:
+            default = type(self).__dataclass_fields__["decode_interval"].default
+            if self.decode_interval != default:
+                raise ValueError(f"decode_interval={self.decode_interval} only applies with decode_budget "
+                                 f"(compression during decoding); set decode_budget too, or leave decode_interval out")
+            return
+        if self.quant_method is not None:
+            raise ValueError(f"decode_budget (compression during decoding) does not combine with quant_method="
+                             f"{self.quant_method.name!r} yet (a quantized cache is never re-selected); use one of them")
+        if self.decode_budget < 1:
+            raise ValueError(f"decode_budget must be an integer >= 1 (tokens per head held while decoding), "
+                             f"got {self.decode_budget!r}")
+        if self.decode_budget < self.window_size:
+            raise ValueError(f"decode_budget {self.decode_budget} is smaller than window_size {self.window_size}; "
+                             f"the most recent window is always kept, so decode_budget must be >= {self.window_size}")
 
     def describe(self) -> dict:
         """The full configuration, for run_meta.json (allocations as {"name", settings...})."""

@@ -3,6 +3,11 @@
 Score = accumulated attention each key receives from every prompt query
 (column sums of the causal attention matrix), computed in query chunks.
 Keeps the top `budget - window_size` heavy hitters plus the recent window.
+
+With `decode_budget`, the paper's decoding-time eviction: the cache keeps adding the attention
+each new query gives every held token (prompt tokens start from their prefill column sums), and
+every `decode_interval` tokens each head keeps its `decode_budget - window_size` heaviest
+hitters by that accumulated attention plus the recent window.
 """
 
 from dataclasses import dataclass
@@ -16,6 +21,10 @@ from pyramidkv.methods.base import Method, ScoreContext
 @dataclass(frozen=True)
 class H2O(Method):
     name = "h2o"
+    accumulates_attention = True
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         return attention_column_sums(ctx.queries, ctx.keys, ctx.real)
+
+    def decode_score(self, ctx) -> torch.Tensor:
+        return ctx.accumulated

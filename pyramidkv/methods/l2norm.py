@@ -32,3 +32,6 @@ class L2Norm(Method):
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         return -ctx.keys.float().norm(dim=-1)  # [B, Hkv, n]
+
+    def decode_score(self, ctx) -> torch.Tensor:
+        return self.score(ctx)  # keys only: the held keys' norms

@@ -47,3 +47,7 @@ class SnapKV(Method):
         # Window positions are always kept; give them a score so shapes stay [B, H, n].
         window_scores = torch.zeros(*pooled.shape[:2], w, dtype=pooled.dtype, device=pooled.device)
         return torch.cat([pooled, window_scores], dim=-1)
+
+    def decode_score(self, ctx) -> torch.Tensor:
+        # The same score over the held tokens, the buffered recent queries as the observation window.
+        return self.score(ctx)

@@ -2,6 +2,10 @@
 
 Keeps the first `num_sinks` tokens (attention sinks) and the most recent
 `budget - num_sinks` tokens.
+
+With `decode_budget`, the same rule during decoding: the cache
+holds the sinks and the most recent tokens (the paper's rolling cache, re-trimmed every
+`decode_interval` tokens).
 """
 
 from dataclasses import dataclass
@@ -23,6 +27,9 @@ class StreamingLLM(Method):
             raise ValueError(f"num_sinks must be an integer >= 0, got {self.num_sinks!r}")
         if self.budget is not None and self.budget <= self.num_sinks:
             raise ValueError(f"budget {self.budget} must exceed num_sinks {self.num_sinks} to keep any recent token")
+        if self.decode_budget is not None and self.decode_budget <= self.num_sinks:
+            raise ValueError(f"decode_budget {self.decode_budget} must exceed num_sinks {self.num_sinks} to keep any "
+                             f"recent token")
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         # Recency as the score, sinks above everything: top-B = sinks + most recent B - s.
@@ -32,3 +39,8 @@ class StreamingLLM(Method):
         score = offset.float()
         score = torch.where((offset >= 0) & (offset < self.num_sinks), torch.full_like(score, float(n + 1)), score)
         return score[:, None, :].expand(bsz, ctx.keys.shape[1], n)
+
+    def decode_score(self, ctx) -> torch.Tensor:
+        # The paper's decoding rule: the held tokens in position order, sinks first, then the most
+        # recent (the sinks are held from the prompt on, so they are the first held tokens).
+        return self.score(ctx)

@@ -112,5 +112,6 @@ def compressed_attention_forward(
     else:
         cache.append(module.layer_idx, keys, values)
         out = cache.attend(module.layer_idx, queries).transpose(1, 2)
+        cache.after_attend(module.layer_idx, queries)
     out = out.reshape(bsz, q_len, -1).contiguous()
     return module.o_proj(out), weights, cache

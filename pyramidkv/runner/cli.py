@@ -57,6 +57,8 @@ METHOD_FLAGS = {
     "quant_datatype": "datatype",
     "quant_rank": "rank",
     "quant_decode_rank": "decode_rank",
+    "decode_budget": "decode_budget",
+    "decode_interval": "decode_interval",
 }
 
 
@@ -141,6 +143,13 @@ def add_model_and_method_args(parser: argparse.ArgumentParser) -> None:
     q.add_argument("--quant_rank", type=int, default=None, help="gear: low-rank rank at prefill (default 4)")
     q.add_argument("--quant_decode_rank", type=int, default=None,
                    help="gear: low-rank rank of blocks compressed while decoding (default 2)")
+    d = parser.add_argument_group("compression during decoding (any method but fullkv; default: off)")
+    d.add_argument("--decode_budget", type=int, default=None,
+                   help="tokens per head the cache may hold while generating (>= the window); every "
+                        "--decode_interval new tokens each layer re-selects down to it with the method's scorer")
+    d.add_argument("--decode_interval", type=int, default=None,
+                   help="new tokens between two decode-time compressions; the cache holds at most "
+                        "decode_budget + decode_interval tokens per head (default 32)")
     r = parser.add_argument_group("run")
     r.add_argument("--num_threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is faster on a busy shared CPU)")

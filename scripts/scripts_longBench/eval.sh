@@ -3,6 +3,8 @@
 # PyramidKV harness:
 #   bash scripts/scripts_longBench/eval.sh GPU METHOD MAX_CAPACITY_PROMPTS ATTN_IMPLEMENTATION SOURCE_PATH MODEL_PATH [extra run_longbench.py args...]
 # e.g. bash scripts/scripts_longBench/eval.sh 0 SnapKV 128 sdpa ./ smollm2-135m --data_dir path/to/LongBench/data
+#      bash scripts/scripts_longBench/eval.sh 0 PyramidKV 128 sdpa ./ smollm2-135m --merge pivot   # merged run, own folder
+#      bash scripts/scripts_longBench/eval.sh 0 H2O 128 sdpa ./ smollm2-135m --decode_budget 256   # compressed while decoding too, own folder
 # On a machine without a GPU give any value (e.g. "") as GPU: the device is chosen with --device auto.
 # Results: SOURCE_PATH/results_long_bench/{model}_{budget}/{method}/ (results.json after scoring);
 # with SOURCE_PATH ./ that folder is git-ignored.

@@ -5,6 +5,8 @@
 #        [S_LEN [E_LEN [STEP]]] [extra run_needle_in_haystack.py args...]
 # e.g.
 #   bash scripts/scripts_needle/eval.sh 0 snapkv 128 sdpa smollm2-135m 1000 4000 1000 --num_depths 5
+#   bash scripts/scripts_needle/eval.sh 0 cam 128 sdpa smollm2-135m "" "" "" --merge_sampling --merge_seed 1
+#   bash scripts/scripts_needle/eval.sh 0 streamingllm 128 sdpa smollm2-135m "" "" "" --decode_budget 256 --decode_interval 64
 # S_LEN/E_LEN/STEP default to 1000/4000/1000 (give "" to keep a default and still pass extra args).
 # Extra args go to run_needle_in_haystack.py (--num_depths, --save_dir, --model_version, ...).
 # On a machine without a GPU give any value as GPU: the device is chosen with --device auto.

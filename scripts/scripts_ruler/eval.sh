@@ -3,6 +3,8 @@
 #   bash scripts/scripts_ruler/eval.sh GPU METHOD MAX_CAPACITY_PROMPTS ATTN_IMPLEMENTATION SOURCE_PATH MODEL_PATH [extra run_ruler.py args...]
 # e.g.
 #   bash scripts/scripts_ruler/eval.sh 0 snapkv 128 sdpa ./ smollm2-135m --context_lengths 2048 --num_samples 5
+#   bash scripts/scripts_ruler/eval.sh 0 snapkv 128 sdpa ./ smollm2-135m --merge mergingpress   # merged (own folder)
+#   bash scripts/scripts_ruler/eval.sh 0 snapkv 128 sdpa ./ smollm2-135m --decode_budget 256   # compressed while decoding (own folder)
 # Results: SOURCE_PATH/results_ruler/{model}_{budget}/{method}/ (git-ignored with SOURCE_PATH ./).
 # Runs on CPU too (--device auto).
 # Method settings: those of the public harness (window 8, kernel 7, max pooling where the method
