@@ -137,7 +137,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_writable(out_dir)
         check_haystack_files(args.haystack_dir)
         haystack_text = nd.load_haystack_text(args.haystack_dir)
-        model_check = check_model_args(args)
+        model_check = check_model_args(args, method)
         window = getattr(model_check[1], "max_position_embeddings", None)
         from transformers import AutoTokenizer
 

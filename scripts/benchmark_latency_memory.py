@@ -5,8 +5,17 @@ unpatched model (plain transformers, row "plain") measured in the same run.
         --methods fullkv snapkv pyramidkv h2o streamingllm l2norm [--attn_implementation sdpa] [--threads 1] [--out FILE.json]
 
 A method may carry settings: `snapkv:merge=mergingpress`, `snapkv:merge=mergingpress,merge_fraction=0.5`,
-`h2o:window_size=16` (comma-separated setting=value; the row is named by the whole spec), so a method
-and its variants are measured side by side in one run.
+`h2o:window_size=16`, `snapkv:quant_method=kivi,nbits=2` (comma-separated setting=value; the row is named
+by the whole spec), so a method and its variants are measured side by side in one run.
+
+Quantized storage (`quant_method=...`): each row also gets its KV bytes by part (`kv_bytes_breakdown`:
+codes, scales, zeros, codebook, outliers, factors, positions, residual; an unquantized cache is all
+residual), its KV bytes as a ratio to fullkv stored in fp16 (`kv_ratio_fp16`: the full-precision rows
+counted at 2 bytes per value whatever the run's dtype; the quantized parts are fp16 / packed already),
+for KIVI rows the same ratio from the formula (`formula_kv_ratio_fp16`: per stored head of k kept tokens,
+q = G * floor((k - R) / G) quantized at nbits per value with an fp16 scale and zero per group, keys per
+channel and values per token, k - q residual tokens in fp16), and the decode time as a ratio to the same
+spec without its quantizer where that row is in the run (`decode_ratio_unquantized`).
 
 Timing: a warm-up round, then `--repeats` rounds that visit every method in turn (so drifting
 machine load hits all alike); each round is one prefill and `--new_tokens` greedy decode steps
@@ -26,6 +35,7 @@ Compression during decoding (docs/decoding.md), 1024 new tokens:
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import time
@@ -73,6 +83,8 @@ def measure_once(model, ids, method: Optional[Method], new_tokens: int, device: 
         prefill = time.perf_counter() - t0
         stored = (lambda: dynamic_cache_bytes(cache)) if patch is None else cache.kv_bytes
         kv_bytes = stored()
+        breakdown = cache.kv_bytes_breakdown() if hasattr(cache, "kv_bytes_breakdown") else {"residual": kv_bytes}
+        formula = None if method is None else kivi_formula_bytes_fp16(cache, method, model.config)
         peak = getattr(cache, "peak_prefill_kv_bytes", None)
         peak_prefill = kv_bytes if peak is None else peak
         peak_all = peak_prefill
@@ -93,10 +105,31 @@ def measure_once(model, ids, method: Optional[Method], new_tokens: int, device: 
     finally:
         if patch is not None:
             patch.remove()
-    return {"prefill_s": prefill, "decode_s_per_token": statistics.median(decode_times),
-            "decode_s_per_token_mean": statistics.fmean(decode_times),
-            "kv_bytes_after_prefill": kv_bytes, "peak_prefill_kv_bytes": peak_prefill,
-            "kv_bytes_final": final, "peak_kv_bytes": peak_all}
+    element = next(model.parameters()).element_size()
+    fp16 = kv_bytes - breakdown["residual"] + breakdown["residual"] * 2 // element
+    result = {"prefill_s": prefill, "decode_s_per_token": statistics.median(decode_times),
+              "decode_s_per_token_mean": statistics.fmean(decode_times),
+              "kv_bytes_after_prefill": kv_bytes, "peak_prefill_kv_bytes": peak_prefill,
+              "kv_bytes_final": final, "peak_kv_bytes": peak_all,
+              "kv_bytes_fp16": fp16, **{f"kv_bytes_{part}": size for part, size in breakdown.items()}}
+    if formula is not None:
+        result["formula_kv_bytes_fp16"] = formula
+    return result
+
+
+def kivi_formula_bytes_fp16(cache, method: Method, config) -> Optional[int]:
+    """KIVI's stored bytes from the kept counts and the settings alone (residual in fp16); None for other rows."""
+    quantizer = method.quant_method
+    if quantizer is None or quantizer.name != "kivi":
+        return None
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    g, r, bits = quantizer.group_size, quantizer.residual_length, quantizer.nbits
+    total = 0
+    for layer in range(config.num_hidden_layers):
+        for k in cache.kept_counts(layer)[0]:
+            q = g * (max(0, k - r) // g)
+            total += 2 * q * dim * bits // 8 + (dim * q // g + q * dim // g) * 2 * 2 + (k - q) * dim * 2 * 2
+    return total
 
 
 def measure_all(model, ids, methods: dict, new_tokens: int, repeats: int, device: str) -> dict:
@@ -126,6 +159,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    parser.add_argument("--json", action="store_true", help="also print the figures as JSON on stdout")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -152,9 +186,27 @@ def main() -> None:
               f"{r['decode_ratio_plain']:.3f} | {r['decode_ratio']:.3f} | {1000 * r['decode_s_per_token_mean']:.1f} | "
               f"{r['kv_bytes_after_prefill'] / 2**20:.2f} | {r['peak_prefill_kv_bytes'] / 2**20:.2f} | "
               f"{r['kv_ratio']:.4f} | {r['peak_kv_bytes'] / 2**20:.2f} | {r['peak_kv_ratio']:.4f} |")
+    if any("quant_method" in name for name in rows):
+        print("\n| method | KV x fullkv fp16 | formula | decode x unquantized | codes MiB | scales+zeros MiB | "
+              "outliers+factors+positions MiB | residual MiB |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, r in rows.items():
+            if name == PLAIN:
+                continue
+            formula = r.get("formula_kv_ratio_fp16")
+            unquantized = r.get("decode_ratio_unquantized")
+            extra = sum(r.get(f"kv_bytes_{p}", 0) for p in ("outliers", "factors", "positions", "codebook"))
+            print(f"| {name} | {r['kv_ratio_fp16']:.4f} | {'-' if formula is None else f'{formula:.4f}'} | "
+                  f"{'-' if unquantized is None else f'{unquantized:.3f}'} | {r.get('kv_bytes_codes', 0) / 2**20:.2f} | "
+                  f"{(r.get('kv_bytes_scales', 0) + r.get('kv_bytes_zeros', 0)) / 2**20:.2f} | {extra / 2**20:.2f} | "
+                  f"{r['kv_bytes_residual'] / 2**20:.2f} |")
+    report = {"arguments": vars(args), "device": device, "platform": platform.platform(),
+              "dtype": str(next(model.parameters()).dtype), "torch": torch.__version__,
+              "threads": torch.get_num_threads(), "results": rows}
     if args.out:
-        atomic_write_json(args.out, {"arguments": vars(args), "device": device, "platform": platform.platform(),
-                                     "torch": torch.__version__, "threads": torch.get_num_threads(), "results": rows})
+        atomic_write_json(args.out, report)
+    if args.json:
+        print(json.dumps(report, indent=1))
 
 
 def _setting_value(text: str):
@@ -183,13 +235,33 @@ def method_from_spec(spec: str, budget: int, gqa_layout: str) -> Method:
 
 
 def add_ratios(rows: dict) -> None:
-    """Each figure of each row as a ratio to fullkv (`*_ratio`) and to plain transformers (`*_ratio_plain`)."""
+    """Each figure of each row as a ratio to fullkv (`*_ratio`) and to plain transformers (`*_ratio_plain`);
+    KV bytes also against fullkv in fp16, decode time also against the row's spec without its quantizer."""
     figures = {"prefill": "prefill_s", "decode": "decode_s_per_token", "decode_mean": "decode_s_per_token_mean",
                "kv": "kv_bytes_after_prefill", "peak_prefill_kv": "peak_prefill_kv_bytes", "peak_kv": "peak_kv_bytes"}
     for name, r in rows.items():
         for label, key in figures.items():
             r[f"{label}_ratio"] = r[key] / rows["fullkv"][key]
             r[f"{label}_ratio_plain"] = r[key] / rows[PLAIN][key]
+        r["kv_ratio_fp16"] = r["kv_bytes_fp16"] / rows["fullkv"]["kv_bytes_fp16"]
+        if "formula_kv_bytes_fp16" in r:
+            r["formula_kv_ratio_fp16"] = r["formula_kv_bytes_fp16"] / rows["fullkv"]["kv_bytes_fp16"]
+        base = unquantized_spec(name)
+        if base != name and base in rows:
+            r["decode_ratio_unquantized"] = r["decode_s_per_token"] / rows[base]["decode_s_per_token"]
+
+
+QUANT_SETTINGS = {"quant_method", "nbits", "group_size", "residual_length", "outlier_fraction", "sink_tokens",
+                  "datatype", "kmeans_iterations", "rank", "decode_rank", "power_iterations", "seed"}
+
+
+def unquantized_spec(spec: str) -> str:
+    """The spec without its quantizer settings: snapkv:quant_method=kivi,nbits=2 -> snapkv."""
+    name, _, rest = spec.partition(":")
+    if "quant_method=" not in rest:
+        return spec
+    kept = [item for item in filter(None, rest.split(",")) if item.partition("=")[0] not in QUANT_SETTINGS]
+    return name + (":" + ",".join(kept) if kept else "")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 #   VARIANTS: runner flags each method x budget is also run with, separated by "|"; "-" is the method as
 #     it is. E.g. VARIANTS="-|--merge mergingpress|--merge pivot" runs every method without merging,
 #     with merge-on-evict and with pivot merging (each in its own folder, see the README).
-#   FULLKV=1 to add one fullkv run (it takes no budget and no variant),
+#   FULLKV=1 to add one fullkv run (it takes no budget and no merging variant),
+#   FULLKV_VARIANTS: runner flags fullkv is run with, "|"-separated like VARIANTS (default "-": once, as it
+#     is); e.g. FULLKV_VARIANTS="-|--quant_method kivi --nbits 2" adds the quantized full cache,
 #   PUBLIC_HARNESS_SETTINGS=1 to run every method with the public harness's settings (window 8,
 #   kernel 7, max pooling where the method has them; default 0: this package's defaults).
 # Output: the array SWEEP_TASKS of "method budget|variant" entries ("fullkv -|-" for the full cache).
@@ -12,7 +14,11 @@ BUDGETS=${BUDGETS:-"64 128 256"}
 VARIANTS=${VARIANTS:-"-"}
 FULLKV=${FULLKV:-1}
 SWEEP_TASKS=()
-if [ "$FULLKV" = "1" ]; then SWEEP_TASKS+=("fullkv -|-"); fi
+FULLKV_VARIANTS=${FULLKV_VARIANTS:-"-"}
+if [ "$FULLKV" = "1" ]; then
+  IFS='|' read -r -a _fullkv_variants <<< "$FULLKV_VARIANTS"
+  for variant in "${_fullkv_variants[@]}"; do SWEEP_TASKS+=("fullkv -|$variant"); done
+fi
 IFS='|' read -r -a _sweep_variants <<< "$VARIANTS"
 for method in $METHODS; do
   if [ "$method" = "fullkv" ]; then continue; fi

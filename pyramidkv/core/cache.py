@@ -186,6 +186,9 @@ class CompressedCache(Cache):
         # Decode-time state: tail buffers (key, value) [B, H, capacity, D]; per-layer DecodeLayout.
         self._tail_buffers: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = [None] * num_layers
         self._decode_layouts: list[Optional[DecodeLayout]] = [None] * num_layers
+        # RoPE positions [B or 1, q] of the tokens of the current forward (set by the patched attention;
+        # a quantized cache that stores keys before RoPE reads them).
+        self.rope_position_ids: Optional[torch.Tensor] = None
         # Compression during decoding (method.decode_budget): pyramidkv/core/decoding.py.
         self.decoding = None
         if method.decode_budget is not None:
@@ -279,7 +282,8 @@ class CompressedCache(Cache):
                     self.decoding.after_prefill(range(self.num_layers))
             return
         budgets = [b[layer_idx] for b in self._prompt_layer_budgets(real_lens)]
-        self.prefix[layer_idx] = self._select(layer_idx, stored_keys, stored_values, scores, budgets, merge_attention)
+        kept = self._select(layer_idx, stored_keys, stored_values, scores, budgets, merge_attention)
+        self._store_prefix(layer_idx, kept)
         self._note_prefill_bytes()
         if self.decoding is not None:
             self.decoding.after_prefill([layer_idx])
@@ -299,7 +303,11 @@ class CompressedCache(Cache):
         for layer in range(self.num_layers):
             keys, values, scores, merge_attention = self._deferred.pop(layer)
             budgets = [b[layer] for b in self.layer_budgets_per_prompt]
-            self.prefix[layer] = self._select(layer, keys, values, scores, budgets, merge_attention)
+            self._store_prefix(layer, self._select(layer, keys, values, scores, budgets, merge_attention))
+
+    def _store_prefix(self, layer_idx: int, kept: list[KeptKV]) -> None:
+        """Store one layer's kept prompt tokens (a quantized cache, core/quantized.py, encodes them here)."""
+        self.prefix[layer_idx] = kept
 
     def _select(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, scores: Optional[torch.Tensor],
                 budgets: list[int], merge_attention: Optional[torch.Tensor] = None) -> list[KeptKV]:

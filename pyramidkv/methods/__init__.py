@@ -57,11 +57,13 @@ def make_method(name: str, **settings) -> Method:
 
     Settings of the method's units go to them: `make_method("h2o", budget=128, head_allocation="adakv",
     floor_ratio=0.3)` builds AdaKVHeads(floor_ratio=0.3), `make_method("snapkv", budget=128,
-    merge="mergingpress", merge_fraction=0.75)` MergingPress(merge_fraction=0.75); a unit may be given
-    by name or as an object.
+    merge="mergingpress", merge_fraction=0.75)` MergingPress(merge_fraction=0.75), `make_method("snapkv",
+    budget=256, quant_method="kivi", nbits=4)` KIVIQuantizer(nbits=4); a unit may be given by name or as an
+    object.
     """
     from pyramidkv.allocation import make_head_allocation, make_layer_allocation
     from pyramidkv.merging import make_merge_rule
+    from pyramidkv.quantization import make_quantizer
 
     cls = get_method_class(name)
     allowed = method_options(name)
@@ -69,7 +71,7 @@ def make_method(name: str, **settings) -> Method:
     rest = {k: v for k, v in settings.items() if k not in allowed}
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     for field, build in (("head_allocation", make_head_allocation), ("layer_allocation", make_layer_allocation),
-                         ("merge", make_merge_rule)):
+                         ("merge", make_merge_rule), ("quant_method", make_quantizer)):
         chosen = own.get(field, defaults[field])
         if chosen is None:
             continue
@@ -78,25 +80,31 @@ def make_method(name: str, **settings) -> Method:
         if mine:
             own[field] = dataclasses.replace(kind, **mine)
     from pyramidkv.merging import MERGE_RULES
+    from pyramidkv.quantization import QUANTIZERS
 
     for key in rest:
         owners = [rule for rule, unit in MERGE_RULES.items() if key in {f.name for f in dataclasses.fields(unit)}]
         if owners and own.get("merge", defaults["merge"]) is None:
             raise ValueError(f"{key} is a setting of the merge rule {' / '.join(owners)}, but {cls.name} has no merge "
                              f"rule; choose one with merge={owners[0]!r} (--merge {owners[0]})")
+        owners = [q for q, unit in QUANTIZERS.items() if key in {f.name for f in dataclasses.fields(unit)}]
+        if owners and own.get("quant_method", defaults["quant_method"]) is None:
+            raise ValueError(f"{key} is a setting of the quantizer {' / '.join(owners)}, but {cls.name} has no "
+                             f"quant_method; choose one with quant_method={owners[0]!r} (--quant_method {owners[0]})")
     if rest:
         raise ValueError(f"{cls.name} has no setting {', '.join(map(repr, sorted(rest)))}; its settings are: "
-                         f"{', '.join(allowed)}, plus those of its head_allocation, layer_allocation and merge "
-                         f"rule ({_unit_settings_hint()})")
+                         f"{', '.join(allowed)}, plus those of its head_allocation, layer_allocation, merge "
+                         f"rule and quant_method ({_unit_settings_hint()})")
     return cls(**own)
 
 
 def _unit_settings_hint() -> str:
     from pyramidkv.allocation import HEAD_ALLOCATIONS, LAYER_ALLOCATIONS
     from pyramidkv.merging import MERGE_RULES
+    from pyramidkv.quantization import QUANTIZERS
 
     parts = []
-    for table in (HEAD_ALLOCATIONS, LAYER_ALLOCATIONS, MERGE_RULES):
+    for table in (HEAD_ALLOCATIONS, LAYER_ALLOCATIONS, MERGE_RULES, QUANTIZERS):
         for unit_name, unit in table.items():
             names = [f.name for f in dataclasses.fields(unit)]
             if names:

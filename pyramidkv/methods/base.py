@@ -26,6 +26,7 @@ import torch
 from pyramidkv.allocation.base import HeadAllocation, LayerAllocation, ModelShape
 from pyramidkv.allocation.uniform import UniformHeads, UniformLayers
 from pyramidkv.merging.base import MergeRule
+from pyramidkv.quantization.base import Quantizer
 
 GQA_LAYOUTS = ("kv_head", "query_head")
 GQA_REDUCTIONS = ("mean", "max", "sum")
@@ -124,6 +125,9 @@ class Method:
     head_allocation, layer_allocation: how the budget is split (pyramidkv.allocation).
     merge: what happens to evicted tokens: None drops them; a merge rule (pyramidkv.merging,
         by name or object) folds them into the kept ones without changing which are kept.
+    quant_method: how the kept tokens are stored: None in the model dtype; a quantizer
+        (pyramidkv.quantization, by name or object: kivi, kvquant, gear) stores the kept prompt
+        tokens and the generated ones in packed low-bit codes outside a full-precision recent window.
     decode_budget: tokens per stored head the cache may hold while generating (None: no
         compression during decoding; the prompt part is compressed once, generated tokens are
         all kept). With it, every layer re-selects (kept prompt + generated tokens) down to
@@ -148,6 +152,7 @@ class Method:
     head_allocation: HeadAllocation = UniformHeads()
     layer_allocation: LayerAllocation = UniformLayers()
     merge: Optional[MergeRule] = None
+    quant_method: Optional[Quantizer] = None
     decode_budget: Optional[int] = None
     decode_interval: int = 32
 
@@ -163,6 +168,10 @@ class Method:
             from pyramidkv.merging import make_merge_rule
 
             object.__setattr__(self, "merge", make_merge_rule(self.merge))
+        if isinstance(self.quant_method, str):
+            from pyramidkv.quantization import make_quantizer
+
+            object.__setattr__(self, "quant_method", make_quantizer(self.quant_method))
         check_setting_types(self, self.name)
         self.validate()
 
@@ -259,6 +268,9 @@ class Method:
                 raise ValueError(f"decode_interval={self.decode_interval} only applies with decode_budget "
                                  f"(compression during decoding); set decode_budget too, or leave decode_interval out")
             return
+        if self.quant_method is not None:
+            raise ValueError(f"decode_budget (compression during decoding) does not combine with quant_method="
+                             f"{self.quant_method.name!r} yet (a quantized cache is never re-selected); use one of them")
         if self.decode_budget < 1:
             raise ValueError(f"decode_budget must be an integer >= 1 (tokens per head held while decoding), "
                              f"got {self.decode_budget!r}")
@@ -272,4 +284,5 @@ class Method:
         settings["head_allocation"] = self.head_allocation.describe()
         settings["layer_allocation"] = self.layer_allocation.describe()
         settings["merge"] = None if self.merge is None else self.merge.describe()
+        settings["quant_method"] = None if self.quant_method is None else self.quant_method.describe()
         return {"method": self.name, **settings}

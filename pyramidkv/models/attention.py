@@ -103,6 +103,7 @@ def compressed_attention_forward(
     bsz, q_len, _ = hidden_states.shape
     queries, keys, values = project_qkv(module, hidden_states, position_ids, position_embeddings, apply_rotary)
 
+    cache.rope_position_ids = position_ids
     weights = None
     if not cache.is_prefilled(module.layer_idx):
         out, weights = full_attention(module, implementation, queries, keys, values, attention_mask,

@@ -59,6 +59,10 @@ class CompressionPatch:
             config = model.config
             check_allocation(ModelShape(config.num_hidden_layers, config.num_attention_heads,
                                         config.num_key_value_heads, getattr(config, "_name_or_path", "") or ""))
+        if method.quant_method is not None:  # e.g. a group size that does not divide the head dim fails here
+            config = model.config
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            method.quant_method.check_head_dim(head_dim)
         self.model = model
         self.method = method
         self.glue = MODEL_GLUE[model_type]
@@ -99,8 +103,14 @@ class CompressionPatch:
     # ---- cache provisioning -------------------------------------------------------------------
     def new_cache(self) -> CompressedCache:
         config = self.model.config
-        return CompressedCache(self.method, config.num_hidden_layers, config.num_key_value_heads,
-                               config.num_attention_heads, model_name=getattr(config, "_name_or_path", "") or "")
+        shape = (self.method, config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads)
+        name = getattr(config, "_name_or_path", "") or ""
+        if self.method.quant_method is not None:
+            from pyramidkv.core.quantized import QuantizedCompressedCache
+
+            rotary = _decoder(self.model).layers[0].self_attn.rotary_emb
+            return QuantizedCompressedCache(*shape, model_name=name, rotary_emb=rotary)
+        return CompressedCache(*shape, model_name=name)
 
     def _provide_cache(self, module, args, kwargs):
         cache = kwargs.get("past_key_values")

@@ -18,6 +18,7 @@ from pyramidkv.components import Component
 from pyramidkv.merging import MERGE_RULES
 from pyramidkv.methods import METHODS, Method, make_method
 from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
+from pyramidkv.quantization import QUANTIZERS
 
 # CLI flag -> method setting. A flag left unset is not passed (the method's default applies).
 METHOD_FLAGS = {
@@ -47,6 +48,15 @@ METHOD_FLAGS = {
     "start_budget_ratio": "start_budget_ratio",
     "merge_sampling": "sampling",
     "merge_seed": "seed",
+    "quant_method": "quant_method",
+    "nbits": "nbits",
+    "q_group_size": "group_size",
+    "quant_residual_length": "residual_length",
+    "quant_outlier_fraction": "outlier_fraction",
+    "quant_sink_tokens": "sink_tokens",
+    "quant_datatype": "datatype",
+    "quant_rank": "rank",
+    "quant_decode_rank": "decode_rank",
     "decode_budget": "decode_budget",
     "decode_interval": "decode_interval",
 }
@@ -115,6 +125,24 @@ def add_model_and_method_args(parser: argparse.ArgumentParser) -> None:
     mg.add_argument("--merge_sampling", action="store_true", default=None,
                     help="cam: draw each merge (Bernoulli) instead of merging its expectation (seeded by --merge_seed)")
     mg.add_argument("--merge_seed", type=int, default=None, help="cam with --merge_sampling: the seed (default 0)")
+    q = parser.add_argument_group("quantized KV storage (any method; default: the model dtype)")
+    q.add_argument("--quant_method", type=str.lower, choices=list(QUANTIZERS), default=None,
+                   help="store the kept and generated tokens quantized: kivi (KIVI), kvquant (KVQuant), gear (GEAR)")
+    q.add_argument("--nbits", type=int, default=None, help="bits per code: 2, 4 or 8 (kivi/gear 2, kvquant 4)")
+    q.add_argument("--q_group_size", type=int, default=None,
+                   help="values per quantization group; must divide the head dim (kivi 32, kvquant 32, gear 64)")
+    q.add_argument("--quant_residual_length", type=int, default=None,
+                   help="recent tokens kept in full precision, a multiple of the group size (kivi 128, kvquant 0, "
+                        "gear 64)")
+    q.add_argument("--quant_outlier_fraction", type=float, default=None,
+                   help="kvquant / gear: share of entries kept exactly as sparse outliers (0.01 / 0.02)")
+    q.add_argument("--quant_sink_tokens", type=int, default=None,
+                   help="kvquant: first prompt tokens kept in full precision (default 1)")
+    q.add_argument("--quant_datatype", choices=["uniform", "nuq"], default=None,
+                   help="kvquant: uniform levels, or nuq (1-D k-means levels fitted per block, not calibrated)")
+    q.add_argument("--quant_rank", type=int, default=None, help="gear: low-rank rank at prefill (default 4)")
+    q.add_argument("--quant_decode_rank", type=int, default=None,
+                   help="gear: low-rank rank of blocks compressed while decoding (default 2)")
     d = parser.add_argument_group("compression during decoding (any method but fullkv; default: off)")
     d.add_argument("--decode_budget", type=int, default=None,
                    help="tokens per head the cache may hold while generating (>= the window); every "
@@ -220,11 +248,17 @@ def run_dir(save_dir: str, model_path: str, method: Method) -> Path:
     return Path(save_dir) / f"{model_label(model_path)}_{budget_label(method)}" / method_label(method)
 
 
-def check_model_args(args: argparse.Namespace):
-    """load_model's checks without loading weights: (resolved path, config, device, dtype)."""
+def check_model_args(args: argparse.Namespace, method: Method | None = None):
+    """load_model's checks without loading weights: (resolved path, config, device, dtype). With the method:
+    also what the method needs from the model (a quantizer's group size must divide the head dim)."""
     from pyramidkv.models.loading import check_model
 
-    return check_model(args.model_path, args.attn_implementation, args.device, args.dtype, args.model_class)
+    checked = check_model(args.model_path, args.attn_implementation, args.device, args.dtype, args.model_class)
+    config = checked[1]
+    if method is not None and method.quant_method is not None and config is not None:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        method.quant_method.check_head_dim(head_dim)
+    return checked
 
 
 def run_fingerprint(args: argparse.Namespace, method: Method, model_check, extra: dict | None = None) -> dict:

@@ -344,7 +344,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for dataset in datasets:
             rows = load_rows(dataset, Path(args.data_dir) if args.data_dir is not None else None, args.e)
             selected[dataset] = select_rows(rows, args.max_num_examples, args.sample_method, args.seed)
-        model_check = check_model_args(args)
+        model_check = check_model_args(args, method)
         builder = PromptBuilder(AutoTokenizer.from_pretrained(model_check[0]))
         max_new = {d: args.max_new_tokens or dataset2maxlen()[d] for d in datasets}
         max_len = {d: resolve_max_length(args.model_path, model_check[1], d, max_new[d],

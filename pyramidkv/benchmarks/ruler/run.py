@@ -240,7 +240,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         out_dir = run_dir(args.save_dir, args.model_path, method)
         check_writable(out_dir)
-        model_check = check_model_args(args)
+        model_check = check_model_args(args, method)
         path, config = model_check[0], model_check[1]
         window = getattr(config, "max_position_embeddings", None) or sys.maxsize
         tokenizer = AutoTokenizer.from_pretrained(path)
