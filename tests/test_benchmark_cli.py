@@ -72,3 +72,20 @@ def test_merge_overhead_script_times_every_rule(tiny_model_dir):
     lines = got.stdout.splitlines()
     assert [line.split(":")[0] for line in lines[1:]] == ["pivot", "weighted", "mergingpress", "cam"]
     assert all("vs no merge" in line for line in lines[1:])
+
+
+def test_teacher_forced_nll_script_reports_ratios_to_fullkv(tiny_model_dir, tmp_path):
+    from tests.helpers import longbench_data_dir
+
+    out = tmp_path / "nll.json"
+    got = subprocess.run([sys.executable, str(ROOT / "scripts" / "teacher_forced_nll.py"), "--model_path", tiny_model_dir,
+                          "--context_length", "96", "--continuation", "4", "--max_capacity_prompts", "40",
+                          "--methods", "snapkv", "fullkv:quant_method=kivi,nbits=8,residual_length=32",
+                          "--data_file", str(longbench_data_dir() / "multi_news.jsonl"), "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert got.returncode == 0, got.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert list(rows) == ["fullkv", "snapkv", "fullkv:quant_method=kivi,nbits=8,residual_length=32"]
+    assert rows["fullkv"]["ratio_to_fullkv"] == 1.0
+    for row in rows.values():
+        assert row["mean_nll"] > 0 and row["ratio_to_fullkv"] == row["mean_nll"] / rows["fullkv"]["mean_nll"]
