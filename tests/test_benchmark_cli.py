@@ -80,12 +80,12 @@ def test_teacher_forced_nll_script_reports_ratios_to_fullkv(tiny_model_dir, tmp_
     out = tmp_path / "nll.json"
     got = subprocess.run([sys.executable, str(ROOT / "scripts" / "teacher_forced_nll.py"), "--model_path", tiny_model_dir,
                           "--context_length", "96", "--continuation", "4", "--max_capacity_prompts", "40",
-                          "--methods", "snapkv", "fullkv:quant_method=kivi,nbits=8,residual_length=32",
+                          "--methods", "snapkv", "fullkv:quant_method=kivi,nbits=8,group_size=16,residual_length=32",
                           "--data_file", str(longbench_data_dir() / "multi_news.jsonl"), "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert got.returncode == 0, got.stderr
     rows = json.loads(out.read_text())["results"]
-    assert list(rows) == ["fullkv", "snapkv", "fullkv:quant_method=kivi,nbits=8,residual_length=32"]
+    assert list(rows) == ["fullkv", "snapkv", "fullkv:quant_method=kivi,nbits=8,group_size=16,residual_length=32"]
     assert rows["fullkv"]["ratio_to_fullkv"] == 1.0
     for row in rows.values():
         assert row["mean_nll"] > 0 and row["ratio_to_fullkv"] == row["mean_nll"] / rows["fullkv"]["mean_nll"]
