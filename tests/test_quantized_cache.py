@@ -118,7 +118,7 @@ def test_kvquant_bytes_count_outliers_positions_and_the_sink(smollm2):
 # ---- windowing: quantized once, in whole groups ---------------------------------------------------------
 def test_tokens_are_quantized_once_in_whole_groups(smollm2, monkeypatch):
     model, tokenizer = smollm2
-    group, residual, steps = 16, 32, 40
+    group, residual, steps = 16, 32, 24
     quantizer = KIVIQuantizer(nbits=2, group_size=group, residual_length=residual)
     method = make_method("adakv", budget=96, window_size=16, quant_method=quantizer)
     layers = (0, model.config.num_hidden_layers - 1)
