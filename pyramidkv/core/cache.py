@@ -328,16 +328,14 @@ class CompressedCache(Cache):
             w = min(method.window_size, real_len)
             head_budgets = method.head_budgets(scores[b, :, pad:n - w], budgets[b], layer_idx, self.model_shape)
             positions = select_kept_positions(scores[b], pad, head_budgets, method.window_size)
-            if method.merge is None:
-                kept.append(self._gather(keys[b], values[b], positions, pad))
-                continue
-            seed = method.merge.seed_for(layer_idx)
-            generator = None if seed is None else torch.Generator(device=keys.device).manual_seed(seed)
-            attention = None if merge_attention is None else merge_attention[b]
-            per_head_keys, per_head_values = merge_prompt(method.merge, keys[b], values[b], positions, pad, attention,
-                                                          method.window_size, generator)
-            kept.append(KeptKV(torch.cat(per_head_keys).contiguous(), torch.cat(per_head_values).contiguous(),
-                               [len(p) for p in positions], torch.cat(positions) - pad))
+            merged = None
+            if method.merge is not None:
+                seed = method.merge.seed_for(layer_idx)
+                generator = None if seed is None else torch.Generator(device=keys.device).manual_seed(seed)
+                attention = None if merge_attention is None else merge_attention[b]
+                merged = merge_prompt(method.merge, keys[b], values[b], positions, pad, attention, method.window_size,
+                                      generator)
+            kept.append(self._gather(keys[b], values[b], positions, pad, merged))
         return kept
 
     def _note_prefill_bytes(self) -> None:
@@ -346,10 +344,14 @@ class CompressedCache(Cache):
         self.peak_prefill_kv_bytes = max(self.peak_prefill_kv_bytes, held)
 
     @staticmethod
-    def _gather(keys: torch.Tensor, values: torch.Tensor, positions: list[torch.Tensor], pad: int) -> KeptKV:
-        """keys, values: [H, n, D] of one prompt; positions: per head, padded coordinates."""
-        kept_keys = torch.cat([keys[h, idx] for h, idx in enumerate(positions)])
-        kept_values = torch.cat([values[h, idx] for h, idx in enumerate(positions)])
+    def _gather(keys: torch.Tensor, values: torch.Tensor, positions: list[torch.Tensor], pad: int,
+                merged: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None) -> KeptKV:
+        """keys, values: [H, n, D] of one prompt; positions: per head, padded coordinates. merged: the
+        per-head kept (keys, values) a merge rule rewrote, stored instead of the gathered rows."""
+        if merged is None:
+            merged = ([keys[h, idx] for h, idx in enumerate(positions)],
+                      [values[h, idx] for h, idx in enumerate(positions)])
+        kept_keys, kept_values = torch.cat(merged[0]), torch.cat(merged[1])
         return KeptKV(kept_keys.contiguous(), kept_values.contiguous(), [len(p) for p in positions],
                       torch.cat(positions) - pad)
 
