@@ -1,6 +1,7 @@
 """pyramidkv: KV-cache compression for long-context LLMs, one shared core for every method."""
 
-from pyramidkv.core.cache import CompressedCache, KeptKV
+from pyramidkv.core.cache import CompressedCache
+from pyramidkv.core.kept import KeptKV
 from pyramidkv.methods import METHODS, Method, make_method, method_options
 from pyramidkv.models.default_model import DEFAULT_MODEL_NAME, default_model_path
 from pyramidkv.models.loading import load_model

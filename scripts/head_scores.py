@@ -70,7 +70,7 @@ def main(argv=None) -> dict[str, Path]:
     args = parse_args(argv)
     from tqdm import tqdm
 
-    from pyramidkv.allocation.head_scoring import as_headkv_dict, compute_head_scores
+    from pyramidkv.benchmarks.head_scoring import as_headkv_dict, compute_head_scores
     from pyramidkv.allocation.head_tables import load_head_scores
     from pyramidkv.benchmarks.needle import NeedleHaystack, load_haystack_text
     from pyramidkv.models.loading import load_model

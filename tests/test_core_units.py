@@ -9,7 +9,8 @@ import torch
 
 from pyramidkv import make_method
 from pyramidkv.core import scoring
-from pyramidkv.core.cache import CompressedCache, KeptKV
+from pyramidkv.core.full_precision import FullPrecisionStore
+from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.selection import select_kept_positions, top_k_recent_first
 from tests import reference as ref
 
@@ -100,15 +101,17 @@ def test_ragged_attention_matches_per_segment_softmax(q_len):
     torch.manual_seed(1)
     bsz, heads, group, d, t = 2, 5, 2, 8, 4
     lengths = [[5, 9, 2, 7, 1], [3, 4, 11, 6, 8]]
-    cache = CompressedCache(make_method("fullkv"), num_layers=1, num_kv_heads=heads, num_query_heads=heads * group)
-    prefix = [(torch.randn(sum(n), d), torch.randn(sum(n), d)) for n in lengths]
-    cache.prefix[0] = [KeptKV(k, v, n, torch.zeros(sum(n), dtype=torch.long)) for (k, v), n in zip(prefix, lengths)]
+    kept = [(torch.randn(sum(n), d), torch.randn(sum(n), d)) for n in lengths]
+    store = FullPrecisionStore([KeptKV(k, v, n, torch.zeros(sum(n), dtype=torch.long)) for (k, v), n in zip(kept, lengths)],
+                               real_lens=[sum(n) for n in lengths])
+    prefix = kept
     tail_k, tail_v = torch.randn(bsz, heads, t, d), torch.randn(bsz, heads, t, d)
+    no_rope = torch.zeros(bsz, dtype=torch.long)  # a full-precision store does not read RoPE positions
     for i in range(t - q_len):  # one token per step (the tail buffer grows), then q_len tokens at once
-        cache.append(0, tail_k[:, :, i:i + 1], tail_v[:, :, i:i + 1])
-    cache.append(0, tail_k[:, :, t - q_len:], tail_v[:, :, t - q_len:])
+        store.append(tail_k[:, :, i:i + 1], tail_v[:, :, i:i + 1], no_rope)
+    store.append(tail_k[:, :, t - q_len:], tail_v[:, :, t - q_len:], no_rope)
     q = torch.randn(bsz, heads * group, q_len, d)
-    got = cache.attend(0, q)
+    got = store.attend(q)
     for b in range(bsz):
         offsets = [0] + torch.tensor(lengths[b]).cumsum(0).tolist()
         for h in range(heads):

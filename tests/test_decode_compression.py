@@ -244,7 +244,7 @@ def test_merge_rule_folds_evicted_decode_tokens_without_changing_which_are_kept(
             cache = patch.new_cache()
             model(ids, past_key_values=cache, use_cache=True)  # 186 >= 168: re-selected right after prefill
             assert cache.held_counts(0)[0] == [160] * 3
-            states[merge] = [(cache.held_positions(layer), cache.prefix[layer][0].values.clone())
+            states[merge] = [(cache.held_positions(layer), cache.layers[layer].kept[0].values.clone())
                              for layer in range(model.config.num_hidden_layers)]
             for token in feed:
                 model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)

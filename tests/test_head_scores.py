@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from pyramidkv.allocation.head_scoring import reasoning_step_scores, retrieval_step_scores
+from pyramidkv.benchmarks.head_scoring import reasoning_step_scores, retrieval_step_scores
 from pyramidkv.allocation.head_tables import check_head_scores, default_head_scores_path, load_head_scores
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ def test_stored_bytes_equal_kept_counts(smollm2, name, layout, stored_heads):
         counts = cache.kept_counts(layer)[0]
         assert len(counts) == stored_heads
         kept_tokens += sum(counts)
-        kept = cache.prefix[layer][0]
+        kept = cache.layers[layer].kept[0]  # the prompt's KeptKV in the layer's full-precision store
         # Physically small: the stored tensors own exactly their bytes (not views into the full K/V).
         for t in (kept.keys, kept.values):
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size()

@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 from tests.helpers import load_script
 
+from pyramidkv.viz import needle as visualize  # the module scripts/scripts_needle/visualize.py runs
+
 ROOT = Path(__file__).resolve().parents[1]
 SCORE_KEYS = {"rouge1_f", "recall", "harness_rouge1_x10", "harness_word_recall"}
 ROW_KEYS = {"key", "context_length", "depth_percent", "pred", "prompt_tokens", "kv_bytes", *SCORE_KEYS}
 
 
 runner = load_script("run_needle_in_haystack", ROOT / "run_needle_in_haystack.py")
-visualize = load_script("needle_visualize", ROOT / "scripts" / "scripts_needle" / "visualize.py")
 
 
 def _args(model_dir, save_dir, *extra, method=("--method", "snapkv", "--max_capacity_prompts", "64")):
@@ -124,6 +125,15 @@ def test_grid_png(finished_run, tiny_model_dir, tmp_path):
     assert mpimg.imread(save_dir / "needle_grid_rouge1_f.png").shape[:2] == (500, 1100)
     runs = visualize.find_runs([save_dir])
     assert {r.name for r in runs} == {"snapkv", "fullkv"}
+
+
+def test_visualize_script_is_a_shim_of_the_module(finished_run, tmp_path):
+    """The script draws through pyramidkv.viz.needle, in a fresh process (no display needed)."""
+    out = tmp_path / "shim.png"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "scripts_needle" / "visualize.py"), str(finished_run),
+                           "--out", str(out)], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert out.is_file() and done.stdout.strip() == str(out)
 
 
 def test_visualize_errors(tmp_path, capsys):

@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from pyramidkv import compress, make_method
-from pyramidkv.core.quantized import QuantizedCompressedCache
+from pyramidkv.core.quantized import QuantizedStore
 from pyramidkv.generation import generate
 from pyramidkv.quantization import KIVIQuantizer
 from tests.prompts import STORY, passkey_prompt
@@ -85,7 +85,7 @@ def test_kv_bytes_equal_the_formula_at_every_step(smollm2, name, settings, nbits
 
     cache, _, _ = decode(model, story_ids(tokenizer), method, 8, check)   # (budget 95: a group leaves the
     assert checked == list(range(9))                                     # window at the first step)
-    assert any(layer.decode_keys.rows > 0 for layer in cache.layers)
+    assert any(layer.decoded.rows > 0 for layer in cache.layers)
 
 
 def test_kvquant_bytes_count_outliers_positions_and_the_sink(smollm2):
@@ -122,27 +122,26 @@ def test_tokens_are_quantized_once_in_whole_groups(smollm2, monkeypatch):
     quantizer = KIVIQuantizer(nbits=2, group_size=group, residual_length=residual)
     method = make_method("adakv", budget=96, window_size=16, quant_method=quantizer)
     layers = (0, model.config.num_hidden_layers - 1)
-    given = {layer: [] for layer in layers}   # per layer, the full-precision K/V the cache was handed
+    given = {}   # per store (id), the full-precision K/V it was handed for prompt 0: kept prompt tokens, then appends
 
-    real_store, real_append = QuantizedCompressedCache._store_prefix, QuantizedCompressedCache.append
+    real_init, real_append = QuantizedStore.__init__, QuantizedStore.append
 
-    def spy_store(self, layer, kept):
-        if layer in given:
-            given[layer].append([(k.clone(), v.clone()) for k, v in kept[0].per_head()])
-        real_store(self, layer, kept)
+    def spy_init(self, quantizer, kept, *args, **kwargs):
+        given[id(self)] = [[(k.clone(), v.clone()) for k, v in kept[0].per_head()]]
+        real_init(self, quantizer, kept, *args, **kwargs)
 
-    def spy_append(self, layer, keys, values):
-        if layer in given:
-            given[layer].append([(keys[0, h].clone(), values[0, h].clone()) for h in range(keys.shape[1])])
-        real_append(self, layer, keys, values)
+    def spy_append(self, keys, values, rope_positions):
+        given[id(self)].append([(keys[0, h].clone(), values[0, h].clone()) for h in range(keys.shape[1])])
+        real_append(self, keys, values, rope_positions)
 
-    monkeypatch.setattr(QuantizedCompressedCache, "_store_prefix", spy_store)
-    monkeypatch.setattr(QuantizedCompressedCache, "append", spy_append)
+    monkeypatch.setattr(QuantizedStore, "__init__", spy_init)
+    monkeypatch.setattr(QuantizedStore, "append", spy_append)
     snapshots = {}
 
     def check(cache, step):
         for layer in layers:
             store = cache.layers[layer]
+            handed = given[id(store)]
             window = store.fp_len - store.sink
             total = torch.tensor([k + step for k in cache.kept_counts(layer)[0]])
             assert int(window.max()) <= residual + group - 1
@@ -150,8 +149,8 @@ def test_tokens_are_quantized_once_in_whole_groups(smollm2, monkeypatch):
             if step % 4 and step != steps:                          # the stored tensors: every 4th step
                 continue
             for h, (_, keys, values) in enumerate(cache.stored_kv(layer, 0)):
-                original_keys = torch.cat([given[layer][0][h][0]] + [s[h][0] for s in given[layer][1:]])
-                original_values = torch.cat([given[layer][0][h][1]] + [s[h][1] for s in given[layer][1:]])
+                original_keys = torch.cat([handed[0][h][0]] + [s[h][0] for s in handed[1:]])
+                original_values = torch.cat([handed[0][h][1]] + [s[h][1] for s in handed[1:]])
                 n = original_keys.shape[0]
                 assert keys.shape[0] == n == int(total[h])
                 q = group * (max(0, n - residual) // group)
@@ -164,7 +163,7 @@ def test_tokens_are_quantized_once_in_whole_groups(smollm2, monkeypatch):
 
     cache, _, _ = decode(model, story_ids(tokenizer), method, steps, check)
     for layer in layers:
-        assert cache.layers[layer].decode_keys.rows > 0             # groups were quantized while decoding
+        assert cache.layers[layer].decoded.rows > 0             # groups were quantized while decoding
     for history in snapshots.values():
         last_q, last_keys, last_values = history[-1]
         for q, keys, values in history:                             # what was quantized stays bit for bit
@@ -182,7 +181,7 @@ def test_decode_attention_equals_transformers_over_the_dequantized_cache(smollm2
     ids = story_ids(tokenizer)
     steps = 20                                        # a group leaves the window while decoding
     cache, fed, logits = decode(model, ids, method, steps)
-    assert cache.layers[0].decode_keys.rows > 0
+    assert cache.layers[0].decoded.rows > 0
     reference = DynamicCache()
     position = ids.shape[1] + steps - 1               # of the last token fed
     for layer in range(model.config.num_hidden_layers):
@@ -209,7 +208,7 @@ def test_ragged_decode_attention_equals_a_dense_softmax_per_head(smollm2):
     for layer in (0, 7, cfg.num_hidden_layers - 1):
         assert len(set(cache.kept_counts(layer)[0])) > 1
         queries = torch.randn(1, cfg.num_attention_heads, 1, HEAD_DIM, generator=generator)
-        got = cache.attend(layer, queries)
+        got = cache.layers[layer].attend(queries)
         for h, (_, keys, values) in enumerate(cache.stored_kv(layer, 0)):
             for j in range(group):
                 q = queries[0, h * group + j, 0].double()

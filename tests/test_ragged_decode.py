@@ -10,7 +10,8 @@ import torch
 from transformers import DynamicCache
 
 from pyramidkv import compress, make_method
-from pyramidkv.core.cache import KeptKV
+from pyramidkv.core.full_precision import FullPrecisionStore
+from pyramidkv.core.kept import KeptKV
 from tests.prompts import STORY, passkey_prompt
 
 
@@ -46,7 +47,7 @@ def hand_built_cache(patch, full: DynamicCache, kept: list[list[list[torch.Tenso
             keys = torch.cat([full.key_cache[layer][b, h, p + pad] for h, p in enumerate(per_head)])
             values = torch.cat([full.value_cache[layer][b, h, p + pad] for h, p in enumerate(per_head)])
             prompts.append(KeptKV(keys, values, [len(p) for p in per_head], torch.cat(per_head)))
-        cache.prefix[layer] = prompts
+        cache.layers[layer] = FullPrecisionStore(prompts, [cache.prompt_len - pad for pad in pads])
     return cache
 
 

@@ -99,14 +99,9 @@ def default_head_scores_path(model_name_or_path: str, kind: str = DEFAULT_HEAD_S
     The longest matching name wins. ValueError (naming the script that computes a
     table) when no packaged table matches.
     """
-    from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
-
     if kind not in HEAD_SCORE_KINDS:
         raise ValueError(f"unknown head-score kind {kind!r}; choose one of {', '.join(HEAD_SCORE_KINDS)}")
-    name = str(model_name_or_path)
-    if name == "default":
-        name = DEFAULT_MODEL_NAME
-    last = Path(name.rstrip("/\\")).name.lower()
+    last = Path(str(model_name_or_path).rstrip("/\\")).name.lower()
     suffix = f"_{kind}.json"
     tables = {p.name[: -len(suffix)].lower(): p for p in sorted(PACKAGED_TABLES_DIR.glob(f"*{suffix}"))}
     matches = [model for model in tables if model and model in last]

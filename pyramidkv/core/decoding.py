@@ -1,8 +1,8 @@
 """Compression during decoding: the cache re-selects (kept prompt + generated tokens) as it grows.
 
 Without `decode_budget` the prompt part of the cache is compressed once, at prefill, and every
-generated token is kept: a long generation grows the cache without bound. With it, each layer of
-a `CompressedCache` owns a `DecodeCompressor` state and, after every decode step:
+generated token is kept: a long generation grows the cache without bound. With it, the cache owns a
+`DecodeCompressor` that, at every layer and after every decode step:
 
   1. the new queries go into a per-layer buffer of the last max(window_size, 1) queries (seeded
      with the prompt's last queries at prefill), the observation window of the re-selection;
@@ -34,202 +34,146 @@ same decode_budget (the adaptive split is not re-run over generated tokens).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
+from pyramidkv.core.context import CompressionMethod, DecodeScoreContext
+from pyramidkv.core.full_precision import FullPrecisionStore
+from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.scoring import attention_column_sums, scores_per_stored_head, window_attention
 from pyramidkv.core.selection import select_kept_positions
 from pyramidkv.merging.base import merge_prompt
-from pyramidkv.methods.base import DecodeScoreContext
-
-if TYPE_CHECKING:
-    from pyramidkv.core.cache import CompressedCache
 
 # One held head: (keys [m, D], values [m, D], positions [m], accumulated attention [m, g] or None).
 HeldHead = tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 
 
 class DecodeCompressor:
-    """The decode-time state of one CompressedCache whose method has a decode_budget."""
+    """The decode-time state of one cache whose method has a decode_budget.
 
-    def __init__(self, cache: "CompressedCache"):
-        method = cache.method
-        self.cache = cache
+    stores: the cache's list of layer stores (filled in as prefill stores each layer)."""
+
+    def __init__(self, method: CompressionMethod, stores: list[Optional[FullPrecisionStore]], num_query_heads: int,
+                 stored_heads: int):
         self.method = method
+        self.stores = stores
+        self.num_layers = len(stores)
         self.budget: int = method.decode_budget
         self.interval: int = method.decode_interval
         self.limit = self.budget + self.interval  # a head holding this many tokens triggers a compression
         self.buffer_size = max(method.window_size, 1)
-        stored = cache.num_query_heads if method.gqa_layout == "query_head" else cache.num_kv_heads
-        self.group = cache.num_query_heads // stored  # query heads per stored head
-        layers = cache.num_layers
-        self.folded = [0] * layers         # generated tokens moved from the tail into the kept set
-        self.compressions = [0] * layers   # how often each layer was compressed
-        self.queries: list[Optional[torch.Tensor]] = [None] * layers  # [B, Hq, <= buffer_size, D]
-        self._prefill_scores: list[Optional[torch.Tensor]] = [None] * layers  # [B, Hq, n] (accumulating)
-        self._acc_prefix: list[Optional[list[torch.Tensor]]] = [None] * layers  # per prompt [T, g]
-        self._acc_tail: list[Optional[torch.Tensor]] = [None] * layers  # [B, H, t, g]
-        # Tokens a prompt has fed back -> its stored bytes then (kv_bytes(b, tail_tokens=k) once the
-        # tail has been folded away), and the most bytes stored at any moment while decoding.
-        self.bytes_history: dict[int, list[int]] = {}
-        self.peak_kv_bytes = 0
+        self.num_query_heads = num_query_heads
+        self.group = num_query_heads // stored_heads  # query heads per stored head
+        self.compressions = [0] * self.num_layers   # how often each layer was compressed
+        self.peak_kv_bytes = 0                      # the most bytes stored at any moment while decoding
+        self.pad_lens: list[int] = []
+        self.queries: list[Optional[torch.Tensor]] = [None] * self.num_layers        # [B, Hq, <= buffer_size, D]
+        self._prefill_scores: list[Optional[torch.Tensor]] = [None] * self.num_layers  # [B, Hq, n]
+        self._acc_kept: list[Optional[list[torch.Tensor]]] = [None] * self.num_layers  # per prompt [T, g]
+        self._acc_tail: list[Optional[torch.Tensor]] = [None] * self.num_layers        # [B, H, t, g]
+
+    def stored_bytes(self) -> int:
+        return sum(store.nbytes() for store in self.stores if store is not None)
 
     # ---- hooks called by the cache ----------------------------------------------------------
     def observe_prefill(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor,
-                        raw_scores: Optional[torch.Tensor]) -> None:
+                        raw_scores: Optional[torch.Tensor], pad_lens: list[int]) -> None:
         """queries [B, Hq, n, D], keys [B, Hkv, n, D] of the prompt; raw_scores: the method's prefill
         score [B, Hq|Hkv, n] before the GQA reduction (None when no prompt was compressed)."""
+        self.pad_lens = pad_lens
         self.queries[layer_idx] = queries[:, :, -self.buffer_size:].clone()
         if not self.method.accumulates_attention:
             return
         if raw_scores is None:  # every prompt kept whole: the column sums are still the starting totals
             n = keys.shape[2]
-            pads = torch.tensor(self.cache.pad_lens, device=keys.device)
+            pads = torch.tensor(pad_lens, device=keys.device)
             real = torch.arange(n, device=keys.device)[None, :] >= pads[:, None]
             raw_scores = attention_column_sums(queries, keys, real)
         heads = raw_scores.shape[1]
-        if heads != self.cache.num_query_heads:
-            raw_scores = raw_scores.repeat_interleave(self.cache.num_query_heads // heads, dim=1)
+        if heads != self.num_query_heads:
+            raw_scores = raw_scores.repeat_interleave(self.num_query_heads // heads, dim=1)
         self._prefill_scores[layer_idx] = raw_scores.float()
 
-    def after_prefill(self, layers) -> None:
-        """The prompt part of these layers is stored: a layer whose kept prompt already reaches
-        decode_budget + decode_interval in some head is re-selected now, with the prompt's last
-        queries as the window, so the bound holds from the first decode step on."""
-        for layer_idx in layers:
-            if self.method.accumulates_attention:
-                self._start_accumulation(layer_idx)
-            fire = [max(kept.lengths) >= self.limit for kept in self.cache.prefix[layer_idx]]
-            if any(fire):
-                self._compress(layer_idx, fire)
+    def after_prefill(self, layer_idx: int) -> None:
+        """The layer's prompt part is stored: if a head's kept prompt already reaches decode_budget +
+        decode_interval, re-select now (the prompt's last queries as the window), so the bound holds
+        from the first decode step on."""
+        if self.method.accumulates_attention:
+            self._start_accumulation(layer_idx)
+        fire = [max(lengths) >= self.limit for lengths in self.stores[layer_idx].kept_counts()]
+        if any(fire):
+            self._compress(layer_idx, fire)
 
     def after_attend(self, layer_idx: int, queries: torch.Tensor) -> None:
         """After a decode step's attention at one layer (queries [B, Hq, q, D] of the new tokens)."""
-        cache = self.cache
-        if layer_idx == 0 and 0 not in self.bytes_history:  # nothing folded yet: the after-prefill bytes
-            self.bytes_history[0] = [cache.kv_bytes(b, tail_tokens=0) for b in range(len(cache.pad_lens))]
         self.queries[layer_idx] = torch.cat([self.queries[layer_idx], queries], dim=2)[:, :, -self.buffer_size:]
         if self.method.accumulates_attention:
             self._accumulate(layer_idx, queries)
-        t = cache.tail_keys[layer_idx].shape[2]
-        fire = [max(kept.lengths) + t >= self.limit for kept in cache.prefix[layer_idx]]
+        fire = [max(held) >= self.limit for held in self.stores[layer_idx].held_counts()]
         if any(fire):
-            self.peak_kv_bytes = max(self.peak_kv_bytes, cache.kv_bytes())
+            self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
             self._compress(layer_idx, fire)
-        if layer_idx == cache.num_layers - 1:
-            self.peak_kv_bytes = max(self.peak_kv_bytes, cache.kv_bytes())
-            self.bytes_history[self.appended(layer_idx)] = [cache.kv_bytes(b) for b in range(len(cache.pad_lens))]
-
-    # ---- inspection -------------------------------------------------------------------------
-    def appended(self, layer_idx: int) -> int:
-        """Tokens appended to this layer since the prompt (generated tokens fed back)."""
-        tail = self.cache.tail_keys[layer_idx]
-        return self.folded[layer_idx] + (0 if tail is None else tail.shape[2])
+        if layer_idx == self.num_layers - 1:
+            self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
 
     # ---- H2O's accumulated attention --------------------------------------------------------
     def _start_accumulation(self, layer_idx: int) -> None:
-        """Per prompt, the prefill column sums of the kept tokens, as rows aligned with its KeptKV."""
-        cache, g = self.cache, self.group
+        """Per prompt, the prefill column sums of the kept tokens, as rows aligned with its kept rows."""
+        store, g = self.stores[layer_idx], self.group
         raw = self._prefill_scores[layer_idx]
         per_prompt = []
-        for b, kept in enumerate(cache.prefix[layer_idx]):
-            pad = cache.pad_lens[b]
+        for b, pad in enumerate(self.pad_lens):
             rows = [raw[b, h * g:(h + 1) * g][:, positions + pad].T
-                    for h, positions in enumerate(kept.positions_per_head())]
+                    for h, positions in enumerate(store.kept_positions(b))]
             per_prompt.append(torch.cat(rows) if rows else raw.new_zeros(0, g))
-        self._acc_prefix[layer_idx] = per_prompt
-        heads = len(cache.prefix[layer_idx][0].lengths)
-        self._acc_tail[layer_idx] = raw.new_zeros(len(per_prompt), heads, 0, g)
+        self._acc_kept[layer_idx] = per_prompt
+        self._acc_tail[layer_idx] = raw.new_zeros(len(per_prompt), store.heads, 0, g)
         self._prefill_scores[layer_idx] = None
 
     def _accumulate(self, layer_idx: int, queries: torch.Tensor) -> None:
         """Add the attention of the new queries (over everything held, causal among themselves) to the
-        running totals. Recomputed here in float32 rather than taken from `attend`."""
-        cache, g = self.cache, self.group
-        if self._acc_prefix[layer_idx] is None:
+        running totals; recomputed in float32 by the store rather than taken from the step's attention."""
+        if self._acc_kept[layer_idx] is None:
             self._start_accumulation(layer_idx)
-        tail_keys = cache.tail_keys[layer_idx].float()  # [B, H, t, D]
-        bsz, heads, t, dim = tail_keys.shape
-        q_len = queries.shape[2]
-        grouped = queries.float().reshape(bsz, heads, g, q_len, dim) * dim ** -0.5
-        tail_scores = torch.einsum("bhgqd,bhtd->bhgqt", grouped, tail_keys)
-        if q_len > 1:
-            allowed = torch.arange(t, device=queries.device)[None, :] <= torch.arange(t - q_len, t, device=queries.device)[:, None]
-            tail_scores = tail_scores.masked_fill(~allowed, float("-inf"))
-        acc_tail = torch.cat([self._acc_tail[layer_idx], tail_keys.new_zeros(bsz, heads, q_len, g)], dim=2)
-        for b, kept in enumerate(cache.prefix[layer_idx]):
-            acc = self._acc_prefix[layer_idx][b]
-            if kept.uniform:
-                prefix_keys = kept.keys.reshape(heads, -1, dim).float()
-                segments = [(slice(None), prefix_keys)]
-            else:
-                segments = [(h, k.float()[None]) for h, (k, _) in enumerate(kept.per_head())]
-            start = 0
-            for head, keys in segments:
-                prefix_scores = torch.einsum("hgqd,hld->hgql", grouped[b, head].reshape(-1, g, q_len, dim), keys)
-                probs = torch.softmax(torch.cat([prefix_scores, tail_scores[b, head].reshape(-1, g, q_len, t)], -1),
-                                      dim=-1).sum(dim=2)  # [h, g, L + t]
-                length = keys.shape[1]
-                rows = probs[..., :length].permute(0, 2, 1).reshape(-1, g)
-                acc[start:start + rows.shape[0]] += rows
-                start += rows.shape[0]
-                acc_tail[b, head] += probs[..., length:].permute(0, 2, 1).reshape(acc_tail[b, head].shape)
-        self._acc_tail[layer_idx] = acc_tail
+        kept_mass, tail_mass = self.stores[layer_idx].received_attention(queries)
+        for acc, mass in zip(self._acc_kept[layer_idx], kept_mass):
+            acc += mass
+        old = self._acc_tail[layer_idx]
+        bsz, heads, _, g = old.shape
+        self._acc_tail[layer_idx] = torch.cat([old, old.new_zeros(bsz, heads, queries.shape[2], g)], dim=2) + tail_mass
 
     # ---- re-selection -----------------------------------------------------------------------
     def _held(self, layer_idx: int, b: int) -> list[HeldHead]:
         """Per stored head of prompt b: everything it holds (kept tokens, then the tail), in position order."""
-        cache = self.cache
-        kept = cache.prefix[layer_idx][b]
-        tail_keys, tail_values = cache.tail_keys[layer_idx], cache.tail_values[layer_idx]
-        if tail_keys is None:  # nothing appended since the last compression (or the prefill)
-            tail_keys = tail_values = kept.keys.new_zeros(len(cache.prefix[layer_idx]), len(kept.lengths), 0,
-                                                          kept.keys.shape[-1])
-        t = tail_keys.shape[2]
-        start = cache.prompt_len - cache.pad_lens[b] + self.folded[layer_idx]
-        tail_positions = torch.arange(start, start + t, device=kept.positions.device, dtype=kept.positions.dtype)
-        accumulated = [None] * len(kept.lengths)
+        store = self.stores[layer_idx]
+        heads = store.held(b)
+        accumulated = [None] * len(heads)
         if self.method.accumulates_attention:
             acc_tail = self._acc_tail[layer_idx]
-            accumulated = [torch.cat([a, acc_tail[b, h]]) for h, a in
-                           enumerate(self._acc_prefix[layer_idx][b].split(kept.lengths))]
-        return [(torch.cat([k, tail_keys[b, h]]), torch.cat([v, tail_values[b, h]]), torch.cat([p, tail_positions]),
-                 accumulated[h])
-                for h, ((k, v), p) in enumerate(zip(kept.per_head(), kept.positions_per_head()))]
+            accumulated = [torch.cat([a, acc_tail[b, h]])
+                           for h, a in enumerate(self._acc_kept[layer_idx][b].split(store.kept_counts()[b]))]
+        return [(k, v, p, a) for (k, v, p), a in zip(heads, accumulated)]
 
     def _compress(self, layer_idx: int, fire: list[bool]) -> None:
-        """Re-select the prompts in `fire`; fold every prompt's tail into its kept set; empty the tail."""
-        from pyramidkv.core.cache import TAIL_GROWTH_TOKENS, KeptKV
-
-        cache = self.cache
-        new_prefix, new_acc = [], []
-        for b in range(len(cache.prefix[layer_idx])):
+        """Re-select the prompts in `fire`; every prompt's tail is folded into its kept set."""
+        new_kept, new_acc = [], []
+        for b in range(len(fire)):
             heads = self._held(layer_idx, b)
             if fire[b]:
                 heads = self._reselect(layer_idx, b, heads)
-            new_prefix.append(KeptKV(torch.cat([h[0] for h in heads]).contiguous(),
-                                     torch.cat([h[1] for h in heads]).contiguous(),
-                                     [len(h[2]) for h in heads], torch.cat([h[2] for h in heads])))
+            new_kept.append(KeptKV.from_heads([(k, v, p) for k, v, p, _ in heads]))
             if self.method.accumulates_attention:
-                new_acc.append(torch.cat([h[3] for h in heads]))
-        tail = cache.tail_keys[layer_idx]
-        t = 0 if tail is None else tail.shape[2]
-        cache.prefix[layer_idx] = new_prefix  # a new list: attend rebuilds the layer's DecodeLayout
-        cache.tail_keys[layer_idx] = cache.tail_values[layer_idx] = None
-        cache._decode_layouts[layer_idx] = None
-        buffers = cache._tail_buffers[layer_idx]
-        if buffers is not None and buffers[0].shape[2] > self.interval + TAIL_GROWTH_TOKENS:
-            cache._tail_buffers[layer_idx] = None  # a tail grown before the first compression: release it
-        self.folded[layer_idx] += t
+                new_acc.append(torch.cat([a for *_, a in heads]))
+        self.stores[layer_idx].replace(new_kept, max_tail=self.interval)
         self.compressions[layer_idx] += 1
         if self.method.accumulates_attention:
-            self._acc_prefix[layer_idx] = new_acc
+            self._acc_kept[layer_idx] = new_acc
             self._acc_tail[layer_idx] = self._acc_tail[layer_idx][:, :, :0]
 
     def _reselect(self, layer_idx: int, b: int, heads: list[HeldHead]) -> list[HeldHead]:
         """Each head of prompt b keeps decode_budget tokens: the window + the best by decode_score."""
-        cache, method, g = self.cache, self.method, self.group
+        method, g = self.method, self.group
         rows = len(heads)
         m = max(len(h[2]) for h in heads)
         first = heads[0][0]
@@ -251,7 +195,7 @@ class DecodeCompressor:
         w = min(buffered.shape[1], m)
         queries = first.new_zeros(rows, g, m, dim)
         queries[:, :, m - w:] = buffered[:, -w:].reshape(rows, g, w, dim).to(first.dtype)
-        ctx = DecodeScoreContext(layer_idx, cache.num_layers, queries, keys, values, real,
+        ctx = DecodeScoreContext(layer_idx, self.num_layers, queries, keys, values, real,
                                  positions=positions, accumulated=accumulated)
         scores = scores_per_stored_head(method.decode_score(ctx), method, 1, g)[:, 0]  # [rows, m]
         attention = generator = None

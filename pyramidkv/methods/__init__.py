@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from pyramidkv.core.context import ScoreContext
 from pyramidkv.methods.adakv import AdaKV, AdaPyramidKV
-from pyramidkv.methods.base import Method, ScoreContext
+from pyramidkv.methods.base import Method
 from pyramidkv.methods.cam import CAM
 from pyramidkv.methods.fullkv import FullKV
 from pyramidkv.methods.h2o import H2O

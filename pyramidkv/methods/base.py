@@ -15,104 +15,27 @@ derives a variant, checked the same way).
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import typing
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 import torch
 
+from pyramidkv.allocation import make_head_allocation, make_layer_allocation
 from pyramidkv.allocation.base import HeadAllocation, LayerAllocation, ModelShape
 from pyramidkv.allocation.uniform import UniformHeads, UniformLayers
+from pyramidkv.components import Component
+from pyramidkv.core.context import DecodeScoreContext, ScoreContext
+from pyramidkv.merging import make_merge_rule
 from pyramidkv.merging.base import MergeRule
+from pyramidkv.quantization import make_quantizer
 from pyramidkv.quantization.base import Quantizer
 
 GQA_LAYOUTS = ("kv_head", "query_head")
 GQA_REDUCTIONS = ("mean", "max", "sum")
 
 
-@dataclass
-class ScoreContext:
-    """Everything a scorer may look at for one layer at prefill.
-
-    queries: [B, Hq, n, D] and keys/values: [B, Hkv, n, D], after RoPE.
-    real: [B, n] bool, False at left padding.
-    """
-
-    layer_idx: int
-    num_layers: int
-    queries: torch.Tensor
-    keys: torch.Tensor
-    values: torch.Tensor
-    real: torch.Tensor
-
-
-@dataclass
-class DecodeScoreContext(ScoreContext):
-    """What a method's `decode_score` sees when the cache re-selects during decoding (one layer).
-
-    Each row is one stored head of one prompt (prompt-major): keys/values [R, 1, m, D] hold the
-    tokens the head holds now (kept prompt tokens, then generated ones), in position order and
-    left-padded to a common m (real [R, m] False there). queries [R, g, m, D]: only the last
-    min(window, m) rows are real queries, those of the most recent tokens (g = the query heads
-    of the stored head: the GQA group in the kv_head layout, 1 in query_head); earlier rows are 0.
-    positions: [R, m] true positions (0 = first real prompt token; -1 at padding).
-    accumulated: [R, g, m] attention each held token has received from every query since it
-    was appended (prompt queries included), for methods with `accumulates_attention`; else None.
-    """
-
-    positions: Optional[torch.Tensor] = None
-    accumulated: Optional[torch.Tensor] = None
-
-
-# Settings named with their command-line flag in errors.
-SETTING_LABELS = {"budget": "budget (max_capacity_prompts)", "budget_ratio": "budget_ratio (max_capacity_prompts_ratio)"}
-
-
-class SettingTypeError(TypeError, ValueError):
-    """A method setting of the wrong type (a ValueError too, so callers catching bad settings catch it)."""
-
-
-def _type_error(owner: str, field: str, value, expected: str) -> SettingTypeError:
-    return SettingTypeError(f"{owner}: {SETTING_LABELS.get(field, field)} must be {expected}, "
-                            f"got {value!r} ({type(value).__name__})")
-
-
-def check_setting_type(owner: str, field: str, value, annotation) -> None:
-    """Check one setting against its annotation: int (not bool), float (finite, int allowed), str,
-    bool, a class (an instance of it), or Optional[...] of those. Raises SettingTypeError naming
-    the owner, the setting and the value."""
-    if typing.get_origin(annotation) is typing.Union:
-        options = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if value is None:
-            return
-        annotation = options[0]
-    if annotation is bool:
-        if not isinstance(value, bool):
-            raise _type_error(owner, field, value, "True or False")
-    elif annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _type_error(owner, field, value, "an integer")
-    elif annotation is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise _type_error(owner, field, value, "a finite number")
-    elif annotation is str:
-        if not isinstance(value, str):
-            raise _type_error(owner, field, value, "a string")
-    elif isinstance(annotation, type) and not isinstance(value, annotation):
-        raise _type_error(owner, field, value, f"a {annotation.__name__}")
-
-
-def check_setting_types(obj, owner: str) -> None:
-    """check_setting_type for every field of a settings dataclass."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        check_setting_type(owner or type(obj).__name__, f.name, getattr(obj, f.name), hints[f.name])
-
-
 @dataclass(frozen=True)
-class Method:
+class Method(Component):
     """Base of all methods.
 
     budget: tokens kept per layer per head, window included (the CLI's
@@ -138,7 +61,11 @@ class Method:
         per layer, is amortised over 32 steps).
     """
 
-    name: ClassVar[str] = ""
+    kind_key = "method"
+    label_separator = "_"
+    unlabelled = ("budget", "budget_ratio")
+    setting_labels = {"budget": "budget (max_capacity_prompts)",
+                      "budget_ratio": "budget_ratio (max_capacity_prompts_ratio)"}
     needs_budget: ClassVar[bool] = True
     # During decoding the cache accumulates the attention every held token receives (H2O) and
     # passes it to decode_score as ctx.accumulated; costs one extra attention pass per step.
@@ -157,38 +84,28 @@ class Method:
     decode_interval: int = 32
 
     def __post_init__(self) -> None:
-        from pyramidkv.allocation import make_head_allocation, make_layer_allocation
-
-        # An allocation may be given by name ("adakv"): it gets that allocator with its defaults.
-        if isinstance(self.head_allocation, str):
-            object.__setattr__(self, "head_allocation", make_head_allocation(self.head_allocation))
-        if isinstance(self.layer_allocation, str):
-            object.__setattr__(self, "layer_allocation", make_layer_allocation(self.layer_allocation))
-        if isinstance(self.merge, str):
-            from pyramidkv.merging import make_merge_rule
-
-            object.__setattr__(self, "merge", make_merge_rule(self.merge))
-        if isinstance(self.quant_method, str):
-            from pyramidkv.quantization import make_quantizer
-
-            object.__setattr__(self, "quant_method", make_quantizer(self.quant_method))
-        check_setting_types(self, self.name)
-        self.validate()
+        # A unit may be given by name ("adakv"): it gets that unit with its defaults.
+        for setting, make in (("head_allocation", make_head_allocation), ("layer_allocation", make_layer_allocation),
+                              ("merge", make_merge_rule), ("quant_method", make_quantizer)):
+            if isinstance(getattr(self, setting), str):
+                object.__setattr__(self, setting, make(getattr(self, setting)))
+        super().__post_init__()
 
     # --- the two questions a method answers -------------------------------------------------
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """[B, Hq or Hkv, n] importance of each prompt position (higher = keep)."""
         raise NotImplementedError
 
-    def decode_score(self, ctx: "DecodeScoreContext") -> torch.Tensor:
+    def decode_score(self, ctx: DecodeScoreContext) -> torch.Tensor:
         """[R, g or 1, m] importance of each held token when the cache re-selects during decoding
-        (only with decode_budget). Default, for methods that declare nothing else: the attention
-        of the most recent max(window_size, 1) queries to each held token, summed over them
-        (SnapKV's window score without pooling). Methods whose `score` reads only the last
-        window_size queries (or none) use it as is; H2O returns the accumulated attention."""
-        from pyramidkv.core.scoring import window_attention
+        (only with decode_budget). By default the method's own `score` over the held tokens (the
+        buffered recent queries as the observation window); methods that need something else
+        override it (H2O: the attention each token has accumulated)."""
+        return self.score(ctx)
 
-        return window_attention(ctx.queries, ctx.keys, ctx.real, max(self.window_size, 1)).sum(dim=2)
+    @property
+    def layer_budgets_need_scores(self) -> bool:
+        return self.layer_allocation.needs_scores
 
     def layer_budgets(self, budget: int, num_layers: int, prompt_len: int,
                       layer_scores: Optional[list[torch.Tensor]] = None) -> list[int]:
@@ -277,12 +194,3 @@ class Method:
         if self.decode_budget < self.window_size:
             raise ValueError(f"decode_budget {self.decode_budget} is smaller than window_size {self.window_size}; "
                              f"the most recent window is always kept, so decode_budget must be >= {self.window_size}")
-
-    def describe(self) -> dict:
-        """The full configuration, for run_meta.json (allocations as {"name", settings...})."""
-        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        settings["head_allocation"] = self.head_allocation.describe()
-        settings["layer_allocation"] = self.layer_allocation.describe()
-        settings["merge"] = None if self.merge is None else self.merge.describe()
-        settings["quant_method"] = None if self.quant_method is None else self.quant_method.describe()
-        return {"method": self.name, **settings}

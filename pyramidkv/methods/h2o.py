@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pyramidkv.core.context import ScoreContext
 from pyramidkv.core.scoring import attention_column_sums
-from pyramidkv.methods.base import Method, ScoreContext
+from pyramidkv.methods.base import Method
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pyramidkv.methods.base import Method, ScoreContext
+from pyramidkv.core.context import ScoreContext
+from pyramidkv.methods.base import Method
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,3 @@ class L2Norm(Method):
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         return -ctx.keys.float().norm(dim=-1)  # [B, Hkv, n]
-
-    def decode_score(self, ctx) -> torch.Tensor:
-        return self.score(ctx)  # keys only: the held keys' norms

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pyramidkv.core.context import ScoreContext
 from pyramidkv.core.scoring import pool_scores, reduce_query_groups, window_attention
-from pyramidkv.methods.base import Method, ScoreContext
+from pyramidkv.methods.base import Method
 
 GQA_POOLING_ORDERS = ("after_reduce", "before_reduce")
 
@@ -47,7 +48,3 @@ class SnapKV(Method):
         # Window positions are always kept; give them a score so shapes stay [B, H, n].
         window_scores = torch.zeros(*pooled.shape[:2], w, dtype=pooled.dtype, device=pooled.device)
         return torch.cat([pooled, window_scores], dim=-1)
-
-    def decode_score(self, ctx) -> torch.Tensor:
-        # The same score over the held tokens, the buffered recent queries as the observation window.
-        return self.score(ctx)

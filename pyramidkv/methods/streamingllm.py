@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pyramidkv.methods.base import Method, ScoreContext
+from pyramidkv.core.context import ScoreContext
+from pyramidkv.methods.base import Method
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,3 @@ class StreamingLLM(Method):
         score = offset.float()
         score = torch.where((offset >= 0) & (offset < self.num_sinks), torch.full_like(score, float(n + 1)), score)
         return score[:, None, :].expand(bsz, ctx.keys.shape[1], n)
-
-    def decode_score(self, ctx) -> torch.Tensor:
-        # The paper's decoding rule: the held tokens in position order, sinks first, then the most
-        # recent (the sinks are held from the prompt on, so they are the first held tokens).
-        return self.score(ctx)

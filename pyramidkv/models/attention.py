@@ -103,15 +103,12 @@ def compressed_attention_forward(
     bsz, q_len, _ = hidden_states.shape
     queries, keys, values = project_qkv(module, hidden_states, position_ids, position_embeddings, apply_rotary)
 
-    cache.rope_position_ids = position_ids
     weights = None
     if not cache.is_prefilled(module.layer_idx):
         out, weights = full_attention(module, implementation, queries, keys, values, attention_mask,
                                       position_ids, output_attentions)
-        cache.compress_prompt(module.layer_idx, queries, keys, values)
+        cache.prefill(module.layer_idx, queries, keys, values, position_ids)
     else:
-        cache.append(module.layer_idx, keys, values)
-        out = cache.attend(module.layer_idx, queries).transpose(1, 2)
-        cache.after_attend(module.layer_idx, queries)
+        out = cache.decode_step(module.layer_idx, queries, keys, values, position_ids).transpose(1, 2)
     out = out.reshape(bsz, q_len, -1).contiguous()
     return module.o_proj(out), weights, cache

@@ -103,14 +103,10 @@ class CompressionPatch:
     # ---- cache provisioning -------------------------------------------------------------------
     def new_cache(self) -> CompressedCache:
         config = self.model.config
-        shape = (self.method, config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads)
-        name = getattr(config, "_name_or_path", "") or ""
-        if self.method.quant_method is not None:
-            from pyramidkv.core.quantized import QuantizedCompressedCache
-
-            rotary = _decoder(self.model).layers[0].self_attn.rotary_emb
-            return QuantizedCompressedCache(*shape, model_name=name, rotary_emb=rotary)
-        return CompressedCache(*shape, model_name=name)
+        rotary = _decoder(self.model).layers[0].self_attn.rotary_emb if self.method.quant_method is not None else None
+        return CompressedCache(self.method, config.num_hidden_layers, config.num_key_value_heads,
+                               config.num_attention_heads, model_name=getattr(config, "_name_or_path", "") or "",
+                               rotary_emb=rotary)
 
     def _provide_cache(self, module, args, kwargs):
         cache = kwargs.get("past_key_values")

@@ -10,11 +10,9 @@ the method dataclasses.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 from pyramidkv.allocation import HEAD_ALLOCATIONS, LAYER_ALLOCATIONS
-from pyramidkv.components import Component
 from pyramidkv.merging import MERGE_RULES
 from pyramidkv.methods import METHODS, Method, make_method
 from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
@@ -208,44 +206,11 @@ def model_label(model_path: str) -> str:
     return Path(model_path.rstrip("/")).name
 
 
-def _setting_text(value) -> str:
-    text = f"{value:g}" if isinstance(value, float) else str(value)
-    return text.replace("/", "-").replace(" ", "")
-
-
-def method_label(method: Method) -> str:
-    """The method part of the folder name: the name, then `_{setting}={value}` for every method
-    setting (dataclass field other than the budget) that differs from its default, in field order,
-    e.g. snapkv, snapkv_window_size=8_pooling=avg. An allocation of another kind than the method's
-    appears as `head_allocation=adakv-floor_ratio=0.3`; the method's own allocator with other
-    settings as just those settings (pyramidkv_beta=10, adakv_floor_ratio=0.5)."""
-    parts = [method.name]
-    for field in dataclasses.fields(method):
-        if field.name in ("budget", "budget_ratio"):
-            continue
-        if field.default is not dataclasses.MISSING:
-            default = field.default
-        elif field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            default = field.default_factory()  # type: ignore[misc]
-        else:
-            default = dataclasses.MISSING
-        value = getattr(method, field.name)
-        if value == default:
-            continue
-        if isinstance(value, Component) and type(value) is type(default):
-            # the method's own allocator with other settings: just those settings (pyramidkv_beta=10)
-            parts.extend(f"{name}={_setting_text(v)}" for name, v in value.changed_settings())
-        elif isinstance(value, Component):
-            parts.append(f"{field.name}={_setting_text(value.label())}")
-        else:
-            parts.append(f"{field.name}={_setting_text(value)}")
-    return "_".join(parts)
-
-
 def run_dir(save_dir: str, model_path: str, method: Method) -> Path:
-    """{save_dir}/{model}_{budget}/{method_label}: the public harness's layout for a method at its
-    defaults; non-default method settings are appended to the method folder (see method_label)."""
-    return Path(save_dir) / f"{model_label(model_path)}_{budget_label(method)}" / method_label(method)
+    """{save_dir}/{model}_{budget}/{method.label()}: the public harness's layout for a method at its
+    defaults; settings other than the defaults are appended to the method folder (Component.label:
+    snapkv_window_size=8_pooling=avg, adakv_floor_ratio=0.5, snapkv_head_allocation=adakv-floor_ratio=0.3)."""
+    return Path(save_dir) / f"{model_label(model_path)}_{budget_label(method)}" / method.label()
 
 
 def check_model_args(args: argparse.Namespace, method: Method | None = None):

@@ -7,23 +7,32 @@
 Attention maps need a model loaded with attn_implementation="eager". Kept maps, score curves and
 budget maps read the compressed cache through its public inspection API. Layer and head indices
 out of range, an empty prompt or an unknown highlight raise one error naming the bad value.
-`plot_needle_heatmap` (and `plot_run`/`plot_grid`) come from `pyramidkv.viz.needle`, imported
-on first use.
+`plot_needle_heatmap` (and `plot_run`/`plot_grid`, which write PNGs) live in `pyramidkv.viz.needle`.
 """
 
-from pyramidkv.viz.data import Prompt, allocation_variants, ScoreCurve, attention_weights, prefill, score_curve, tokenize
-from pyramidkv.viz.plots import (
-    AttentionMap, BudgetMap, KeptTokenMap, Plot, budget_maps, describe_figure, kept_token_maps,
-    plot_attention_map, plot_budget_maps, plot_kept_tokens, plot_score_curve,
+from pyramidkv.viz.data import (
+    Prompt,
+    ScoreCurve,
+    allocation_variants,
+    attention_weights,
+    prefill,
+    score_curve,
+    tokenize,
 )
-
-
-def plot_needle_heatmap(run_dir, metric: str = "rouge1_f", annotate: bool = False) -> Plot:
-    """The needle-in-a-haystack heatmap of one run folder (see pyramidkv.viz.needle)."""
-    from pyramidkv.viz.needle import plot_needle_heatmap as plot
-
-    return plot(run_dir, metric, annotate)
-
+from pyramidkv.viz.needle import plot_needle_heatmap
+from pyramidkv.viz.plots import (
+    AttentionMap,
+    BudgetMap,
+    KeptTokenMap,
+    Plot,
+    budget_maps,
+    describe_figure,
+    kept_token_maps,
+    plot_attention_map,
+    plot_budget_maps,
+    plot_kept_tokens,
+    plot_score_curve,
+)
 
 __all__ = [
     "AttentionMap", "BudgetMap", "allocation_variants", "KeptTokenMap", "Plot", "Prompt", "ScoreCurve", "attention_weights",

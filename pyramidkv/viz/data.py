@@ -16,8 +16,9 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from pyramidkv.core.context import ScoreContext
 from pyramidkv.core.scoring import scores_per_stored_head
-from pyramidkv.methods.base import Method, ScoreContext
+from pyramidkv.methods.base import Method
 from pyramidkv.models.attention import project_qkv
 from pyramidkv.models.patch import MODEL_GLUE, compress
 
@@ -92,8 +93,8 @@ def allocation_variants(name: str, **settings) -> dict[str, Method]:
     """The method `name` under every budget allocation: one entry per (layer allocation, head
     allocation) of `pyramidkv.allocation`'s registries that can be combined (a head allocation that
     spans all layers, HeadKV, only with uniform layers). Labels name the allocation."""
-    from pyramidkv import make_method
     from pyramidkv.allocation import HEAD_ALLOCATIONS, LAYER_ALLOCATIONS
+    from pyramidkv.methods import make_method
 
     return {f"{name} layer={layer} head={head}": make_method(name, layer_allocation=layer, head_allocation=head,
                                                              **settings)

@@ -383,7 +383,7 @@ def _generate_all(args, method, datasets, selected, builder, max_new, max_len, o
     only when a sample is pending)."""
     from tqdm import tqdm
 
-    from pyramidkv import load_model
+    from pyramidkv.models.loading import load_model
     from pyramidkv.generation import generate
     from pyramidkv.runner.cli import apply_num_threads
     from pyramidkv.runner.results import ResultsWriter

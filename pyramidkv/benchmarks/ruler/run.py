@@ -302,7 +302,7 @@ def _decode_pending(args, method, sets: Sequence[SampleSet], encoded: dict, writ
     if not todo:
         print(f"all {total} sample(s) already done; scoring only")
         return
-    from pyramidkv import load_model
+    from pyramidkv.models.loading import load_model
     from pyramidkv.generation import generate
 
     apply_num_threads(args)

@@ -1,0 +1,155 @@
+"""The prefill pipeline: what each layer keeps of the prompt, and what is stored in the kept slots.
+
+For one layer of a left-padded batch (B prompts padded to n tokens, Hq query heads, Hkv KV heads,
+H stored heads: Hkv in the `kv_head` layout, Hq in `query_head`; D head dim), top to bottom:
+
+    score        method.score(ctx)                     [B, Hq or Hkv, n]   higher = keep
+    per head     scores_per_stored_head                [B, H, n]           reduced over / repeated to the GQA group
+    layer        method.layer_budgets                  per prompt: tokens each layer keeps (window included)
+    heads        method.head_budgets                   per prompt: tokens each stored head keeps
+    select       select_kept_positions                 per prompt and head: the window + the top-scored rest
+    merge        merge_prompt(method.merge, ...)       per prompt and head: what the kept slots store
+    gather       KeptKV.gather                         per prompt: flat [T, D] rows, a length per head
+
+A prompt no longer than its budget is kept whole (SnapKV's rule) and not scored. Every step after
+`score` runs prompt by prompt on the prompt's own rows, so a prompt keeps what it keeps alone.
+Layer budgets are fixed when the first layer is scored, or, for layer allocations that need every
+layer's scores (ZigZagKV), when the last layer is: until then each layer waits with its full K/V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pyramidkv.allocation.base import ModelShape
+from pyramidkv.core.context import CompressionMethod, ScoreContext
+from pyramidkv.core.kept import KeptKV
+from pyramidkv.core.scoring import scores_per_stored_head, window_attention
+from pyramidkv.core.selection import select_kept_positions
+from pyramidkv.merging.base import merge_prompt
+
+
+@dataclass
+class ScoredLayer:
+    """One layer after scoring. keys, values: [B, H, n, D] stored heads; scores: [B, H, n] (None when no
+    prompt is compressed); raw_scores: the method's own [B, Hq or Hkv, n]; merge_attention: [B, H, n],
+    the observation window's mean attention, for merge rules that need it."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    scores: Optional[torch.Tensor]
+    raw_scores: Optional[torch.Tensor]
+    merge_attention: Optional[torch.Tensor]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
+
+class PromptCompressor:
+    """The prefill pipeline of one batch of prompts, layer by layer."""
+
+    def __init__(self, method: CompressionMethod, model: ModelShape, pad_lens: list[int], prompt_len: int):
+        self.method = method
+        self.model = model
+        self.pad_lens = pad_lens
+        self.real_lens = [prompt_len - pad for pad in pad_lens]
+        self.stored_heads = model.num_query_heads if method.gqa_layout == "query_head" else model.num_kv_heads
+        self.layer_budgets: Optional[list[list[int]]] = None      # per prompt, per layer
+        self.waiting: dict[int, ScoredLayer] = {}                  # layers scored, not yet kept
+        self.peak_waiting_bytes = 0
+
+    def nominal_budget(self, real_len: int) -> int:
+        return self.method.prompt_budget(real_len) if self.method.needs_budget else real_len
+
+    def compressed(self, b: int) -> bool:
+        return self.real_lens[b] > self.nominal_budget(self.real_lens[b])
+
+    def score(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> ScoredLayer:
+        """queries: [B, Hq, n, D]; keys, values: [B, Hkv, n, D] after RoPE."""
+        method, model = self.method, self.model
+        if self.stored_heads != keys.shape[1]:  # query_head: K/V repeated to the query heads before compression
+            group = self.stored_heads // keys.shape[1]
+            stored_keys, stored_values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        else:
+            stored_keys, stored_values = keys, values
+        scores = raw = merge_attention = None
+        if any(self.compressed(b) for b in range(len(self.pad_lens))):
+            n = keys.shape[2]
+            pads = torch.tensor(self.pad_lens, device=keys.device)
+            real = torch.arange(n, device=keys.device)[None, :] >= pads[:, None]
+            raw = method.score(ScoreContext(layer_idx, model.num_layers, queries, keys, values, real))
+            scores = scores_per_stored_head(raw, method, model.num_kv_heads, model.num_query_heads)
+            if method.merge is not None and method.merge.needs_attention:
+                attention = window_attention(queries, keys, real, method.window_size).mean(dim=2)  # [B, Hq, n]
+                merge_attention = scores_per_stored_head(attention, method, model.num_kv_heads, model.num_query_heads)
+        return ScoredLayer(stored_keys, stored_values, scores, raw, merge_attention)
+
+    def keep(self, layer_idx: int, scored: ScoredLayer) -> dict[int, list[KeptKV]]:
+        """The layers whose kept tokens are known now -> per prompt its KeptKV: this layer, or none until
+        the last layer when the budgets need every layer's scores (then all of them)."""
+        if not self.method.layer_budgets_need_scores:
+            self._fix_layer_budgets()
+            return {layer_idx: self._keep_layer(layer_idx, scored)}
+        self.waiting[layer_idx] = scored
+        self.peak_waiting_bytes = max(self.peak_waiting_bytes, sum(s.nbytes() for s in self.waiting.values()))
+        if layer_idx < self.model.num_layers - 1:
+            return {}
+        self._fix_layer_budgets(self._candidate_scores())
+        return {layer: self._keep_layer(layer, self.waiting.pop(layer)) for layer in range(self.model.num_layers)}
+
+    def waiting_bytes(self) -> int:
+        return sum(s.nbytes() for s in self.waiting.values())
+
+    def _candidate_scores(self) -> list[Optional[list[torch.Tensor]]]:
+        """Per compressed prompt, per layer its [H, candidates] scores (the window excluded)."""
+        n = self.waiting[0].keys.shape[2]
+        out = []
+        for b, pad in enumerate(self.pad_lens):
+            if self.waiting[0].scores is None or not self.compressed(b):
+                out.append(None)
+                continue
+            w = min(self.method.window_size, self.real_lens[b])
+            out.append([self.waiting[layer].scores[b, :, pad:n - w] for layer in range(self.model.num_layers)])
+        return out
+
+    def _fix_layer_budgets(self, layer_scores: Optional[list] = None) -> None:
+        """Per prompt, the tokens each layer keeps. A prompt no longer than the method's budget is kept
+        whole in every layer (even where a layer's own share would be smaller)."""
+        if self.layer_budgets is not None:
+            return
+        self.layer_budgets = []
+        for b, n in enumerate(self.real_lens):
+            budget = self.nominal_budget(n)
+            if n <= budget:
+                self.layer_budgets.append([n] * self.model.num_layers)
+            else:
+                scores = None if layer_scores is None else layer_scores[b]
+                self.layer_budgets.append(self.method.layer_budgets(budget, self.model.num_layers, n, scores))
+
+    def _keep_layer(self, layer_idx: int, scored: ScoredLayer) -> list[KeptKV]:
+        """Per prompt: split its layer budget over the heads, select, merge, gather."""
+        method = self.method
+        keys, values = scored.keys, scored.values
+        n = keys.shape[2]
+        kept = []
+        for b, pad in enumerate(self.pad_lens):
+            budget = self.layer_budgets[b][layer_idx]
+            if self.real_lens[b] <= budget:
+                whole = [torch.arange(pad, n, device=keys.device)] * keys.shape[1]
+                kept.append(KeptKV.gather(keys[b], values[b], whole, pad))
+                continue
+            w = min(method.window_size, self.real_lens[b])
+            head_budgets = method.head_budgets(scored.scores[b, :, pad:n - w], budget, layer_idx, self.model)
+            positions = select_kept_positions(scored.scores[b], pad, head_budgets, method.window_size)
+            merged = None
+            if method.merge is not None:
+                seed = method.merge.seed_for(layer_idx)  # one generator per prompt and layer
+                generator = None if seed is None else torch.Generator(device=keys.device).manual_seed(seed)
+                attention = None if scored.merge_attention is None else scored.merge_attention[b]
+                merged = merge_prompt(method.merge, keys[b], values[b], positions, pad, attention, method.window_size,
+                                      generator)
+            kept.append(KeptKV.gather(keys[b], values[b], positions, pad, merged))
+        return kept

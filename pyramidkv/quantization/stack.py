@@ -1,0 +1,131 @@
+"""Quantized storage over time: blocks stacked as a cache quantizes them while decoding, and the bytes
+each segment (one prompt's stored head) stores, by part, after every appended token.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pyramidkv.quantization.block import QuantizedBlock
+
+# The parts of quantized storage, in the order bytes are reported ("residual": full-precision rows).
+BYTE_PARTS = ("codes", "scales", "zeros", "codebook", "outliers", "factors", "positions", "residual")
+
+
+def per_row_bytes(block: QuantizedBlock) -> dict[str, int]:
+    """Bytes one leading row (segment) of the block stores, by part (the shared codebook not included)."""
+    def size(*tensors) -> int:
+        return sum(t[0].numel() * t.element_size() for t in tensors if t is not None)
+
+    return {"codes": size(block.codes), "scales": size(block.scale), "zeros": size(block.zero),
+            "outliers": size(block.outlier_index, block.outlier_value), "factors": size(block.left, block.right)}
+
+
+class BlockStack:
+    """Blocks of exactly G tokens, stacked along the leading axis in buffers that grow geometrically (a
+    pushed row is copied when the buffer grows, never changed). `block()` is the QuantizedBlock of all rows."""
+
+    def __init__(self):
+        self.rows = 0
+        self._template: Optional[QuantizedBlock] = None
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def push(self, block: QuantizedBlock) -> None:
+        parts = {name: t for name, t in block.tensors().items() if t is not None and name != "codebook"}
+        if block.codebook is not None:                 # one codebook per pushed block: kept per row
+            parts["codebook"] = block.codebook.unsqueeze(0).expand(block.shape[0], -1)
+        count = block.shape[0]
+        for name, t in parts.items():
+            buffer = self._buffers.get(name)
+            if buffer is None or self.rows + count > buffer.shape[0]:
+                grown = t.new_empty((max(self.rows + count, 2 * (0 if buffer is None else buffer.shape[0]), 8),
+                                     *t.shape[1:]))
+                if self.rows:
+                    grown[:self.rows] = buffer[:self.rows]
+                self._buffers[name] = buffer = grown
+            buffer[self.rows:self.rows + count] = t
+        self._template = block
+        self.rows += count
+
+    def block(self, start: int = 0, stop: Optional[int] = None) -> tuple[QuantizedBlock, Optional[torch.Tensor]]:
+        """(rows [start, stop) as one block, their per-row codebooks or None)."""
+        stop = self.rows if stop is None else stop
+        t = {name: buffer[start:stop] for name, buffer in self._buffers.items()}
+        _, tokens, dim = self._template.shape
+        block = QuantizedBlock(shape=(stop - start, tokens, dim), layout=self._template.layout,
+                               nbits=self._template.nbits, group_size=self._template.group_size,
+                               codes=t["codes"], scale=t["scale"], zero=t["zero"],
+                               outlier_index=t.get("outlier_index"), outlier_value=t.get("outlier_value"),
+                               outlier_layout=self._template.outlier_layout, left=t.get("left"), right=t.get("right"))
+        return block, t.get("codebook")
+
+    def capacity_bytes(self) -> int:
+        """Bytes allocated, unused rows included."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+class DecodeBlocks:
+    """The blocks of G tokens quantized while decoding, one row per (segment, event): keys and values
+    stacked, with each row's segment, its slot (the segment's n-th block) and RoPE positions."""
+
+    def __init__(self, segments: int, device: torch.device):
+        self.keys, self.values = BlockStack(), BlockStack()
+        self.segment = torch.zeros(0, dtype=torch.long, device=device)
+        self.slot = torch.zeros(0, dtype=torch.long, device=device)
+        self.positions: Optional[torch.Tensor] = None                   # int32 [rows, G] (keys before RoPE)
+        self.count = torch.zeros(segments, dtype=torch.long, device=device)
+
+    @property
+    def rows(self) -> int:
+        return self.keys.rows
+
+    def push(self, segments: torch.Tensor, keys: QuantizedBlock, values: QuantizedBlock,
+             positions: Optional[torch.Tensor]) -> None:
+        self.keys.push(keys)
+        self.values.push(values)
+        self.segment = torch.cat([self.segment, segments])
+        self.slot = torch.cat([self.slot, self.count[segments]])
+        if positions is not None:
+            self.positions = positions if self.positions is None else torch.cat([self.positions, positions])
+        self.count[segments] += 1
+
+    def capacity_bytes(self) -> int:
+        return self.keys.capacity_bytes() + self.values.capacity_bytes()
+
+
+class ByteLedger:
+    """Bytes of the quantized parts per segment [S, parts], with a snapshot (and the full-precision row
+    counts) after every appended token, so the bytes at any earlier step can be read back."""
+
+    def __init__(self, segments: int, row_bytes: int):
+        self.quantized = torch.zeros(segments, len(BYTE_PARTS), dtype=torch.long)
+        self.row_bytes = row_bytes              # one full-precision row of K and V
+        self.history: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def count(self, segments: torch.Tensor, keys: QuantizedBlock, values: QuantizedBlock,
+              positions: Optional[torch.Tensor]) -> None:
+        counted = self.quantized.clone()
+        add = {part: 0 for part in BYTE_PARTS}
+        for block in (keys, values):
+            for part, size in per_row_bytes(block).items():
+                add[part] += size
+        if positions is not None:
+            add["positions"] = positions[0].numel() * positions.element_size()
+        segs = segments.cpu()
+        counted[segs] += torch.tensor([add[part] for part in BYTE_PARTS])
+        shared = sum(b.codebook.numel() * b.codebook.element_size() for b in (keys, values) if b.codebook is not None)
+        if shared:               # a codebook shared by the block's segments: counted once, with its first
+            counted[segs[0], BYTE_PARTS.index("codebook")] += shared
+        self.quantized = counted
+
+    def snapshot(self, fp_len: torch.Tensor) -> None:
+        self.history.append((self.quantized, fp_len.cpu().clone()))
+
+    def parts(self, segments: slice, step: int = -1) -> dict[str, int]:
+        """Bytes by part of some segments at a snapshot (default: the last)."""
+        quantized, fp_len = self.history[step]
+        totals = dict(zip(BYTE_PARTS, quantized[segments].sum(0).tolist()))
+        totals["residual"] = int(fp_len[segments].sum()) * self.row_bytes
+        return totals
