@@ -153,3 +153,32 @@ def ref_cam(kept_positions, kept_values, evicted_positions, evicted_values, atte
         for j in later:
             out[j] = out[j] + p * evicted_values[i] / spread
     return out
+
+
+# ---- queries of a plain transformers forward (ThinK's channel scores) ---------------------------------
+def prompt_queries_and_keys(model, ids) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per layer the post-RoPE queries [Hq, n, D] and keys [Hkv, n, D] (float64) of an unpatched forward of
+    `ids` [1, n]: queries recomputed from each attention module's input with transformers' own RoPE."""
+    import torch
+    from transformers import DynamicCache
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    queries = {}
+
+    def grab(module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        bsz, n, _ = hidden.shape
+        q = module.q_proj(hidden).view(bsz, n, module.num_heads, module.head_dim).transpose(1, 2)
+        cos, sin = kwargs["position_embeddings"]
+        queries[module.layer_idx] = apply_rotary_pos_emb(q, q, cos, sin)[0][0].double().numpy()
+
+    layers = model.model.layers
+    hooks = [layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True) for layer in layers]
+    try:
+        with torch.no_grad():
+            out = model(ids, past_key_values=DynamicCache(), use_cache=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    keys = [out.past_key_values[layer][0][0].double().numpy() for layer in range(len(layers))]
+    return [queries[layer] for layer in range(len(layers))], keys

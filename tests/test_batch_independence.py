@@ -2,8 +2,8 @@
 gives each prompt the greedy tokens, kept positions (every layer and head), held positions and stored
 bytes it gets when run by itself.
 
-The matrix is scorer x head allocation x layer allocation x merge rule x quantizer x decode budget. Its
-1,800 combinations are covered pairwise: every pair of values of two axes that some valid combination
+The matrix is scorer x head allocation x layer allocation x merge rule x quantizer x decode budget x key
+channels (ThinK) x sinks and random share (NACL). Its combinations are covered pairwise: every pair of values of two axes that some valid combination
 has appears in at least one case below (about 30 cases; combinations refused at build time, such as
 headkv with a pyramid, are not cases). Logits may differ in the last bits (the model's own batched
 matmuls round differently), so tokens, not logits, are compared.
@@ -19,12 +19,14 @@ from pyramidkv import make_method
 from tests.engine_snapshot import record
 
 AXES = {
-    "scorer": ["streamingllm", "h2o", "snapkv", "l2norm"],
+    "scorer": ["streamingllm", "h2o", "snapkv", "l2norm", "nacl", "scissorhands"],
     "head_allocation": ["uniform", "adakv", "headkv"],
     "layer_allocation": ["uniform", "pyramid", "zigzag"],
     "merge": [None, "pivot", "weighted", "mergingpress", "cam"],
     "quant": [None, "kivi", "kvquant", "kvquant-nuq", "gear"],
     "decode": [None, 40],
+    "key_channels": [0.0, 0.4],
+    "sinks_and_random": [False, True],
 }
 # Small groups so that quantization happens at prefill and while decoding on these short prompts.
 QUANTIZERS = {
@@ -38,8 +40,12 @@ NEW_TOKENS = 10
 
 def build(case: dict):
     settings = {"budget": 64, "head_allocation": case["head_allocation"], "layer_allocation": case["layer_allocation"]}
-    if case["scorer"] in ("h2o", "snapkv"):
+    if case["scorer"] in ("h2o", "snapkv", "nacl", "scissorhands"):
         settings["window_size"] = 16
+    if case["key_channels"]:
+        settings.update(key_channel_ratio=case["key_channels"], key_recent_size=8)
+    if case["sinks_and_random"]:
+        settings.update(num_sinks=2, random_fraction=0.3, random_seed=5)
     if case["merge"] is not None:
         settings["merge"] = case["merge"]
     if case["quant"] is not None:
@@ -101,7 +107,7 @@ def three_prompts(smollm2):
 
 
 def test_the_cases_cover_every_pair():
-    assert 20 <= len(CASES) <= 60
+    assert 25 <= len(CASES) <= 60
     for axis, values in AXES.items():
         assert {c[axis] for c in CASES} == set(values), axis
 

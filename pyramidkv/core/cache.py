@@ -132,7 +132,7 @@ class CompressedCache(Cache):
         quantizer.check_head_dim(kept[0].keys.shape[-1])
         rope = []
         for b, (kv, pad) in enumerate(zip(kept, self.pad_lens)):
-            padded = kv.positions + pad
+            padded = torch.cat(kv.all_positions()) + pad
             ids = None if position_ids is None else position_ids[min(b, position_ids.shape[0] - 1)]
             rope.append(padded if ids is None else ids[padded].long())
         return QuantizedStore(quantizer, kept, rope, self.prompt.real_lens, self.rotary, self.scratch)

@@ -47,10 +47,15 @@ class DecodeScoreContext(ScoreContext):
     positions: [R, m] true positions (0 = first real prompt token; -1 at padding).
     accumulated: [R, g, m] attention each held token has received from every query since it was
     appended (prompt queries included), for methods with `accumulates_attention`; else None.
+    history: [R, g, w, m] each held token's attention from the last w queries (the last prompt rows,
+    then the decode queries; NaN where it was not there), history_levels: [R, w] the uniform level
+    1 / (tokens attended) of each of those queries, for methods with a `history_window`; else None.
     """
 
     positions: Optional[torch.Tensor] = None
     accumulated: Optional[torch.Tensor] = None
+    history: Optional[torch.Tensor] = None
+    history_levels: Optional[torch.Tensor] = None
 
 
 class CompressionMethod(Protocol):
@@ -59,6 +64,7 @@ class CompressionMethod(Protocol):
     name: ClassVar[str]
     needs_budget: ClassVar[bool]            # False: every token is kept (fullkv)
     accumulates_attention: ClassVar[bool]   # the cache accumulates received attention while decoding (H2O)
+    history_window: Optional[int]           # the cache keeps each token's last attention rows (Scissorhands)
     window_size: int
     gqa_layout: str                         # "kv_head" | "query_head"
     gqa_reduce: str                         # "mean" | "max" | "sum"
@@ -66,6 +72,12 @@ class CompressionMethod(Protocol):
     quant_method: Optional["Quantizer"]
     decode_budget: Optional[int]
     decode_interval: int
+    num_sinks: int                          # first prompt tokens always kept
+    random_fraction: float                  # share of the selected tokens drawn from softmax(score) at prefill
+    random_seed: int
+    key_channel_ratio: float                # ThinK: share of key channels pruned (0: none)
+    key_recent_size: int                    # most recent kept tokens whose keys stay full width
+    key_query_window: int                   # prompt queries that score the key channels
 
     @property
     def layer_budgets_need_scores(self) -> bool:

@@ -7,7 +7,9 @@ generated token is kept: a long generation grows the cache without bound. With i
   1. the new queries go into a per-layer buffer of the last max(window_size, 1) queries (seeded
      with the prompt's last queries at prefill), the observation window of the re-selection;
   2. methods with `accumulates_attention` (H2O) add the attention the new queries give every held
-     token to its running total (prompt tokens start from their prefill column sums);
+     token to its running total (prompt tokens start from their prefill column sums); methods with a
+     `history_window` (Scissorhands) keep each held token's attention from the last w queries
+     (token_stats.py);
   3. FIRING RULE: a prompt of the batch is compressed at this layer when one of its stored heads
      holds decode_budget + decode_interval tokens or more (kept prompt + generated). Each
      of its heads then keeps decode_budget tokens: the most recent window_size (by position) plus
@@ -41,11 +43,12 @@ import torch
 from pyramidkv.core.context import CompressionMethod, DecodeScoreContext
 from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.kept import KeptKV
-from pyramidkv.core.scoring import attention_column_sums, scores_per_stored_head, window_attention
+from pyramidkv.core.scoring import scores_per_stored_head, window_attention
 from pyramidkv.core.selection import select_kept_positions
+from pyramidkv.core.token_stats import AccumulatedAttention, AttentionHistory
 from pyramidkv.merging.base import merge_prompt
 
-# One held head: (keys [m, D], values [m, D], positions [m], accumulated attention [m, g] or None).
+# One held head: (keys [m, D], values [m, D], positions [m], its token statistic [m, ...] or None).
 HeldHead = tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 
 
@@ -63,15 +66,16 @@ class DecodeCompressor:
         self.interval: int = method.decode_interval
         self.limit = self.budget + self.interval  # a head holding this many tokens triggers a compression
         self.buffer_size = max(method.window_size, 1)
-        self.num_query_heads = num_query_heads
         self.group = num_query_heads // stored_heads  # query heads per stored head
         self.compressions = [0] * self.num_layers   # how often each layer was compressed
         self.peak_kv_bytes = 0                      # the most bytes stored at any moment while decoding
         self.pad_lens: list[int] = []
         self.queries: list[Optional[torch.Tensor]] = [None] * self.num_layers        # [B, Hq, <= buffer_size, D]
-        self._prefill_scores: list[Optional[torch.Tensor]] = [None] * self.num_layers  # [B, Hq, n]
-        self._acc_kept: list[Optional[list[torch.Tensor]]] = [None] * self.num_layers  # per prompt [T, g]
-        self._acc_tail: list[Optional[torch.Tensor]] = [None] * self.num_layers        # [B, H, t, g]
+        self.stats = None                           # what decode_score reads besides the tokens
+        if method.accumulates_attention:
+            self.stats = AccumulatedAttention(self.num_layers, self.group, num_query_heads)
+        elif method.history_window is not None:
+            self.stats = AttentionHistory(self.num_layers, self.group, method.history_window)
 
     def stored_bytes(self) -> int:
         return sum(store.nbytes() for store in self.stores if store is not None)
@@ -83,24 +87,15 @@ class DecodeCompressor:
         score [B, Hq|Hkv, n] before the GQA reduction (None when no prompt was compressed)."""
         self.pad_lens = pad_lens
         self.queries[layer_idx] = queries[:, :, -self.buffer_size:].clone()
-        if not self.method.accumulates_attention:
-            return
-        if raw_scores is None:  # every prompt kept whole: the column sums are still the starting totals
-            n = keys.shape[2]
-            pads = torch.tensor(pad_lens, device=keys.device)
-            real = torch.arange(n, device=keys.device)[None, :] >= pads[:, None]
-            raw_scores = attention_column_sums(queries, keys, real)
-        heads = raw_scores.shape[1]
-        if heads != self.num_query_heads:
-            raw_scores = raw_scores.repeat_interleave(self.num_query_heads // heads, dim=1)
-        self._prefill_scores[layer_idx] = raw_scores.float()
+        if self.stats is not None:
+            self.stats.observe_prefill(layer_idx, queries, keys, raw_scores, pad_lens)
 
     def after_prefill(self, layer_idx: int) -> None:
         """The layer's prompt part is stored: if a head's kept prompt already reaches decode_budget +
         decode_interval, re-select now (the prompt's last queries as the window), so the bound holds
         from the first decode step on."""
-        if self.method.accumulates_attention:
-            self._start_accumulation(layer_idx)
+        if self.stats is not None:
+            self.stats.start(layer_idx, self.stores[layer_idx], self.pad_lens)
         fire = [max(lengths) >= self.limit for lengths in self.stores[layer_idx].kept_counts()]
         if any(fire):
             self._compress(layer_idx, fire)
@@ -108,8 +103,8 @@ class DecodeCompressor:
     def after_attend(self, layer_idx: int, queries: torch.Tensor) -> None:
         """After a decode step's attention at one layer (queries [B, Hq, q, D] of the new tokens)."""
         self.queries[layer_idx] = torch.cat([self.queries[layer_idx], queries], dim=2)[:, :, -self.buffer_size:]
-        if self.method.accumulates_attention:
-            self._accumulate(layer_idx, queries)
+        if self.stats is not None:
+            self.stats.step(layer_idx, self.stores[layer_idx], queries)
         fire = [max(held) >= self.limit for held in self.stores[layer_idx].held_counts()]
         if any(fire):
             self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
@@ -117,59 +112,30 @@ class DecodeCompressor:
         if layer_idx == self.num_layers - 1:
             self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
 
-    # ---- H2O's accumulated attention --------------------------------------------------------
-    def _start_accumulation(self, layer_idx: int) -> None:
-        """Per prompt, the prefill column sums of the kept tokens, as rows aligned with its kept rows."""
-        store, g = self.stores[layer_idx], self.group
-        raw = self._prefill_scores[layer_idx]
-        per_prompt = []
-        for b, pad in enumerate(self.pad_lens):
-            rows = [raw[b, h * g:(h + 1) * g][:, positions + pad].T
-                    for h, positions in enumerate(store.kept_positions(b))]
-            per_prompt.append(torch.cat(rows) if rows else raw.new_zeros(0, g))
-        self._acc_kept[layer_idx] = per_prompt
-        self._acc_tail[layer_idx] = raw.new_zeros(len(per_prompt), store.heads, 0, g)
-        self._prefill_scores[layer_idx] = None
-
-    def _accumulate(self, layer_idx: int, queries: torch.Tensor) -> None:
-        """Add the attention of the new queries (over everything held, causal among themselves) to the
-        running totals; recomputed in float32 by the store rather than taken from the step's attention."""
-        if self._acc_kept[layer_idx] is None:
-            self._start_accumulation(layer_idx)
-        kept_mass, tail_mass = self.stores[layer_idx].received_attention(queries)
-        for acc, mass in zip(self._acc_kept[layer_idx], kept_mass):
-            acc += mass
-        old = self._acc_tail[layer_idx]
-        bsz, heads, _, g = old.shape
-        self._acc_tail[layer_idx] = torch.cat([old, old.new_zeros(bsz, heads, queries.shape[2], g)], dim=2) + tail_mass
-
     # ---- re-selection -----------------------------------------------------------------------
     def _held(self, layer_idx: int, b: int) -> list[HeldHead]:
         """Per stored head of prompt b: everything it holds (kept tokens, then the tail), in position order."""
         store = self.stores[layer_idx]
         heads = store.held(b)
-        accumulated = [None] * len(heads)
-        if self.method.accumulates_attention:
-            acc_tail = self._acc_tail[layer_idx]
-            accumulated = [torch.cat([a, acc_tail[b, h]])
-                           for h, a in enumerate(self._acc_kept[layer_idx][b].split(store.kept_counts()[b]))]
-        return [(k, v, p, a) for (k, v, p), a in zip(heads, accumulated)]
+        stats = [None] * len(heads)
+        if self.stats is not None:
+            stats = self.stats.held(layer_idx, b, store.kept_counts()[b])
+        return [(k, v, p, a) for (k, v, p), a in zip(heads, stats)]
 
     def _compress(self, layer_idx: int, fire: list[bool]) -> None:
         """Re-select the prompts in `fire`; every prompt's tail is folded into its kept set."""
-        new_kept, new_acc = [], []
+        new_kept, new_stats = [], []
         for b in range(len(fire)):
             heads = self._held(layer_idx, b)
             if fire[b]:
                 heads = self._reselect(layer_idx, b, heads)
             new_kept.append(KeptKV.from_heads([(k, v, p) for k, v, p, _ in heads]))
-            if self.method.accumulates_attention:
-                new_acc.append(torch.cat([a for *_, a in heads]))
+            if self.stats is not None:
+                new_stats.append(torch.cat([a for *_, a in heads]))
         self.stores[layer_idx].replace(new_kept, max_tail=self.interval)
         self.compressions[layer_idx] += 1
-        if self.method.accumulates_attention:
-            self._acc_kept[layer_idx] = new_acc
-            self._acc_tail[layer_idx] = self._acc_tail[layer_idx][:, :, :0]
+        if self.stats is not None:
+            self.stats.replace(layer_idx, new_stats)
 
     def _reselect(self, layer_idx: int, b: int, heads: list[HeldHead]) -> list[HeldHead]:
         """Each head of prompt b keeps decode_budget tokens: the window + the best by decode_score."""
@@ -183,6 +149,10 @@ class DecodeCompressor:
         real = torch.zeros(rows, m, dtype=torch.bool, device=first.device)
         positions = torch.full((rows, m), -1, dtype=torch.long, device=first.device)
         accumulated = first.new_zeros(rows, g, m, dtype=torch.float32) if method.accumulates_attention else None
+        history = levels = None
+        if isinstance(self.stats, AttentionHistory):
+            history = first.new_full((rows, g, self.stats.window, m), float("nan"), dtype=torch.float32)
+            levels = self.stats.levels[layer_idx][b]  # [H, w]
         pads = []
         for r, (k, v, p, a) in enumerate(heads):
             pad = m - len(p)
@@ -190,13 +160,16 @@ class DecodeCompressor:
             keys[r, 0, pad:], values[r, 0, pad:], real[r, pad:], positions[r, pad:] = k, v, True, p
             if accumulated is not None:
                 accumulated[r, :, pad:] = a.T
+            if history is not None:
+                history[r, :, :, pad:] = a.permute(1, 2, 0)
         # The buffered queries of this prompt, g per stored head, as the last rows of the window.
         buffered = self.queries[layer_idx][b]  # [Hq, w, D]
         w = min(buffered.shape[1], m)
         queries = first.new_zeros(rows, g, m, dim)
         queries[:, :, m - w:] = buffered[:, -w:].reshape(rows, g, w, dim).to(first.dtype)
         ctx = DecodeScoreContext(layer_idx, self.num_layers, queries, keys, values, real,
-                                 positions=positions, accumulated=accumulated)
+                                 positions=positions, accumulated=accumulated, history=history,
+                                 history_levels=levels)
         scores = scores_per_stored_head(method.decode_score(ctx), method, 1, g)[:, 0]  # [rows, m]
         attention = generator = None
         if method.merge is not None:
@@ -207,7 +180,8 @@ class DecodeCompressor:
             generator = None if seed is None else torch.Generator(device=first.device).manual_seed(seed)
         kept = []
         for r, (k, v, p, a) in enumerate(heads):
-            chosen = select_kept_positions(scores[r:r + 1], pads[r], [min(self.budget, len(p))], method.window_size)[0]
+            chosen = select_kept_positions(scores[r:r + 1], pads[r], [min(self.budget, len(p))], method.window_size,
+                                           method.num_sinks)[0]
             index = chosen - pads[r]
             new_keys, new_values = k[index], v[index]
             if method.merge is not None and len(index) < len(p):

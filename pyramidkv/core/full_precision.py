@@ -62,13 +62,13 @@ class FullPrecisionStore(LayerStore):
 
     def attend(self, queries: torch.Tensor) -> torch.Tensor:
         if self._layout is None:
-            self._layout = DecodeLayout.build(self.kept)
+            self._layout = DecodeLayout(self.kept)
         return self._layout.attend(queries, *self.tail())
 
-    def received_attention(self, queries: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The attention each held token receives from the new queries [B, Hq, q, D] (causal among them),
-        summed over the q queries, per query head of its stored head (g = Hq / H), in float32:
-        (per prompt [T, g] aligned with its kept rows, [B, H, t, g] for the tail)."""
+    def _attention(self, queries: torch.Tensor):
+        """For every prompt b and group of its heads (all of them when they keep the same count, else one
+        at a time): (b, heads index, probs [h, g, q, L + t] float32, L) of the new queries [B, Hq, q, D]
+        over the held tokens (causal among the new ones), g = Hq / H query heads per stored head."""
         tail_keys = self.tail()[0].float()  # [B, H, t, D]
         bsz, heads, t, dim = tail_keys.shape
         q_len, g = queries.shape[2], queries.shape[1] // heads
@@ -78,32 +78,53 @@ class FullPrecisionStore(LayerStore):
             visible = torch.arange(t, device=queries.device)[None, :] <= \
                 torch.arange(t - q_len, t, device=queries.device)[:, None]
             tail_scores = tail_scores.masked_fill(~visible, float("-inf"))
-        kept_mass, tail_mass = [], tail_keys.new_zeros(bsz, heads, t, g)
         for b, kept in enumerate(self.kept):
             if kept.uniform:  # all heads at once
                 segments = [(slice(None), kept.keys.reshape(heads, -1, dim).float())]
             else:
                 segments = [(h, k.float()[None]) for h, (k, _) in enumerate(kept.per_head())]
-            rows = []
             for head, keys in segments:
                 kept_scores = torch.einsum("hgqd,hld->hgql", grouped[b, head].reshape(-1, g, q_len, dim), keys)
                 probs = torch.softmax(torch.cat([kept_scores, tail_scores[b, head].reshape(-1, g, q_len, t)], -1),
-                                      dim=-1).sum(dim=2)  # [h, g, L + t]
-                length = keys.shape[1]
-                rows.append(probs[..., :length].permute(0, 2, 1).reshape(-1, g))
-                tail_mass[b, head] = probs[..., length:].permute(0, 2, 1).reshape(tail_mass[b, head].shape)
-            kept_mass.append(torch.cat(rows))
-        return kept_mass, tail_mass
+                                      dim=-1)
+                yield b, head, probs, keys.shape[1]
+
+    def received_attention(self, queries: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The attention each held token receives from the new queries [B, Hq, q, D], summed over them,
+        per query head of its stored head, in float32: (per prompt [T, g] aligned with its kept rows,
+        [B, H, t, g] for the tail)."""
+        bsz, heads = len(self.kept), self.heads
+        g, t = queries.shape[1] // heads, self.tail_len
+        kept_mass, tail_mass = [[] for _ in range(bsz)], queries.new_zeros(bsz, heads, t, g, dtype=torch.float32)
+        for b, head, probs, length in self._attention(queries):
+            probs = probs.sum(dim=2)  # [h, g, L + t]
+            kept_mass[b].append(probs[..., :length].permute(0, 2, 1).reshape(-1, g))
+            tail_mass[b, head] = probs[..., length:].permute(0, 2, 1).reshape(tail_mass[b, head].shape)
+        return [torch.cat(rows) for rows in kept_mass], tail_mass
+
+    def attention_rows(self, queries: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Each new query's attention row over the held tokens, float32: (per prompt [T, g, q] for its kept
+        rows, [B, H, t, g, q] for the tail, NaN where a new token is not visible yet), and [B, H, q] the
+        number of tokens each query attended."""
+        bsz, heads = len(self.kept), self.heads
+        q_len, g, t = queries.shape[2], queries.shape[1] // heads, self.tail_len
+        kept_rows = [[] for _ in range(bsz)]
+        tail_rows = queries.new_zeros(bsz, heads, t, g, q_len, dtype=torch.float32)
+        for b, head, probs, length in self._attention(queries):
+            kept_rows[b].append(probs[..., :length].permute(0, 3, 1, 2).reshape(-1, g, q_len))
+            tail_rows[b, head] = probs[..., length:].permute(0, 3, 1, 2).reshape(tail_rows[b, head].shape)
+        # Query i (of q) sees the tail up to position t - q + i.
+        hidden = torch.arange(t, device=queries.device)[:, None] > torch.arange(t - q_len, t, device=queries.device)
+        tail_rows = tail_rows.masked_fill(hidden[:, None, :], float("nan"))
+        kept = torch.tensor([k.counts() for k in self.kept], device=queries.device)              # [B, H]
+        counts = kept[..., None] + torch.arange(t - q_len + 1, t + 1, device=queries.device)    # [B, H, q]
+        return [torch.cat(rows) for rows in kept_rows], tail_rows, counts
 
     # ---- decode-time re-selection --------------------------------------------------------------
     def held(self, b: int) -> Heads:
         tail_keys, tail_values = self.tail()
-        kept = self.kept[b]
-        start = self.tail_start[b]
-        tail_positions = torch.arange(start, start + self.tail_len, device=kept.positions.device,
-                                      dtype=kept.positions.dtype)
-        return [(torch.cat([k, tail_keys[b, h]]), torch.cat([v, tail_values[b, h]]), torch.cat([p, tail_positions]))
-                for h, ((k, v), p) in enumerate(zip(kept.per_head(), kept.positions_per_head()))]
+        return [(torch.cat([k, tail_keys[b, h]]), torch.cat([v, tail_values[b, h]]), p)
+                for h, ((_, k, v), p) in enumerate(zip(self.kept[b].full_width(), self.held_positions(b)))]
 
     def replace(self, kept: list[KeptKV], max_tail: Optional[int] = None) -> None:
         """The tail is folded into the new kept sets; a tail buffer grown beyond max_tail + TAIL_GROWTH_TOKENS
@@ -119,21 +140,23 @@ class FullPrecisionStore(LayerStore):
 
     # ---- inspection ----------------------------------------------------------------------------
     def kept_counts(self) -> list[list[int]]:
-        return [list(k.lengths) for k in self.kept]
+        return [k.counts() for k in self.kept]
 
     def kept_positions(self, b: int) -> list[torch.Tensor]:
-        return self.kept[b].positions_per_head()
+        return self.kept[b].all_positions()
 
     def kept_kv(self, b: int) -> Heads:
-        """Views of the store: clone before modifying."""
-        kept = self.kept[b]
-        return [(p, k, v) for p, (k, v) in zip(kept.positions_per_head(), kept.per_head())]
+        """Views of the store (clone before modifying); thin keys (ThinK) full width with 0 in the pruned channels."""
+        return self.kept[b].full_width()
 
     def held_counts(self) -> list[list[int]]:
-        return [[n + self.tail_len for n in k.lengths] for k in self.kept]
+        return [[n + self.tail_len for n in k.counts()] for k in self.kept]
 
     def held_positions(self, b: int) -> list[torch.Tensor]:
-        return [p for _, _, p in self.held(b)]
+        kept = self.kept[b]
+        start = self.tail_start[b]
+        tail = torch.arange(start, start + self.tail_len, device=kept.positions.device, dtype=kept.positions.dtype)
+        return [torch.cat([p, tail]) for p in kept.all_positions()]
 
     def stored_kv(self, b: int) -> Heads:
         return [(p, k, v) for k, v, p in self.held(b)]

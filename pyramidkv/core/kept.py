@@ -9,18 +9,38 @@ import torch
 
 
 @dataclass
+class ThinRows:
+    """ThinK's pruned part of a prompt's kept tokens: each head's oldest kept rows, their keys stored on
+    the head's kept channels only. keys: [T, D'] (head-major, lengths per head); values: [T, D];
+    positions: [T]; channels: long [H, D'], ascending channel indices of each head."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    lengths: list[int]
+    positions: torch.Tensor
+    channels: torch.Tensor
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.channels))
+
+
+@dataclass
 class KeptKV:
     """The tokens one layer keeps for one prompt, every stored head's rows one after the other.
 
     keys, values: [T, D]; head h owns rows offsets[h]:offsets[h+1], offsets = cumsum(lengths).
     positions: [T] position of each kept token in its prompt (0 = first real token), ascending per head.
     Heads may keep different counts (AdaKV, HeadKV): nothing is padded.
+    thin: with ThinK's key-channel pruning, each head's older kept tokens, stored with thin keys; the
+    rows above are then only its most recent (full-width) kept tokens. A head's kept tokens are its
+    thin rows followed by its rows here.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     lengths: list[int]
     positions: torch.Tensor
+    thin: Optional[ThinRows] = None
 
     @classmethod
     def gather(cls, keys: torch.Tensor, values: torch.Tensor, positions: list[torch.Tensor], pad: int,
@@ -51,5 +71,34 @@ class KeptKV:
     def positions_per_head(self) -> list[torch.Tensor]:
         return list(self.positions.split(self.lengths))
 
+    def counts(self) -> list[int]:
+        """Kept tokens per head (thin rows included)."""
+        thin = [0] * len(self.lengths) if self.thin is None else self.thin.lengths
+        return [a + b for a, b in zip(thin, self.lengths)]
+
+    def all_positions(self) -> list[torch.Tensor]:
+        """Per head, the positions of all its kept tokens (thin rows first), ascending."""
+        if self.thin is None:
+            return self.positions_per_head()
+        thin = self.thin.positions.split(self.thin.lengths)
+        return [torch.cat([t, f]) for t, f in zip(thin, self.positions_per_head())]
+
+    def full_width(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per head (positions, keys [k, D], values [k, D]) of all its kept tokens; thin keys are given full
+        width with 0 in the pruned channels (which gives the same attention logits)."""
+        out = [(p, k, v) for p, (k, v) in zip(self.positions_per_head(), self.per_head())]
+        if self.thin is None:
+            return out
+        thin = self.thin
+        dim = self.keys.shape[-1]
+        for h, (pos, keys, values) in enumerate(zip(thin.positions.split(thin.lengths), thin.keys.split(thin.lengths),
+                                                    thin.values.split(thin.lengths))):
+            wide = keys.new_zeros(keys.shape[0], dim)
+            wide[:, thin.channels[h]] = keys
+            p, k, v = out[h]
+            out[h] = (torch.cat([pos, p]), torch.cat([wide, k]), torch.cat([values, v]))
+        return out
+
     def nbytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        full = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return full + (0 if self.thin is None else self.thin.nbytes())

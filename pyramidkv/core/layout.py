@@ -1,11 +1,13 @@
 """Decode attention over full-precision kept tokens plus a dense tail, every prompt and head of a layer at once.
 
-Either every prompt and head keeps the same count L: one batched matmul over [B, H, L, D] views.
-Or the counts are ragged (AdaKV, HeadKV, prompts kept whole next to compressed ones): the layer's
-rows lie flat, prompt-major then head-major, and are attended in blocks of segments (a segment =
-one prompt's stored head); each block's query rows meet all of the block's key rows in one matmul
-and the rows of other segments are masked out. No Python loop over heads, no padded copy. One joint
-softmax (float32) over (kept, tail) per query row.
+A layer's kept tokens form one or two *parts*: the full-width rows, and with ThinK the thin rows (keys
+on each head's kept channels, the query gathered to those channels before the dot product; the scale
+stays 1/sqrt(D)). Within a part, either every prompt and head keeps the same count L: one batched
+matmul over [B, H, L, Dk] views; or the counts are ragged (AdaKV, HeadKV, prompts kept whole next to
+compressed ones): the part's rows lie flat, prompt-major then head-major, and are attended in blocks
+of segments (a segment = one prompt's stored head); each block's query rows meet all of the block's
+key rows in one matmul and the rows of other segments are masked out. No Python loop over heads, no
+padded copy. One joint softmax (float32) over (thin, full, tail) per query row.
 """
 
 from __future__ import annotations
@@ -27,57 +29,77 @@ def softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @dataclass
-class SegmentBlock:
-    """Consecutive segments attended in one matmul. segments, rows: [start, stop) into the layer's
-    segments and flat K/V rows; own_rows: bool [segments, rows], True where a row is that segment's."""
+class Part:
+    """One part of a layer's kept rows: keys [R, Dk] and values [R, D] flat (segment-major), lengths per
+    segment; channels: long [S, Dk] the channels of each segment's keys (None: all D)."""
 
-    segments: tuple[int, int]
-    rows: tuple[int, int]
-    own_rows: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    lengths: list[int]
+    channels: Optional[torch.Tensor] = None
+
+    @property
+    def dense(self) -> bool:
+        return len(set(self.lengths)) == 1
+
+    def queries(self, grouped: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """grouped [S, rows, D] of segments first.. -> the queries this part's keys meet: [S, rows, Dk]."""
+        if self.channels is None:
+            return grouped
+        channels = self.channels[first:first + grouped.shape[0]]
+        return grouped.gather(-1, channels[:, None, :].expand(-1, grouped.shape[1], -1))
+
+    def rows(self, first: int, last: int) -> tuple[int, int, torch.Tensor]:
+        """(row start, row stop, own_rows bool [last - first, rows]) of segments [first, last)."""
+        offsets = self.offsets
+        rows = torch.arange(offsets[first], offsets[last], device=self.keys.device)
+        starts = torch.tensor(offsets[first:last], device=self.keys.device)
+        stops = torch.tensor(offsets[first + 1:last + 1], device=self.keys.device)
+        return offsets[first], offsets[last], (rows[None, :] >= starts[:, None]) & (rows[None, :] < stops[:, None])
+
+    def __post_init__(self) -> None:
+        self.offsets = [0]
+        for n in self.lengths:
+            self.offsets.append(self.offsets[-1] + n)
 
 
-@dataclass
+def _flatten(kept: list[KeptKV]) -> Part:
+    """The full-width rows of all prompts in one tensor pair (a copy only when B > 1 or the rows are not
+    contiguous); each KeptKV then holds views of it, so nothing is duplicated."""
+    if len(kept) == 1 and kept[0].keys.is_contiguous() and kept[0].values.is_contiguous():
+        flat_keys, flat_values = kept[0].keys, kept[0].values
+    else:
+        flat_keys = torch.cat([k.keys for k in kept])
+        flat_values = torch.cat([k.values for k in kept])
+        start = 0
+        for k in kept:
+            stop = start + k.keys.shape[0]
+            k.keys, k.values = flat_keys[start:stop], flat_values[start:stop]
+            start = stop
+    return Part(flat_keys, flat_values, [n for k in kept for n in k.lengths])
+
+
+def _flatten_thin(kept: list[KeptKV]) -> Optional[Part]:
+    if kept[0].thin is None or not any(n for k in kept for n in k.thin.lengths):
+        return None
+    return Part(torch.cat([k.thin.keys for k in kept]), torch.cat([k.thin.values for k in kept]),
+                [n for k in kept for n in k.thin.lengths], torch.cat([k.thin.channels for k in kept]))
+
+
 class DecodeLayout:
-    """How one layer's kept tokens are read: dense_keys/values [B, H, L, D], or flat_keys/values [R, D]
-    in blocks. Built from the prompts' KeptKV, which then hold views of the layout's tensors."""
+    """How one layer's kept tokens are read at decode time; built from the prompts' KeptKV."""
 
-    dense_keys: Optional[torch.Tensor] = None
-    dense_values: Optional[torch.Tensor] = None
-    flat_keys: Optional[torch.Tensor] = None
-    flat_values: Optional[torch.Tensor] = None
-    blocks: Optional[list[SegmentBlock]] = None
-
-    @classmethod
-    def build(cls, kept: list[KeptKV]) -> "DecodeLayout":
-        """One tensor per layer: the prompts' K/V are moved into it (a copy only when B > 1 or the rows
-        are not contiguous) and each KeptKV keeps views of it; nothing is duplicated."""
-        if len(kept) == 1 and kept[0].keys.is_contiguous() and kept[0].values.is_contiguous():
-            flat_keys, flat_values = kept[0].keys, kept[0].values
-        else:
-            flat_keys = torch.cat([k.keys for k in kept])
-            flat_values = torch.cat([k.values for k in kept])
-            start = 0
-            for k in kept:
-                stop = start + k.keys.shape[0]
-                k.keys, k.values = flat_keys[start:stop], flat_values[start:stop]
-                start = stop
-        lengths = [n for k in kept for n in k.lengths]  # per segment
-        heads, dim = len(kept[0].lengths), flat_keys.shape[-1]
-        if len(set(lengths)) == 1:
-            shape = (len(kept), heads, lengths[0], dim)
-            return cls(dense_keys=flat_keys.view(shape), dense_values=flat_values.view(shape))
-        offsets = [0]
-        for n in lengths:
-            offsets.append(offsets[-1] + n)
-        blocks = []
-        for first in range(0, len(lengths), SEGMENTS_PER_BLOCK):
-            last = min(first + SEGMENTS_PER_BLOCK, len(lengths))
-            rows = torch.arange(offsets[first], offsets[last], device=flat_keys.device)
-            starts = torch.tensor(offsets[first:last], device=flat_keys.device)
-            stops = torch.tensor(offsets[first + 1:last + 1], device=flat_keys.device)
-            own_rows = (rows[None, :] >= starts[:, None]) & (rows[None, :] < stops[:, None])
-            blocks.append(SegmentBlock((first, last), (offsets[first], offsets[last]), own_rows))
-        return cls(flat_keys=flat_keys, flat_values=flat_values, blocks=blocks)
+    def __init__(self, kept: list[KeptKV]):
+        self.batch, self.heads = len(kept), len(kept[0].lengths)
+        thin = _flatten_thin(kept)
+        self.parts = ([] if thin is None else [thin]) + [_flatten(kept)]
+        self.dense = all(part.dense for part in self.parts)
+        segments = self.batch * self.heads
+        # Ragged: per block of segments, each part's (row start, row stop, own_rows).
+        self.blocks = [] if self.dense else [
+            (first, min(first + SEGMENTS_PER_BLOCK, segments),
+             [part.rows(first, min(first + SEGMENTS_PER_BLOCK, segments)) for part in self.parts])
+            for first in range(0, segments, SEGMENTS_PER_BLOCK)]
 
     def attend(self, queries: torch.Tensor, tail_keys: torch.Tensor, tail_values: torch.Tensor) -> torch.Tensor:
         """queries [B, Hq, q, D] of the q tokens appended last; tail_keys/values [B, H, t, D] (the q new
@@ -92,24 +114,48 @@ class DecodeLayout:
             query_pos = torch.arange(t - q_len, t, device=queries.device).repeat(num_q_heads // heads)
             visible = torch.arange(t, device=queries.device)[None, :] <= query_pos[:, None]
             tail_scores = tail_scores.masked_fill(~visible, torch.finfo(tail_scores.dtype).min)
-        if self.dense_keys is not None:
-            kept_scores = torch.matmul(grouped, self.dense_keys.transpose(-1, -2))  # [B, H, rows, L]
-            probs = softmax(torch.cat([kept_scores, tail_scores], dim=-1), queries.dtype)
-            kept = kept_scores.shape[-1]
-            out = torch.matmul(probs[..., :kept], self.dense_values)
-            out = out + torch.matmul(probs[..., kept:], tail_values)  # [B, H, rows, D]
-            return out.reshape(bsz, num_q_heads, q_len, dim)
-        grouped = grouped.reshape(bsz * heads, rows, dim)
-        tail_scores = tail_scores.reshape(bsz * heads, rows, t)
-        tail_values = tail_values.reshape(bsz * heads, t, dim)
+        if self.dense:
+            return self._attend_dense(grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
+        return self._attend_blocks(grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
+
+    def _attend_dense(self, grouped, tail_scores, tail_values) -> torch.Tensor:
+        bsz, heads, rows, dim = grouped.shape
+        kept_scores, kept_values = [], []
+        for part in self.parts:
+            shape = (bsz, heads, part.lengths[0], part.keys.shape[-1])
+            part_queries = part.queries(grouped.reshape(bsz * heads, rows, dim)).reshape(bsz, heads, rows, -1)
+            kept_scores.append(torch.matmul(part_queries, part.keys.view(shape).transpose(-1, -2)))  # [B, H, rows, L]
+            kept_values.append(part.values.view(bsz, heads, part.lengths[0], dim))
+        probs = softmax(torch.cat([*kept_scores, tail_scores], dim=-1), grouped.dtype)
+        out, start = None, 0
+        for scores, values in zip(kept_scores, kept_values):
+            stop = start + scores.shape[-1]
+            term = torch.matmul(probs[..., start:stop], values)
+            out = term if out is None else out + term
+            start = stop
+        return out + torch.matmul(probs[..., start:], tail_values)  # [B, H, rows, D]
+
+    def _attend_blocks(self, grouped, tail_scores, tail_values) -> torch.Tensor:
+        bsz, heads, rows, dim = grouped.shape
+        segments = bsz * heads
+        grouped = grouped.reshape(segments, rows, dim)
+        tail_scores = tail_scores.reshape(segments, rows, -1)
+        tail_values = tail_values.reshape(segments, -1, dim)
         outputs = []
-        for block in self.blocks:
-            (first, last), (row_start, row_stop) = block.segments, block.rows
-            block_queries = grouped[first:last].reshape(-1, dim)  # [S * rows, D]
-            scores = torch.matmul(block_queries, self.flat_keys[row_start:row_stop].T).view(last - first, rows, -1)
-            scores = scores.masked_fill(~block.own_rows[:, None, :], torch.finfo(scores.dtype).min)
-            probs = softmax(torch.cat([scores, tail_scores[first:last]], dim=-1), queries.dtype)
-            kept = row_stop - row_start
-            out = torch.matmul(probs[..., :kept].reshape(-1, kept), self.flat_values[row_start:row_stop])
-            outputs.append(out.view(last - first, rows, dim) + torch.matmul(probs[..., kept:], tail_values[first:last]))
-        return torch.cat(outputs).reshape(bsz, num_q_heads, q_len, dim)
+        for first, last, part_rows in self.blocks:
+            scores, spans = [], []
+            for part, (row_start, row_stop, own_rows) in zip(self.parts, part_rows):
+                block_queries = part.queries(grouped[first:last], first).reshape(-1, part.keys.shape[-1])  # [S * rows, Dk]
+                block = torch.matmul(block_queries, part.keys[row_start:row_stop].T).view(last - first, rows, -1)
+                scores.append(block.masked_fill(~own_rows[:, None, :], torch.finfo(block.dtype).min))
+                spans.append((row_start, row_stop))
+            probs = softmax(torch.cat([*scores, tail_scores[first:last]], dim=-1), grouped.dtype)
+            out, start = None, 0
+            for part, (row_start, row_stop) in zip(self.parts, spans):
+                kept = row_stop - row_start
+                term = torch.matmul(probs[..., start:start + kept].reshape(-1, kept), part.values[row_start:row_stop])
+                out = term if out is None else out + term
+                start += kept
+            tail = torch.matmul(probs[..., start:], tail_values[first:last])
+            outputs.append(out.view(last - first, rows, dim) + tail)
+        return torch.cat(outputs)

@@ -7,11 +7,13 @@ H stored heads: Hkv in the `kv_head` layout, Hq in `query_head`; D head dim), to
     per head     scores_per_stored_head                [B, H, n]           reduced over / repeated to the GQA group
     layer        method.layer_budgets                  per prompt: tokens each layer keeps (window included)
     heads        method.head_budgets                   per prompt: tokens each stored head keeps
-    select       select_kept_positions                 per prompt and head: the window + the top-scored rest
+    select       select_kept_positions                 per prompt and head: sinks + window + the top-scored rest
     merge        merge_prompt(method.merge, ...)       per prompt and head: what the kept slots store
     gather       KeptKV.gather                         per prompt: flat [T, D] rows, a length per head
+    channels     prune_key_channels                    (ThinK) per prompt and head: older keys on D' channels
 
-A prompt no longer than its budget is kept whole (SnapKV's rule) and not scored. Every step after
+A prompt no longer than its budget is kept whole (SnapKV's rule) and not scored (its key channels
+are still pruned, as ThinK's code does). Every step after
 `score` runs prompt by prompt on the prompt's own rows, so a prompt keeps what it keeps alone.
 Layer budgets are fixed when the first layer is scored, or, for layer allocations that need every
 layer's scores (ZigZagKV), when the last layer is: until then each layer waits with its full K/V.
@@ -25,6 +27,7 @@ from typing import Optional
 import torch
 
 from pyramidkv.allocation.base import ModelShape
+from pyramidkv.core.channels import prune_key_channels
 from pyramidkv.core.context import CompressionMethod, ScoreContext
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.scoring import scores_per_stored_head, window_attention
@@ -43,9 +46,16 @@ class ScoredLayer:
     scores: Optional[torch.Tensor]
     raw_scores: Optional[torch.Tensor]
     merge_attention: Optional[torch.Tensor]
+    last_queries: Optional[torch.Tensor] = None   # [B, Hq, w, D] the last queries, for key-channel scores
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
+
+def sampling_generator(method: CompressionMethod, layer_idx: int, head: int) -> torch.Generator:
+    """The generator of one stored head's random share (CPU, so draws are the same on every device): seeded
+    by (random_seed, layer, head) and fresh for each prompt, so a prompt draws the same in any batch."""
+    return torch.Generator().manual_seed((method.random_seed * 1_000_003 + layer_idx) * 1_009 + head)
 
 
 class PromptCompressor:
@@ -85,7 +95,8 @@ class PromptCompressor:
             if method.merge is not None and method.merge.needs_attention:
                 attention = window_attention(queries, keys, real, method.window_size).mean(dim=2)  # [B, Hq, n]
                 merge_attention = scores_per_stored_head(attention, method, model.num_kv_heads, model.num_query_heads)
-        return ScoredLayer(stored_keys, stored_values, scores, raw, merge_attention)
+        last_queries = queries[:, :, -method.key_query_window:] if method.key_channel_ratio > 0 else None
+        return ScoredLayer(stored_keys, stored_values, scores, raw, merge_attention, last_queries)
 
     def keep(self, layer_idx: int, scored: ScoredLayer) -> dict[int, list[KeptKV]]:
         """The layers whose kept tokens are known now -> per prompt its KeptKV: this layer, or none until
@@ -100,6 +111,12 @@ class PromptCompressor:
         self._fix_layer_budgets(self._candidate_scores())
         return {layer: self._keep_layer(layer, self.waiting.pop(layer)) for layer in range(self.model.num_layers)}
 
+    def candidates(self, b: int, n: int) -> tuple[int, int]:
+        """[first, stop) of prompt b's selectable positions (padded coordinates): not the sinks, not the window."""
+        window = min(self.method.window_size, self.real_lens[b])
+        sinks = min(self.method.num_sinks, self.real_lens[b] - window)
+        return self.pad_lens[b] + sinks, n - window
+
     def waiting_bytes(self) -> int:
         return sum(s.nbytes() for s in self.waiting.values())
 
@@ -111,8 +128,8 @@ class PromptCompressor:
             if self.waiting[0].scores is None or not self.compressed(b):
                 out.append(None)
                 continue
-            w = min(self.method.window_size, self.real_lens[b])
-            out.append([self.waiting[layer].scores[b, :, pad:n - w] for layer in range(self.model.num_layers)])
+            first, stop = self.candidates(b, n)
+            out.append([self.waiting[layer].scores[b, :, first:stop] for layer in range(self.model.num_layers)])
         return out
 
     def _fix_layer_budgets(self, layer_scores: Optional[list] = None) -> None:
@@ -141,9 +158,11 @@ class PromptCompressor:
                 whole = [torch.arange(pad, n, device=keys.device)] * keys.shape[1]
                 kept.append(KeptKV.gather(keys[b], values[b], whole, pad))
                 continue
-            w = min(method.window_size, self.real_lens[b])
-            head_budgets = method.head_budgets(scored.scores[b, :, pad:n - w], budget, layer_idx, self.model)
-            positions = select_kept_positions(scored.scores[b], pad, head_budgets, method.window_size)
+            first, stop = self.candidates(b, n)
+            head_budgets = method.head_budgets(scored.scores[b, :, first:stop], budget, layer_idx, self.model)
+            positions = select_kept_positions(
+                scored.scores[b], pad, head_budgets, method.window_size, method.num_sinks, method.random_fraction,
+                lambda head: sampling_generator(method, layer_idx, head))
             merged = None
             if method.merge is not None:
                 seed = method.merge.seed_for(layer_idx)  # one generator per prompt and layer
@@ -152,4 +171,8 @@ class PromptCompressor:
                 merged = merge_prompt(method.merge, keys[b], values[b], positions, pad, attention, method.window_size,
                                       generator)
             kept.append(KeptKV.gather(keys[b], values[b], positions, pad, merged))
+        if scored.last_queries is not None:
+            w = scored.last_queries.shape[2]
+            kept = [prune_key_channels(k, scored.last_queries[b, :, w - min(w, real):], method.key_channel_ratio,
+                                       method.key_recent_size) for b, (k, real) in enumerate(zip(kept, self.real_lens))]
         return kept

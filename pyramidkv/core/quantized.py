@@ -14,15 +14,14 @@ G * floor((k - R) / G) are quantized. Every block holds the segments of ONE prom
 low-rank starts and outlier budgets never depend on which prompts share a batch.
 
 Keys are stored after RoPE, except for quantizers with `keys_before_rope` (KVQuant): their quantized
-keys are un-rotated first (exactly, in float32, at the token's RoPE position, kept as int32 with the
-block) and rotated again when attention reads them. Attention reads every part of all segments at
-once: scores per part, one joint softmax (float32), values per part; quantized parts are dequantized
-a bounded span at a time (pyramidkv.quantization.kernels). Bytes by part are exactly the stored tensors.
+keys are un-rotated first (in float32, at the token's RoPE position, kept as int32) and rotated again
+when read. With ThinK the prefill-quantized keys are thin (after RoPE, which mixes channels c and
+c + D/2). Attention: scores per part, one joint softmax (float32), values per part; quantized parts
+dequantized a bounded span at a time (pyramidkv.quantization.kernels). docs/quantization.md has more.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -32,26 +31,11 @@ from pyramidkv.core.layout import softmax
 from pyramidkv.core.rotary import RotaryTable
 from pyramidkv.core.store import Heads, LayerStore
 from pyramidkv.quantization.base import Quantizer
-from pyramidkv.quantization.block import QuantizedBlock
 from pyramidkv.quantization.kernels import Scratch, dequantize_span, weighted_values
-from pyramidkv.quantization.stack import ByteLedger, DecodeBlocks
+from pyramidkv.quantization.stack import ByteLedger, DecodeBlocks, PrefillGroup
 
 # Largest span (segments x tokens x head dim values) dequantized at once by attention.
 CHUNK_ELEMENTS = 1 << 19
-
-
-@dataclass
-class PrefillGroup:
-    """The prefill-quantized tokens of some segments of one prompt that all quantized the same count T."""
-
-    segments: torch.Tensor                 # long [n]
-    keys: QuantizedBlock                   # [n, T, D]
-    values: QuantizedBlock
-    positions: Optional[torch.Tensor]      # int32 [n, T] RoPE positions (keys stored before RoPE), else None
-
-    @property
-    def tokens(self) -> int:
-        return self.keys.shape[1]
 
 
 class QuantizedStore(LayerStore):
@@ -61,8 +45,8 @@ class QuantizedStore(LayerStore):
         each kept row; real_lens: per prompt its real length; scratch: buffers shared by a cache's layers."""
         q = self.quantizer = quantizer
         self.scratch = scratch
-        self.kept_lengths = [list(k.lengths) for k in kept]     # per prompt, per head
-        self.kept_in_prompt = [k.positions for k in kept]       # per prompt, positions of its kept rows
+        self.kept_lengths = [k.counts() for k in kept]                  # per prompt, per head
+        self.kept_in_prompt = [torch.cat(k.all_positions()) for k in kept]  # per prompt, its kept rows' positions
         self.real_lens = list(real_lens)
         self.heads = len(kept[0].lengths)
         self.appended = 0
@@ -70,12 +54,14 @@ class QuantizedStore(LayerStore):
         first = kept[0].keys
         self.dtype, self.device, dim = first.dtype, first.device, first.shape[-1]
         g, r = q.group_size, q.residual_length
-        keys, values, positions, rope = [], [], [], []
+        keys, values, positions, rope, thin, channels = [], [], [], [], [], []
         for kv, pos in zip(kept, rope_positions):
-            keys += kv.keys.split(kv.lengths)
-            values += kv.values.split(kv.lengths)
-            positions += kv.positions.split(kv.lengths)
-            rope += pos.split(kv.lengths)
+            for p, k, v in kv.full_width():  # ThinK's thin keys full width, 0 in the pruned channels
+                positions.append(p), keys.append(k), values.append(v)
+            rope += pos.split(kv.counts())
+            if kv.thin is not None:  # the rows quantized at prefill are stored thin
+                thin += kv.thin.keys.split(kv.thin.lengths)
+                channels += list(kv.thin.channels)
         for p in positions:
             if p.numel() > 1 and bool((p[1:] < p[:-1]).any()):
                 raise ValueError("a stored head's kept positions are not in time order")
@@ -90,10 +76,15 @@ class QuantizedStore(LayerStore):
             own = range(b * self.heads, (b + 1) * self.heads)
             for count in sorted({quantized[s] for s in own} - {0}):
                 segs = [s for s in own if quantized[s] == count]
-                k = torch.stack([keys[s][sink[s]:sink[s] + count] for s in segs])
+                if thin and any(sink[s] + count > thin[s].shape[0] for s in segs):
+                    raise ValueError("ThinK with a quantizer: the rows quantized at prefill must be thin "
+                                     "(quant residual_length >= key_recent_size)")
+                k = torch.stack([(thin if thin else keys)[s][sink[s]:sink[s] + count] for s in segs])
                 v = torch.stack([values[s][sink[s]:sink[s] + count] for s in segs])
                 pos = torch.stack([rope[s][sink[s]:sink[s] + count] for s in segs])
-                self.prefill.append(self._encode(torch.tensor(segs, device=self.device), k, v, pos, decoding=False))
+                group = self._encode(torch.tensor(segs, device=self.device), k, v, pos, decoding=False,
+                                     channels=torch.stack([channels[s] for s in segs]) if thin else None)
+                self.prefill.append(group)
 
         # Full-precision rows: the sink, then the window; room for the most a window ever holds (R + G).
         fp = [k.shape[0] - c for k, c in zip(keys, quantized)]
@@ -113,16 +104,18 @@ class QuantizedStore(LayerStore):
         self.decoded = DecodeBlocks(self.segments, self.device)    # tokens quantized while decoding
         self.ledger = ByteLedger(self.segments, dim * first.element_size() * 2)
         for group in self.prefill:
-            self.ledger.count(group.segments, group.keys, group.values, group.positions)
+            self.ledger.count(group.segments, group.keys, group.values, group.positions, group.channels)
         self.ledger.snapshot(self.fp_len)
 
     # ---- encoding ------------------------------------------------------------------------------
-    def _encode(self, segments, keys, values, positions, decoding: bool) -> PrefillGroup:
-        if self.rotary is not None:
-            keys = self.rotary.rotate(keys, positions, inverse=True)
-        stored = positions.to(torch.int32) if self.rotary is not None else None
+    def _encode(self, segments, keys, values, positions, decoding: bool, channels=None) -> PrefillGroup:
+        """Thin keys (channels given) are quantized after RoPE: RoPE mixes channels c and c + D/2."""
+        rotary = self.rotary if channels is None else None
+        if rotary is not None:
+            keys = rotary.rotate(keys, positions, inverse=True)
+        stored = positions.to(torch.int32) if rotary is not None else None
         return PrefillGroup(segments, self.quantizer.quantize_keys(keys, decoding=decoding),
-                            self.quantizer.quantize_values(values, decoding=decoding), stored)
+                            self.quantizer.quantize_values(values, decoding=decoding), stored, channels)
 
     # ---- growing -------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor, rope_positions: torch.Tensor) -> None:
@@ -168,7 +161,7 @@ class QuantizedStore(LayerStore):
 
     def _prefill_keys(self, group: PrefillGroup, start: int, stop: int, dtype, scratch=None) -> torch.Tensor:
         k = dequantize_span(group.keys, start, stop, torch.float32, scratch=scratch)
-        if self.rotary is not None:
+        if group.positions is not None:
             k = self.rotary.rotate(k, group.positions[:, start:stop])
         return k.to(dtype)
 
@@ -197,7 +190,7 @@ class QuantizedStore(LayerStore):
             pre = None if whole else grouped.new_full((segs, rows, longest), lowest)
             for group in self.prefill:
                 step = self._chunk(group.segments.numel(), dim)
-                q = grouped if whole else grouped[group.segments]
+                q = group.queries(grouped if whole else grouped[group.segments])
                 scores = torch.cat([q @ self._prefill_keys(group, a, min(a + step, group.tokens), dtype,
                                                            self.scratch).transpose(1, 2)
                                     for a in range(0, group.tokens, step)], dim=-1)
@@ -250,7 +243,10 @@ class QuantizedStore(LayerStore):
             hit = (group.segments == s).nonzero()
             if hit.numel():
                 i = int(hit[0, 0])
-                keys.append(self._prefill_keys(group, 0, group.tokens, torch.float32)[i].to(self.dtype))
+                k = self._prefill_keys(group, 0, group.tokens, torch.float32)[i].to(self.dtype)
+                if group.channels is not None:
+                    k = k.new_zeros(k.shape[0], self.fp_keys.shape[-1]).index_copy_(1, group.channels[i], k)
+                keys.append(k)
                 values.append(group.values.dequantize(self.dtype, heads=i)[0])
         rows = (self.decoded.segment == s).nonzero().squeeze(1)
         for i in rows[self.decoded.slot[rows].argsort()].tolist():

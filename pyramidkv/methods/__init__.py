@@ -12,14 +12,17 @@ from pyramidkv.methods.fullkv import FullKV
 from pyramidkv.methods.h2o import H2O
 from pyramidkv.methods.headkv import HeadKV
 from pyramidkv.methods.l2norm import L2Norm
+from pyramidkv.methods.nacl import NACL
 from pyramidkv.methods.pyramidkv import PyramidKV
+from pyramidkv.methods.scissorhands import Scissorhands
 from pyramidkv.methods.snapkv import SnapKV
 from pyramidkv.methods.streamingllm import StreamingLLM
+from pyramidkv.methods.think import ThinK
 from pyramidkv.methods.zigzagkv import ZigZagKV
 
 METHODS: dict[str, type[Method]] = {
     cls.name: cls for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, L2Norm, AdaKV, AdaPyramidKV, HeadKV,
-                              ZigZagKV, CAM)
+                              ZigZagKV, CAM, ThinK, NACL, Scissorhands)
 }
 
 

@@ -3,9 +3,11 @@
 import dataclasses
 import sys
 
-from pyramidkv.methods import METHODS
+from pyramidkv.methods import METHODS, Method
 
-COMMON = {"budget", "budget_ratio", "gqa_layout", "gqa_reduce", "decode_budget", "decode_interval"}
+# Settings every method shares, listed under the table (a method's row shows one only where its default differs).
+COMMON = {"budget", "budget_ratio", "gqa_layout", "gqa_reduce", "decode_budget", "decode_interval", "num_sinks",
+          "random_fraction", "random_seed", "key_channel_ratio", "key_recent_size", "key_query_window"}
 
 
 def method_table() -> str:
@@ -13,7 +15,9 @@ def method_table() -> str:
     for name, cls in METHODS.items():
         doc = (sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")
         summary = " ".join(" ".join(part.split()) for part in doc[:2]).replace("|", "/")
-        settings = ", ".join(f"`{f.name}={f.default!r}`" for f in dataclasses.fields(cls) if f.name not in COMMON)
+        base = {f.name: f.default for f in dataclasses.fields(Method)}
+        settings = ", ".join(f"`{f.name}={f.default!r}`" for f in dataclasses.fields(cls)
+                             if f.name not in COMMON or f.default != base[f.name])
         lines.append(f"| `{name}` | {summary} | {settings} |")
     return "\n".join(lines)
 

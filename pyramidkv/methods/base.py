@@ -59,6 +59,18 @@ class Method(Component):
     decode_interval: new tokens between two decode-time compressions (default 32: the memory
         overshoot is at most 32 tokens per head, and each re-selection, O(decode_budget) work
         per layer, is amortised over 32 steps).
+    num_sinks: the first tokens of the prompt (attention sinks) every head keeps, like the window,
+        whatever their scores (StreamingLLM's sinks; 0: none). The budget includes them.
+    random_fraction: the share of each head's selected tokens (budget minus window and sinks) drawn
+        without replacement from softmax(score) over the tokens the top share left, instead of taken
+        by score (NACL's random eviction; 0: all by score), at prefill. random_seed seeds it: one
+        generator per (seed, layer, stored head), fresh for every prompt, so a prompt draws the same
+        tokens in any batch.
+    key_channel_ratio: ThinK's key-channel pruning (lambda): after selection each stored head keeps
+        its D - floor(lambda D) key channels with the largest ||Q_w[:, c]||^2 ||K_kept[:, c]||^2
+        (Q_w: the prompt's last key_query_window queries) and stores its kept keys that many channels
+        wide, except its key_recent_size most recent kept tokens (full width); values and generated
+        tokens are never pruned (0: no pruning).
     """
 
     kind_key = "method"
@@ -70,6 +82,9 @@ class Method(Component):
     # During decoding the cache accumulates the attention every held token receives (H2O) and
     # passes it to decode_score as ctx.accumulated; costs one extra attention pass per step.
     accumulates_attention: ClassVar[bool] = False
+    # With a history window w, the cache keeps each held token's attention from the last w queries and
+    # passes them to decode_score as ctx.history (Scissorhands); None: it keeps none.
+    history_window: ClassVar[Optional[int]] = None
 
     budget: Optional[int] = None
     budget_ratio: Optional[float] = None
@@ -82,6 +97,12 @@ class Method(Component):
     quant_method: Optional[Quantizer] = None
     decode_budget: Optional[int] = None
     decode_interval: int = 32
+    num_sinks: int = 0
+    random_fraction: float = 0.0
+    random_seed: int = 0
+    key_channel_ratio: float = 0.0
+    key_recent_size: int = 32
+    key_query_window: int = 32
 
     def __post_init__(self) -> None:
         # A unit may be given by name ("adakv"): it gets that unit with its defaults.
@@ -113,24 +134,31 @@ class Method(Component):
         called only when prompt_len > budget: the window plus the layer allocation's share.
         layer_scores (per layer [H, prompt_len - window]) only for allocations that need them.
         A layer given `prompt_len` keeps the whole prompt."""
-        selected = self.layer_allocation.selected_per_layer(budget - self.window_size, num_layers, prompt_len,
-                                                            prompt_len - self.window_size, layer_scores)
-        return [self.window_size + count for count in selected]
+        protected = self.protected_tokens
+        selected = self.layer_allocation.selected_per_layer(budget - protected, num_layers, prompt_len,
+                                                            prompt_len - protected, layer_scores)
+        return [protected + count for count in selected]
 
     def head_budgets(self, scores: torch.Tensor, layer_budget: int, layer_idx: int, model: ModelShape) -> list[int]:
-        """Tokens kept by each stored head of a layer (window included), summing to H x layer_budget.
-        scores: [H, candidates] of one prompt (the window excluded)."""
+        """Tokens kept by each stored head of a layer (window and sinks included), summing to H x layer_budget.
+        scores: [H, candidates] of one prompt (the window and sinks excluded)."""
         if isinstance(self.head_allocation, UniformHeads):
             return [layer_budget] * scores.shape[0]
-        selected = self.head_allocation.selected_per_head(scores, layer_budget - self.window_size, layer_idx, model)
-        return [self.window_size + count for count in selected]
+        protected = self.protected_tokens
+        selected = self.head_allocation.selected_per_head(scores, layer_budget - protected, layer_idx, model)
+        return [protected + count for count in selected]
+
+    @property
+    def protected_tokens(self) -> int:
+        """Tokens every compressed head keeps whatever their scores: the window and the sinks."""
+        return self.window_size + self.num_sinks
 
     # --- budget handling ---------------------------------------------------------------------
     def prompt_budget(self, real_len: int) -> int:
         """The per-layer budget for a prompt of `real_len` tokens."""
         if self.budget is not None:
             return self.budget
-        return max(self.window_size, round(self.budget_ratio * real_len), 1)
+        return max(self.protected_tokens, round(self.budget_ratio * real_len), 1)
 
     def validate(self) -> None:
         if self.gqa_layout not in GQA_LAYOUTS:
@@ -139,6 +167,7 @@ class Method(Component):
             raise ValueError(f"gqa_reduce must be one of {'|'.join(GQA_REDUCTIONS)}, got {self.gqa_reduce!r}")
         if self.window_size < 0:
             raise ValueError(f"window_size must be an integer >= 0, got {self.window_size!r}")
+        self._validate_selection_settings()
         if self.head_allocation.global_over_layers and not isinstance(self.layer_allocation, UniformLayers):
             raise ValueError(f"head_allocation={self.head_allocation.name!r} splits the budget over all layers and "
                              f"heads at once; it cannot be combined with layer_allocation="
@@ -168,9 +197,10 @@ class Method(Component):
         if self.budget is not None:
             if self.budget < 1:
                 raise ValueError(f"budget (max_capacity_prompts) must be an integer >= 1, got {self.budget!r}")
-            if self.budget < self.window_size:
+            if self.budget < self.protected_tokens:
                 raise ValueError(f"budget (max_capacity_prompts) {self.budget} is smaller than window_size "
-                                 f"{self.window_size}; the budget includes the window, so it must be >= {self.window_size}")
+                                 f"{self.window_size} + num_sinks {self.num_sinks}; the budget includes the window "
+                                 f"and the sinks, so it must be >= {self.protected_tokens}")
         else:
             if not (0.0 < self.budget_ratio <= 1.0):
                 raise ValueError(f"budget_ratio (max_capacity_prompts_ratio) must be in (0, 1], got {self.budget_ratio!r}")
@@ -191,6 +221,37 @@ class Method(Component):
         if self.decode_budget < 1:
             raise ValueError(f"decode_budget must be an integer >= 1 (tokens per head held while decoding), "
                              f"got {self.decode_budget!r}")
-        if self.decode_budget < self.window_size:
-            raise ValueError(f"decode_budget {self.decode_budget} is smaller than window_size {self.window_size}; "
-                             f"the most recent window is always kept, so decode_budget must be >= {self.window_size}")
+        if self.decode_budget < self.protected_tokens:
+            raise ValueError(f"decode_budget {self.decode_budget} is smaller than window_size {self.window_size} + "
+                             f"num_sinks {self.num_sinks}; the window and the sinks are always kept, so decode_budget "
+                             f"must be >= {self.protected_tokens}")
+        if self.key_channel_ratio > 0:
+            raise ValueError(f"decode_budget (compression during decoding) does not combine with key_channel_ratio="
+                             f"{self.key_channel_ratio:g} (thin keys are not re-selected); use one of them")
+
+    def _validate_selection_settings(self) -> None:
+        if self.num_sinks < 0:
+            raise ValueError(f"num_sinks must be an integer >= 0 (first prompt tokens always kept), "
+                             f"got {self.num_sinks!r}")
+        if not 0.0 <= self.random_fraction < 1.0:
+            raise ValueError(f"random_fraction must be in [0, 1) (share of the selected tokens drawn at random), "
+                             f"got {self.random_fraction!r}")
+        if self.random_seed < 0 or self.random_seed >= 2 ** 63:
+            raise ValueError(f"random_seed must be an integer in [0, 2^63), got {self.random_seed!r}")
+        if not 0.0 <= self.key_channel_ratio < 1.0:
+            raise ValueError(f"key_channel_ratio must be in [0, 1) (share of key channels pruned), "
+                             f"got {self.key_channel_ratio!r}")
+        if self.key_recent_size < 0:
+            raise ValueError(f"key_recent_size must be an integer >= 0 (most recent kept tokens left full width), "
+                             f"got {self.key_recent_size!r}")
+        if self.key_query_window < 1:
+            raise ValueError(f"key_query_window must be an integer >= 1 (prompt queries that score the key "
+                             f"channels), got {self.key_query_window!r}")
+        quantizer = self.quant_method
+        if self.key_channel_ratio > 0 and quantizer is not None and quantizer.residual_length < self.key_recent_size:
+            raise ValueError(f"key_channel_ratio with quant_method={quantizer.name!r}: the quantizer's residual_length "
+                             f"{quantizer.residual_length} must be >= key_recent_size {self.key_recent_size} (the "
+                             f"recent keys stay full width, so they cannot be quantized thin)")
+        if not self.needs_budget and (self.num_sinks or self.random_fraction):
+            raise ValueError(f"{self.name} keeps every token; it takes no num_sinks or random_fraction "
+                             f"(got num_sinks={self.num_sinks}, random_fraction={self.random_fraction:g})")

@@ -1,7 +1,7 @@
 """StreamingLLM (Xiao et al., 2024, "Efficient Streaming Language Models with Attention Sinks").
 
-Keeps the first `num_sinks` tokens (attention sinks) and the most recent
-`budget - num_sinks` tokens.
+Keeps the first `num_sinks` tokens (attention sinks, protected by the core like the window) and
+the most recent `budget - num_sinks` tokens.
 
 With `decode_budget`, the same rule during decoding: the cache
 holds the sinks and the most recent tokens (the paper's rolling cache, re-trimmed every
@@ -24,8 +24,6 @@ class StreamingLLM(Method):
 
     def validate(self) -> None:
         super().validate()
-        if self.num_sinks < 0:
-            raise ValueError(f"num_sinks must be an integer >= 0, got {self.num_sinks!r}")
         if self.budget is not None and self.budget <= self.num_sinks:
             raise ValueError(f"budget {self.budget} must exceed num_sinks {self.num_sinks} to keep any recent token")
         if self.decode_budget is not None and self.decode_budget <= self.num_sinks:
@@ -33,10 +31,6 @@ class StreamingLLM(Method):
                              f"recent token")
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
-        # Recency as the score, sinks above everything: top-B = sinks + most recent B - s.
+        # Recency as the score (the sinks are protected by the core): top-B = sinks + most recent B - s.
         bsz, n = ctx.real.shape
-        first_real = (~ctx.real).sum(dim=1, keepdim=True)  # [B, 1]
-        offset = torch.arange(n, device=ctx.real.device)[None, :] - first_real  # 0 at the first real token
-        score = offset.float()
-        score = torch.where((offset >= 0) & (offset < self.num_sinks), torch.full_like(score, float(n + 1)), score)
-        return score[:, None, :].expand(bsz, ctx.keys.shape[1], n)
+        return torch.arange(n, device=ctx.real.device, dtype=torch.float32).expand(bsz, ctx.keys.shape[1], n)

@@ -1,17 +1,41 @@
-"""Quantized storage over time: blocks stacked as a cache quantizes them while decoding, and the bytes
-each segment (one prompt's stored head) stores, by part, after every appended token.
+"""Quantized storage over time: the blocks a cache quantizes at prefill (`PrefillGroup`) and while
+decoding (`DecodeBlocks`), and the bytes each segment (one prompt's stored head) stores, by part,
+after every appended token (`ByteLedger`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from pyramidkv.quantization.block import QuantizedBlock
 
-# The parts of quantized storage, in the order bytes are reported ("residual": full-precision rows).
-BYTE_PARTS = ("codes", "scales", "zeros", "codebook", "outliers", "factors", "positions", "residual")
+# The parts of quantized storage, in the order bytes are reported ("residual": full-precision rows;
+# "channels": ThinK's kept-channel index sets).
+BYTE_PARTS = ("codes", "scales", "zeros", "codebook", "outliers", "factors", "positions", "channels", "residual")
+
+
+@dataclass
+class PrefillGroup:
+    """The prefill-quantized tokens of some segments of one prompt that all quantized the same count T."""
+
+    segments: torch.Tensor                 # long [n]
+    keys: QuantizedBlock                   # [n, T, D]
+    values: QuantizedBlock
+    positions: Optional[torch.Tensor]      # int32 [n, T] RoPE positions (keys stored before RoPE), else None
+    channels: Optional[torch.Tensor] = None  # long [n, D'] the key channels of thin keys (ThinK), else None
+
+    def queries(self, grouped: torch.Tensor) -> torch.Tensor:
+        """grouped [n, rows, D] -> the queries the group's keys meet (thin keys: the kept channels)."""
+        if self.channels is None:
+            return grouped
+        return grouped.gather(-1, self.channels[:, None, :].expand(-1, grouped.shape[1], -1))
+
+    @property
+    def tokens(self) -> int:
+        return self.keys.shape[1]
 
 
 def per_row_bytes(block: QuantizedBlock) -> dict[str, int]:
@@ -105,7 +129,7 @@ class ByteLedger:
         self.history: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def count(self, segments: torch.Tensor, keys: QuantizedBlock, values: QuantizedBlock,
-              positions: Optional[torch.Tensor]) -> None:
+              positions: Optional[torch.Tensor], channels: Optional[torch.Tensor] = None) -> None:
         counted = self.quantized.clone()
         add = {part: 0 for part in BYTE_PARTS}
         for block in (keys, values):
@@ -113,6 +137,8 @@ class ByteLedger:
                 add[part] += size
         if positions is not None:
             add["positions"] = positions[0].numel() * positions.element_size()
+        if channels is not None:
+            add["channels"] = channels[0].numel() * channels.element_size()
         segs = segments.cpu()
         counted[segs] += torch.tensor([add[part] for part in BYTE_PARTS])
         shared = sum(b.codebook.numel() * b.codebook.element_size() for b in (keys, values) if b.codebook is not None)

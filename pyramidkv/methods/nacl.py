@@ -1,0 +1,43 @@
+"""NACL (Chen et al., ACL 2024, "NACL: A General and Effective KV Cache Eviction Framework for LLMs at
+Inference Time"): one eviction at the end of prefill. Score = attention of the last `proxy_size`
+prompt queries (the proxy tokens, normally the question) summed over them, no pooling. Each head keeps
+its `num_sinks` first tokens and its recent `window_size`, the top (1 - random_fraction) of the rest of
+its budget by score, and draws the remaining random_fraction without replacement from softmax(score)
+over the tokens left (random eviction), seeded per (random_seed, layer, stored head) for every prompt.
+
+Defaults: the official split of the kept middle, 12 % by score and 7 % at random (random_fraction
+7/19); sinks, window and proxies in tokens (the official ratios of the prompt length, with 256 sinks,
+only work near 128K tokens). `--max_capacity_prompts_ratio 0.2` keeps the official 20 %.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from pyramidkv.core.context import ScoreContext
+from pyramidkv.core.scoring import window_attention
+from pyramidkv.methods.base import Method
+
+
+@dataclass(frozen=True)
+class NACL(Method):
+    name = "nacl"
+    num_sinks: int = 4
+    random_fraction: float = 7 / 19
+    proxy_size: int = 32
+
+    def validate(self) -> None:
+        super().validate()
+        if self.proxy_size < 1:
+            raise ValueError(f"proxy_size must be an integer >= 1 (prompt queries that score the tokens), "
+                             f"got {self.proxy_size!r}")
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        n = ctx.keys.shape[2]
+        return window_attention(ctx.queries, ctx.keys, ctx.real, min(self.proxy_size, n)).sum(dim=2)  # [B, Hq, n]
+
+    def decode_score(self, ctx) -> torch.Tensor:
+        # While decoding only the buffered max(window_size, 1) queries exist: the proxies are the last of them.
+        m = ctx.keys.shape[2]
+        return window_attention(ctx.queries, ctx.keys, ctx.real, min(self.proxy_size, max(self.window_size, 1), m)
+                                ).sum(dim=2)

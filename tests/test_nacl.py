@@ -1,0 +1,143 @@
+"""NACL: proxy-token scores, sinks and window protected, a top share by score and a seeded random share
+drawn without replacement from softmax(score): sizes, disjointness, the sampler's distribution,
+reproducibility and batch independence."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pyramidkv import make_method
+from pyramidkv.core.selection import sample_without_replacement
+from tests.engine_snapshot import record
+from tests.helpers import prefill
+from tests.prompts import STORY
+from tests.reference import top_positions
+
+BUDGET, WINDOW, SINKS, PROXY = 96, 16, 4, 24
+
+
+def nacl(**settings):
+    return make_method("nacl", budget=BUDGET, window_size=WINDOW, num_sinks=SINKS, proxy_size=PROXY, **settings)
+
+
+def reference_scores(attentions, layer: int, kv_head: int, group: int) -> np.ndarray:
+    """Proxy sums from eager attention: the last PROXY rows summed, averaged over the GQA group (gqa_reduce mean)."""
+    rows = attentions[layer][kv_head * group:(kv_head + 1) * group, -PROXY:, :]   # [g, PROXY, n]
+    return rows.sum(axis=1).mean(axis=0)
+
+
+@pytest.fixture(scope="module")
+def kept_by_seed(eager_setup):
+    model, ids, attentions, _ = eager_setup
+    return {seed: prefill(model, ids, nacl(random_seed=seed)) for seed in (0, 1)}
+
+
+def split(positions: list[int], n: int) -> tuple[set, set, set]:
+    """(sinks, window, middle) parts of one head's kept positions."""
+    kept = set(positions)
+    sinks, window = set(range(SINKS)), set(range(n - WINDOW, n))
+    assert sinks <= kept and window <= kept
+    return sinks, window, kept - sinks - window
+
+
+def test_sizes_and_the_top_share(eager_setup, kept_by_seed):
+    model, ids, attentions, _ = eager_setup
+    n = ids.shape[1]
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    selected = BUDGET - WINDOW - SINKS
+    drawn = math.floor(7 / 19 * selected)
+    cache = kept_by_seed[0]
+    for layer in (0, 9, model.config.num_hidden_layers - 1):
+        for h, positions in enumerate(cache.kept_positions(layer, 0)):
+            assert len(positions) == BUDGET
+            _, _, middle = split(positions.tolist(), n)
+            scores = reference_scores(attentions, layer, h, group)[SINKS:n - WINDOW]
+            top = {SINKS + j for j in top_positions(scores, selected - drawn)}
+            # The top share is in; the random share is the rest of the middle, disjoint from it.
+            missing = top - middle
+            cut = np.sort(scores)[::-1][selected - drawn - 1]
+            assert all(math.isclose(scores[p - SINKS], cut, rel_tol=1e-4) for p in missing)
+            assert len(middle - top) >= drawn - len(missing) and len(middle) == selected
+
+
+def test_no_random_share_equals_the_deterministic_reference(eager_setup):
+    model, ids, attentions, _ = eager_setup
+    n = ids.shape[1]
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    cache = prefill(model, ids, nacl(random_fraction=0.0))
+    for layer in range(model.config.num_hidden_layers):
+        for h, positions in enumerate(cache.kept_positions(layer, 0)):
+            _, _, middle = split(positions.tolist(), n)
+            scores = reference_scores(attentions, layer, h, group)[SINKS:n - WINDOW]
+            expected = {SINKS + j for j in top_positions(scores, BUDGET - WINDOW - SINKS)}
+            cut = np.sort(scores)[::-1][BUDGET - WINDOW - SINKS - 1]
+            for p in middle ^ expected:
+                assert math.isclose(scores[p - SINKS], cut, rel_tol=1e-4), (layer, h, p)
+
+
+def test_same_seed_same_draw_other_seed_other_draw(eager_setup, kept_by_seed):
+    model, ids, _, _ = eager_setup
+    again = prefill(model, ids, nacl(random_seed=0))
+    layers = range(model.config.num_hidden_layers)
+    first = [[p.tolist() for p in kept_by_seed[0].kept_positions(layer, 0)] for layer in layers]
+    assert first == [[p.tolist() for p in again.kept_positions(layer, 0)] for layer in layers]
+    assert first != [[p.tolist() for p in kept_by_seed[1].kept_positions(layer, 0)] for layer in layers]
+
+
+def exact_inclusion(p: np.ndarray, k: int) -> np.ndarray:
+    """Probability that each item is among k drawn one by one without replacement with weights p."""
+    out = np.zeros(len(p))
+    for order in itertools.permutations(range(len(p)), k):
+        prob, left = 1.0, 1.0
+        for i in order:
+            prob *= p[i] / left
+            left -= p[i]
+        out[list(order)] += prob
+    return out
+
+
+def test_the_sampler_matches_sequential_sampling_without_replacement():
+    """Inclusion frequencies over 20,000 seeded draws of 3 of 7 against the exact probabilities (enumerated),
+    each within 4.5 standard errors (fixed seeds: the test is deterministic)."""
+    scores = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, 1.5, 3.0])
+    p = torch.softmax(scores.double(), 0).numpy()
+    exact = exact_inclusion(p, 3)
+    draws = 20_000
+    counts = np.zeros(7)
+    for seed in range(draws):
+        counts[sample_without_replacement(scores, 3, torch.Generator().manual_seed(seed)).numpy()] += 1
+    frequency = counts / draws
+    stderr = np.sqrt(exact * (1 - exact) / draws)
+    assert np.all(np.abs(frequency - exact) <= 4.5 * stderr + 1e-12), (frequency, exact)
+    assert counts.sum() == 3 * draws
+
+
+def test_a_batch_of_three_equals_single_runs(smollm2, tokenizer):
+    model, _ = smollm2
+    prompts = [tokenizer(STORY * 2, add_special_tokens=False).input_ids, tokenizer(STORY, add_special_tokens=False).input_ids,
+               tokenizer(STORY[:250], add_special_tokens=False).input_ids]
+    method = nacl()
+    batch = record(model, tokenizer, method, prompts, 6)
+    for b, prompt in enumerate(prompts):
+        alone = record(model, tokenizer, method, [prompt], 6)
+        assert batch["tokens"][b] == alone["tokens"][0]
+        assert [layer[b]["positions"] for layer in batch["prefill"]["layers"]] == \
+            [layer[0]["positions"] for layer in alone["prefill"]["layers"]]
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(proxy_size=0), "proxy_size must be an integer >= 1"),
+    (dict(random_fraction=1.0), r"random_fraction must be in \[0, 1\)"),
+    (dict(num_sinks=-1), "num_sinks must be an integer >= 0"),
+    (dict(budget=16), "budget .* is smaller than window_size 16 \\+ num_sinks 4"),
+])
+def test_bad_settings_are_refused_in_one_line(settings, message):
+    base = dict(budget=BUDGET, window_size=WINDOW, num_sinks=SINKS, proxy_size=PROXY)
+    with pytest.raises(ValueError, match=message) as e:
+        make_method("nacl", **{**base, **settings})
+    assert "\n" not in str(e.value)
