@@ -57,6 +57,13 @@ METHOD_FLAGS = {
     "quant_decode_rank": "decode_rank",
     "decode_budget": "decode_budget",
     "decode_interval": "decode_interval",
+    "random_fraction": "random_fraction",
+    "random_seed": "random_seed",
+    "proxy_size": "proxy_size",
+    "key_channel_ratio": "key_channel_ratio",
+    "key_recent_size": "key_recent_size",
+    "key_query_window": "key_query_window",
+    "history_window": "history_window",
 }
 
 
@@ -148,6 +155,18 @@ def add_model_and_method_args(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--decode_interval", type=int, default=None,
                    help="new tokens between two decode-time compressions; the cache holds at most "
                         "decode_budget + decode_interval tokens per head (default 32)")
+    e = parser.add_argument_group("selection extras (any method but fullkv): NACL's random share, ThinK's key "
+                                  "channels, Scissorhands' history (docs/methods.md)")
+    e.add_argument("--random_fraction", type=float, default=None,
+                   help="share of the selected tokens drawn from softmax(score) instead of by score (nacl)")
+    e.add_argument("--random_seed", type=int, default=None, help="seed of the random share")
+    e.add_argument("--proxy_size", type=int, default=None, help="nacl: prompt queries that score the tokens")
+    e.add_argument("--key_channel_ratio", type=float, default=None,
+                   help="ThinK: share of key channels pruned (think: 0.4; other methods: 0, off)")
+    e.add_argument("--key_recent_size", type=int, default=None, help="ThinK: most recent kept keys left full width")
+    e.add_argument("--key_query_window", type=int, default=None, help="ThinK: prompt queries scoring the channels")
+    e.add_argument("--history_window", type=int, default=None,
+                   help="scissorhands: decode steps whose attention is counted")
     r = parser.add_argument_group("run")
     r.add_argument("--num_threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is faster on a busy shared CPU)")
