@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 from pyramidkv.benchmarks.ruler.tasks import TASKS, Builder, Rendered, get_task, make_builder
 
 # Bump whenever a sample's text can change: cached samples of another version are regenerated.
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 3
 
 
 # --------------------------------------------------------------------------------------------
