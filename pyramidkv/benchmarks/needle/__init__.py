@@ -260,19 +260,20 @@ class NeedleHaystack:
         return context_length - self.buffer + template
 
     def check_context_lengths(self, s_len: int, e_len: int, window: Optional[int] = None,
-                              max_new_tokens: int = 0) -> None:
-        """ValueError unless s_len leaves room for a haystack and, for e_len, prompt + answer fit the window."""
+                              max_new_tokens: int = 0, flags: tuple[str, str] = ("--s_len", "--e_len")) -> None:
+        """ValueError unless s_len leaves room for a haystack and, for e_len, prompt + answer fit the window.
+        `flags`: how the messages name the two lengths (the flags of the calling command)."""
         if s_len < self.min_context_length():
             parts = [f"the {self.buffer}-token buffer", f"the {len(self.needle_ids)}-token needle"]
             if self.length_budget == "prompt":
                 parts.insert(1, f"the {self.template_tokens} template/question tokens")
-            raise ValueError(f"--s_len {s_len} is too short: {', '.join(parts[:-1])} and {parts[-1]} need at least "
+            raise ValueError(f"{flags[0]} {s_len} is too short: {', '.join(parts[:-1])} and {parts[-1]} need at least "
                              f"{self.min_context_length()} tokens (length_budget {self.length_budget!r})")
         if window is not None and self.max_prompt_tokens(e_len) + max_new_tokens > window:
             longest = window - max_new_tokens - (self.max_prompt_tokens(e_len) - e_len)
-            raise ValueError(f"--e_len {e_len}: prompts of up to {self.max_prompt_tokens(e_len)} tokens (length_budget "
+            raise ValueError(f"{flags[1]} {e_len}: prompts of up to {self.max_prompt_tokens(e_len)} tokens (length_budget "
                              f"{self.length_budget!r}) + {max_new_tokens} new tokens exceed the model's context window "
-                             f"({window}); use --e_len <= {longest}")
+                             f"({window}); use {flags[1]} <= {longest}")
 
     # --- haystack tokens --------------------------------------------------------------------
     def _ensure(self, n_tokens: int) -> None:
