@@ -144,7 +144,10 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
         from transformers import AutoTokenizer
 
         check_writable(out_dir)
-        model_check = check_model_args(args, method)
+        try:
+            model_check = check_model_args(args, method)
+        except ValueError as e:
+            raise ValueError(_with_typed_flags(parser, args, str(e))) from None
         config = model_check[1]
         tokenizer = AutoTokenizer.from_pretrained(model_check[0])
         files = benchmark.prepare(args, tokenizer, config, out_dir)
@@ -179,6 +182,19 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
     if result is not None:
         print(benchmark.format(result))
     return 0
+
+
+def _with_typed_flags(parser, args, message: str) -> str:
+    """The message prefixed with the setting flags the user typed that it names (by their setting's field)."""
+    import re
+
+    typed = getattr(parser, "typed_flags", {})
+    named = []
+    for dest, flag in typed.items():
+        field = dest.split("_", 1)[1] if dest.startswith(("quant_", "merge_", "head_", "layer_")) else dest
+        if any(re.search(rf"\b{re.escape(n)}\b", message) for n in {dest, field}) and flag not in message:
+            named.append(f"{flag} {getattr(args, dest)}")
+    return f"{', '.join(named)}: {message}" if named else message
 
 
 def _recorded_arguments(args: argparse.Namespace) -> dict:

@@ -313,6 +313,10 @@ class LongBench(Benchmark):
         builder = PromptBuilder(tokenizer)
         if not builder.has_chat_template:
             print(f"note: {args.model_path} has no chat template; every prompt is used as is", file=sys.stderr)
+        if args.max_length is not None and args.max_length < builder.template_overhead():
+            raise ValueError(f"--max_length {args.max_length} is shorter than the chat template's "
+                             f"{builder.template_overhead()} tokens around the prompt: the sample would be mostly "
+                             f"template; give at least {builder.template_overhead()}")
         self.max_new = {d: args.max_new_tokens or dataset2maxlen()[d] for d in self.datasets}
         self.max_len = {d: resolve_max_length(args.model_path, config, d, self.max_new[d],
                                               builder.template_overhead(), args.max_length) for d in self.datasets}
