@@ -93,10 +93,10 @@ def setting_flags(taken: set[str] = frozenset()) -> list[SettingFlag]:
                 text = f"{' / '.join(units)}: {next(iter(helps.values()))}"
             else:
                 text = "; ".join(f"{unit}: {h}" for unit, h in helps.items())
-            defaults = {unit: {f.name: f.default for f in dataclasses.fields(axis.registry[unit])}[setting]
+            unit_defaults = {unit: {f.name: f.default for f in dataclasses.fields(axis.registry[unit])}[setting]
                         for unit in units}
             hints = typing.get_type_hints(axis.registry[units[0]])
-            out.append(SettingFlag(key, flags, hints[setting], f"{text} [{_defaults_text(defaults)}]"))
+            out.append(SettingFlag(key, flags, hints[setting], f"{text} [{_defaults_text(unit_defaults)}]"))
     return out
 
 

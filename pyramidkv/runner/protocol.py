@@ -16,7 +16,7 @@ import argparse
 import csv
 import io
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -34,7 +34,7 @@ class Sample:
     key: object
     prompt: Sequence[int]
     max_new_tokens: int
-    row: dict = field(default_factory=dict)
+    row: Optional[dict] = None            # fields the prediction row carries besides the output
     label: str = ""                       # how errors name the sample ("sample 3 of niah_single_1_4096.jsonl")
     batch_group: object = None            # samples are batched only with others of the same group
 
@@ -73,7 +73,7 @@ class Benchmark:
         raise NotImplementedError
 
     def check_resume(self, path: Path, sample_file: SampleFile) -> None:
-        """Predictions already in `path` must belong to these samples (default: each key once)."""
+        """Predictions already in `path` must belong to these samples (by default: each key once)."""
         from pyramidkv.runner.results import read_unique_rows
 
         read_unique_rows(path, self.key, skip_torn_last_line=True)
@@ -89,7 +89,7 @@ class Benchmark:
         return sample_file.stop_token_ids
 
     def prediction_row(self, sample: Sample, output) -> dict:
-        return {self.key: sample.key, "pred": output.text, **sample.row, "prompt_tokens": output.prompt_tokens,
+        return {self.key: sample.key, "pred": output.text, **(sample.row or {}), "prompt_tokens": output.prompt_tokens,
                 "kv_bytes": output.kv_bytes_per_prompt}
 
     def score(self, args, out_dir: Path, files: list[SampleFile], method, model: str) -> Optional[dict]:
