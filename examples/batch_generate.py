@@ -10,14 +10,11 @@ snapkv at a small budget, next to fullkv, with the KV bytes each prompt stores. 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 from pyramidkv import load_model, make_method
 from pyramidkv.generation import generate
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from passkey import passkey_prompt  # noqa: E402
+from pyramidkv.benchmarks.prompting import passkey_prompt
 
 
 def main(argv=None) -> dict:
@@ -26,12 +23,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--max_new_tokens", type=int, default=8)
     args = parser.parse_args(argv)
+    try:
+        compressed = make_method(args.method, budget=args.budget)
+    except ValueError as e:
+        parser.error(f"--method {args.method} --budget {args.budget}: {e}")
 
     model, tokenizer = load_model("smollm2-135m", attn_implementation="sdpa", device="cpu")
     question = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                              tokenize=False, add_generation_prompt=True)
-    prompts = [passkey_prompt(73691, num_fillers=12, depth=0.9), passkey_prompt(40422, num_fillers=6), question]
-    methods = {"fullkv": make_method("fullkv"), args.method: make_method(args.method, budget=args.budget)}
+    prompts = [passkey_prompt(tokenizer, 73691, num_fillers=12, depth=0.9), passkey_prompt(tokenizer, 40422, num_fillers=6), question]
+    methods = {"fullkv": make_method("fullkv"), args.method: compressed}
     outputs = {}
     for name, method in methods.items():
         outputs[name] = generate(model, tokenizer, prompts, method, max_new_tokens=args.max_new_tokens)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +19,7 @@ from pyramidkv import load_model, make_method
 from pyramidkv.methods import Method, register_method
 from pyramidkv.methods.__main__ import method_table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from passkey import passkey_prompt  # noqa: E402
+from pyramidkv.benchmarks.prompting import passkey_prompt
 
 
 # ---- the method: 9 lines ------------------------------------------------------------------------------
@@ -43,13 +41,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--out", default=None, help="write the kept positions (per layer, per head) as JSON")
     args = parser.parse_args(argv)
+    try:
+        make_method(MeanKeyDistance.name, budget=args.budget)
+    except ValueError as e:
+        parser.error(f"--budget {args.budget}: {e}")
 
     from pyramidkv.viz import allocation_variants, prefill, tokenize
     from pyramidkv.generation import generate
 
     print(method_table())  # the registry listing, now with mean_key_distance
     model, tokenizer = load_model("smollm2-135m", attn_implementation="sdpa", device="cpu")
-    prompt = passkey_prompt(73691, num_fillers=12)
+    prompt = passkey_prompt(tokenizer, 73691, num_fillers=12)
     tokens = tokenize(tokenizer, prompt)
 
     variants = allocation_variants(MeanKeyDistance.name, budget=args.budget)
@@ -61,7 +63,7 @@ def main(argv=None) -> dict:
         print(f"{label}: kept {int(run.counts.sum())} tokens over {len(run.kept)} layers x {run.num_heads} heads")
 
     # The batch API: two prompts, left-padded into one batch, each answers as it does alone.
-    prompts = [passkey_prompt(73691, num_fillers=12, depth=0.9), passkey_prompt(40422, num_fillers=6, depth=0.5)]
+    prompts = [passkey_prompt(tokenizer, 73691, num_fillers=12, depth=0.9), passkey_prompt(tokenizer, 40422, num_fillers=6, depth=0.5)]
     method = make_method(MeanKeyDistance.name, budget=args.budget)
     batch = generate(model, tokenizer, prompts, method, max_new_tokens=6)
     alone = [generate(model, tokenizer, [p], method, max_new_tokens=6)[0] for p in prompts]

@@ -8,20 +8,18 @@ layer 12's heads attend around the needle, and how the budget is split over laye
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 
-from pyramidkv import load_model, make_method  # noqa: E402
-from pyramidkv.viz import (  # noqa: E402
+from pyramidkv import load_model, make_method
+from pyramidkv.viz import (
     allocation_variants, plot_attention_map, plot_budget_maps, plot_kept_tokens, plot_score_curve, tokenize,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from passkey import passkey_prompt  # noqa: E402
+from pyramidkv.benchmarks.prompting import passkey_prompt
 
 PASS_KEY = 73691
 
@@ -32,8 +30,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--layer", type=int, default=12)
     args = parser.parse_args(argv)
+    try:
+        make_method("snapkv", budget=args.budget)
+    except ValueError as e:
+        parser.error(f"--budget {args.budget}: {e}")
     model, tokenizer = load_model("smollm2-135m", attn_implementation="eager", device="cpu")
-    prompt = passkey_prompt(PASS_KEY, num_fillers=12)
+    prompt = passkey_prompt(tokenizer, PASS_KEY, num_fillers=12)
     needle = tokenize(tokenizer, prompt).span_of(str(PASS_KEY))
     methods = {name: make_method(name, budget=args.budget) for name in ("snapkv", "pyramidkv", "h2o", "streamingllm")}
     budget_methods = {"snapkv": methods["snapkv"], "pyramidkv": methods["pyramidkv"],

@@ -12,26 +12,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from pyramidkv import load_model, make_method  # noqa: E402
-from pyramidkv.generation import generate  # noqa: E402
+from pyramidkv import load_model, make_method
+from pyramidkv.generation import generate
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from passkey import passkey_prompt  # noqa: E402
+from pyramidkv.benchmarks.prompting import passkey_prompt
 
 KEYS = (73691, 40422, 58213)
 DEPTHS = (0.1, 0.5, 0.9)
 
 
 def run_sweep(model, tokenizer, methods, budgets, num_fillers) -> list[dict]:
-    prompts = [passkey_prompt(k, num_fillers, d) for k, d in zip(KEYS, DEPTHS)]
+    prompts = [passkey_prompt(tokenizer, k, num_fillers, d) for k, d in zip(KEYS, DEPTHS)]
     configs = [("fullkv", None)] + [(m, b) for m in methods for b in budgets]
     rows, full_bytes = [], None
     for name, budget in configs:
@@ -76,6 +74,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--budgets", nargs="+", type=int, default=[48, 96, 192])
     parser.add_argument("--num_fillers", type=int, default=8, help="prompt length (~25 tokens per filler)")
     args = parser.parse_args(argv)
+    try:
+        for name in args.methods:
+            for budget in args.budgets:
+                make_method(name, budget=budget)
+    except ValueError as e:
+        parser.error(str(e))
     model, tokenizer = load_model("smollm2-135m", attn_implementation="sdpa", device="cpu")
     rows = run_sweep(model, tokenizer, args.methods, args.budgets, args.num_fillers)
     out = Path(args.out)

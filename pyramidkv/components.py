@@ -7,13 +7,20 @@ is what run_meta.json records, `label()` what a run-folder name shows, `changed_
 settings that differ from the defaults; units nested in a unit (a method's allocators) are
 described and labelled by their own `describe()` / `label()`.
 
+A setting is documented in its class docstring, one entry per field: a line `name: text`, continued
+by lines indented deeper (`setting_help` reads them; the command line's help comes from there). A
+setting that only matters when another one is on names it in `only_with` ({"seed": "sampling"}):
+giving it without the other is an error, never silently ignored.
+
 This module imports nothing of pyramidkv (floor 0 of the layering in docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+import re
 import typing
 from dataclasses import dataclass
 from typing import ClassVar
@@ -52,6 +59,75 @@ def check_setting_type(owner: str, setting: str, value, annotation) -> None:
         raise _type_error(owner, setting, value, f"a {annotation.__name__}")
 
 
+_BOOL_TEXT = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
+
+
+def parse_setting(text: str, annotation):
+    """A setting's value from text (a spec item or a command-line word), converted by the field's annotation:
+    int, float, bool (true/false/yes/no/1/0), str, Optional[...] ("none" is None), or a unit class (its name,
+    kept as text: the method builds the unit). ValueError naming what was expected."""
+    if typing.get_origin(annotation) is typing.Union:
+        if text.strip().lower() == "none":
+            return None
+        annotation = [a for a in typing.get_args(annotation) if a is not type(None)][0]
+    if annotation is bool:
+        key = text.strip().lower()
+        if key not in _BOOL_TEXT:
+            raise ValueError(f"expected true or false, got {text!r}")
+        return _BOOL_TEXT[key]
+    if annotation is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {text!r}") from None
+    if annotation is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got {text!r}") from None
+    return text
+
+
+def setting_text(value) -> str:
+    """A setting as a spec writes it, read back to the same value by parse_setting: floats exactly (repr),
+    booleans true/false, None as none, a unit by its name."""
+    if isinstance(value, Component):
+        return value.name
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def setting_help(cls: type) -> dict[str, str]:
+    """Each field's documentation from the class docstrings, the most derived class first: in a docstring a
+    line `name: text` (name a field of the class) starts the entry, lines indented deeper continue it."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    found: dict[str, str] = {}
+    for klass in cls.__mro__:
+        doc = inspect.cleandoc(vars(klass).get("__doc__") or "")
+        entry, indent = None, 0
+        for line in doc.splitlines():
+            match = re.match(r"^(\s*)([A-Za-z_]\w*): (.*)$", line)
+            if match and match.group(2) in names and (entry is None or len(match.group(1)) <= indent):
+                entry, indent = match.group(2), len(match.group(1))
+                if entry not in found:
+                    found[entry] = match.group(3).strip()
+                else:
+                    entry = "-"          # documented by a more derived class already: skip its lines
+                continue
+            stripped = line.strip()
+            if entry is not None and stripped and len(line) - len(line.lstrip()) > indent:
+                if entry != "-":
+                    found[entry] += " " + stripped
+                continue
+            entry = None
+    return {name: found[name] for name in (f.name for f in dataclasses.fields(cls)) if name in found}
+
+
 def _text(value) -> str:
     """A setting as a folder name shows it: floats with :g, no '/' and no spaces."""
     if isinstance(value, Component):
@@ -72,6 +148,8 @@ class Component:
     unlabelled: ClassVar[tuple[str, ...]] = ()
     # How errors name a setting, where the command line knows it by another name.
     setting_labels: ClassVar[dict[str, str]] = {}
+    # setting -> the setting that must be on (not None, not False) for it to have any effect.
+    only_with: ClassVar[dict[str, str]] = {}
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -79,6 +157,19 @@ class Component:
             check_setting_type(self.name or type(self).__name__, self.setting_labels.get(f.name, f.name),
                                getattr(self, f.name), hints[f.name])
         self.validate()
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        self.check_given(name for name in self.only_with if getattr(self, name) != defaults[name])
+
+    def check_given(self, settings, label=None) -> None:
+        """Refuse settings (given by the user, even at their default value) that have no effect because the
+        setting they need is off (`only_with`). label(setting) names it as the user wrote it."""
+        label = label or (lambda setting: setting)
+        for setting in settings:
+            needed = self.only_with.get(setting)
+            if needed is not None and (getattr(self, needed) is None or getattr(self, needed) is False):
+                raise ValueError(f"{self.name or type(self).__name__}: {label(setting)}={getattr(self, setting)!r} has no "
+                                 f"effect without {label(needed)} (it only applies with {label(needed)}); set "
+                                 f"{label(needed)} too, or leave {label(setting)} out")
 
     def validate(self) -> None:
         """Range checks; raise ValueError naming the setting, the value and what is allowed."""

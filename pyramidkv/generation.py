@@ -42,12 +42,21 @@ def generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if len(prompts) == 0:
         return []
-    if isinstance(prompts[0], str):
+    texts = [isinstance(p, str) for p in prompts]
+    if any(texts) and not all(texts):
+        raise ValueError(f"prompts mix text (prompt {texts.index(True)}) and token ids (prompt {texts.index(False)}); "
+                         f"give all as strings or all as token-id lists")
+    if all(texts):
         token_lists = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
     else:
         token_lists = [list(p) for p in prompts]
+        bad = [i for i, t in enumerate(token_lists) if any(isinstance(x, (str, bytes, float)) for x in t)]
+        if bad:
+            raise ValueError(f"prompt {bad[0]} is neither text nor a list of token ids: {prompts[bad[0]]!r:.60}")
     if any(len(t) == 0 for t in token_lists):
         raise ValueError("empty prompt")
+    for tokens in token_lists:
+        method.check_prompt(len(tokens))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(t) for t in token_lists)
     input_ids = torch.full((len(token_lists), width), pad_id, dtype=torch.long)

@@ -44,22 +44,13 @@ from typing import Optional
 import torch
 from transformers import DynamicCache
 
-from pyramidkv import DEFAULT_MODEL_NAME, METHODS, compress, load_model, make_method
+from pyramidkv import DEFAULT_MODEL_NAME, METHODS, compress, load_model
+from pyramidkv.benchmarks.measure import method_from_spec, prompt_ids, unquantized_spec
 from pyramidkv.methods.base import Method
+from pyramidkv.models.loading import check_model
 from pyramidkv.runner.results import atomic_write_json
 
 PLAIN = "plain"  # the unpatched model's row
-TEXT = ("Marta kept bees on the hill behind the old mill. Every spring she counted the hives, wrote the number "
-        "in a blue notebook, and carried the notebook down to the village library. ")
-
-
-def prompt_ids(tokenizer, n: int) -> torch.Tensor:
-    ids = tokenizer(TEXT * (n // 20 + 1), add_special_tokens=False).input_ids[:n]
-    if len(ids) < n:
-        raise ValueError(f"could not build a {n}-token prompt")
-    return torch.tensor([ids])
-
-
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -144,7 +135,7 @@ def measure_all(model, ids, methods: dict, new_tokens: int, repeats: int, device
     return {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in samples.items()}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--attn_implementation", default="sdpa", choices=["eager", "sdpa", "flash_attention_2"])
@@ -160,18 +151,24 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON on stdout")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for flag in ("context_length", "new_tokens", "repeats", "max_capacity_prompts"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    specs = ["fullkv"] + [m for m in args.methods if m != "fullkv"]
+    try:
+        built = {spec: method_from_spec(spec, args.max_capacity_prompts, args.gqa_layout) for spec in specs}
+        check_model(args.model_path, args.attn_implementation, args.device, args.dtype)
+    except (ValueError, OSError, ImportError) as error:
+        parser.error(str(error))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
     model, tokenizer = load_model(args.model_path, args.attn_implementation, args.device, args.dtype)
     device = str(next(model.parameters()).device)
     ids = prompt_ids(tokenizer, args.context_length).to(device)
-    specs = ["fullkv"] + [m for m in args.methods if m != "fullkv"]
-    try:
-        built = {spec: method_from_spec(spec, args.max_capacity_prompts, args.gqa_layout) for spec in specs}
-    except ValueError as error:
-        parser.error(str(error))
     built = {PLAIN: None, **built}
     rows = measure_all(model, ids, built, args.new_tokens, args.repeats, device)
     add_ratios(rows)
@@ -209,31 +206,6 @@ def main() -> None:
         print(json.dumps(report, indent=1))
 
 
-def _setting_value(text: str):
-    for convert in (int, float):
-        try:
-            return convert(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
-
-
-def method_from_spec(spec: str, budget: int, gqa_layout: str) -> Method:
-    """NAME[:setting=value,...] -> the method, with the benchmark's budget and GQA layout unless the spec sets them."""
-    name, _, rest = spec.partition(":")
-    settings = {}
-    for item in filter(None, rest.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"method spec {spec!r}: expected NAME:setting=value[,setting=value...], got {item!r}")
-        settings[key] = _setting_value(value)
-    if name.lower() not in METHODS:
-        raise ValueError(f"method spec {spec!r}: unknown method {name!r}; choose one of: {', '.join(METHODS)}")
-    if METHODS[name.lower()].needs_budget:
-        settings = {"budget": budget, "gqa_layout": gqa_layout, **settings}
-    return make_method(name, **settings)
-
-
 def add_ratios(rows: dict) -> None:
     """Each figure of each row as a ratio to fullkv (`*_ratio`) and to plain transformers (`*_ratio_plain`);
     KV bytes also against fullkv in fp16, decode time also against the row's spec without its quantizer."""
@@ -249,19 +221,6 @@ def add_ratios(rows: dict) -> None:
         base = unquantized_spec(name)
         if base != name and base in rows:
             r["decode_ratio_unquantized"] = r["decode_s_per_token"] / rows[base]["decode_s_per_token"]
-
-
-QUANT_SETTINGS = {"quant_method", "nbits", "group_size", "residual_length", "outlier_fraction", "sink_tokens",
-                  "datatype", "kmeans_iterations", "rank", "decode_rank", "power_iterations", "seed"}
-
-
-def unquantized_spec(spec: str) -> str:
-    """The spec without its quantizer settings: snapkv:quant_method=kivi,nbits=2 -> snapkv."""
-    name, _, rest = spec.partition(":")
-    if "quant_method=" not in rest:
-        return spec
-    kept = [item for item in filter(None, rest.split(",")) if item.partition("=")[0] not in QUANT_SETTINGS]
-    return name + (":" + ",".join(kept) if kept else "")
 
 
 if __name__ == "__main__":

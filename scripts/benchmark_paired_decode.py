@@ -15,17 +15,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchmark_latency_memory import method_from_spec, prompt_ids, unquantized_spec  # noqa: E402
-
-from pyramidkv import DEFAULT_MODEL_NAME, compress, load_model  # noqa: E402
+from pyramidkv import DEFAULT_MODEL_NAME, compress, load_model
+from pyramidkv.benchmarks.measure import method_from_spec, prompt_ids, unquantized_spec
 
 
 def main() -> None:

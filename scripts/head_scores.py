@@ -21,8 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-# Import this checkout's pyramidkv, not whichever copy is installed (the script lives in the repo's scripts/).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 KINDS = ("reasoning", "retrieval")
 
@@ -54,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--attn_implementation", choices=("eager",), default="eager",
                         help="eager only: the scores read the attention weights")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--haystack_dir", default=None, help="folder of .txt files (default: the Paul Graham essays)")
     parser.add_argument("--keep_unanswered", action="store_true",
                         help="also score probes the model answered wrongly (the public code drops them)")
@@ -73,17 +71,24 @@ def main(argv=None) -> dict[str, Path]:
     from pyramidkv.benchmarks.head_scoring import as_headkv_dict, compute_head_scores
     from pyramidkv.allocation.head_tables import load_head_scores
     from pyramidkv.benchmarks.needle import NeedleHaystack, load_haystack_text
-    from pyramidkv.models.loading import load_model
+    from pyramidkv.models.loading import check_model, load_model
     from pyramidkv.runner.results import _git_commit, _versions, atomic_write_text
 
     paths = output_paths(args.out, args.kind, args.model_path)
+    # Every check before the weights load: model, device, dtype, haystack, probe lengths.
+    try:
+        from transformers import AutoTokenizer
+
+        path, config, _, _ = check_model(args.model_path, args.attn_implementation, args.device, args.dtype)
+        # ~8 characters per token is ample; NeedleHaystack repeats the text when it is short.
+        haystack = load_haystack_text(args.haystack_dir)[: 8 * max(args.context_lengths) + 1000]
+        NeedleHaystack(AutoTokenizer.from_pretrained(path), haystack).check_context_lengths(
+            min(args.context_lengths), max(args.context_lengths), window=config.max_position_embeddings,
+            max_new_tokens=32, flags=("--context_lengths (shortest)", "--context_lengths (longest)"))
+    except (ValueError, OSError, ImportError) as e:
+        raise SystemExit(f"head_scores.py: error: {e}") from None
     model, tokenizer = load_model(args.model_path, attn_implementation=args.attn_implementation,
                                   device=args.device, dtype=args.dtype)
-    # ~8 characters per token is ample; NeedleHaystack repeats the text when it is short.
-    haystack = load_haystack_text(args.haystack_dir)[: 8 * max(args.context_lengths) + 1000]
-    NeedleHaystack(tokenizer, haystack).check_context_lengths(
-        min(args.context_lengths), max(args.context_lengths), window=model.config.max_position_embeddings,
-        max_new_tokens=32)
 
     for kind, path in paths.items():
         started = time.time()

@@ -10,16 +10,14 @@ is computed outside the merge step; scripts/benchmark_latency_memory.py measures
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import pyramidkv.core.prefill as core  # noqa: E402  (the prefill pipeline calls merge_prompt)
-from pyramidkv import DEFAULT_MODEL_NAME, compress, load_model, make_method  # noqa: E402
-from pyramidkv.merging import MERGE_RULES  # noqa: E402
+import pyramidkv.core.prefill as core  (the prefill pipeline calls merge_prompt)
+from pyramidkv import DEFAULT_MODEL_NAME, compress, load_model, make_method
+from pyramidkv.merging import MERGE_RULES
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,18 +12,8 @@ import time
 import torch
 
 from pyramidkv import DEFAULT_MODEL_NAME, load_model, make_method
+from pyramidkv.benchmarks.prompting import passkey_prompt
 from pyramidkv.generation import generate
-
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-
-
-def passkey_prompt(key: int, num_fillers: int = 60, depth: float = 0.5) -> str:
-    parts = [FILLER] * num_fillers
-    parts.insert(int(num_fillers * depth), f"The pass key is {key}. Remember it. {key} is the pass key. ")
-    doc = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-           "I will quiz you about the important information there. " + "".join(parts))
-    return f"<|im_start|>user\n{doc}\nWhat is the pass key?<|im_end|>\n<|im_start|>assistant\nThe pass key is "
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -31,18 +21,22 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=128)
     parser.add_argument("--key", type=int, default=73691)
     args = parser.parse_args()
+    try:
+        snapkv = make_method("snapkv", budget=args.budget)
+    except ValueError as e:
+        parser.error(f"--budget {args.budget}: {e}")
 
     torch.manual_seed(0)
     t0 = time.time()
     model, tokenizer = load_model(args.model_path, attn_implementation="sdpa", device="cpu")
     print(f"loaded {args.model_path} in {time.time() - t0:.1f}s")
-    prompt = passkey_prompt(args.key)
+    prompt = passkey_prompt(tokenizer, args.key, num_fillers=60)
     n = len(tokenizer(prompt, add_special_tokens=False).input_ids)
     cfg = model.config
     print(f"prompt: {n} tokens, pass key {args.key}; model: {cfg.num_hidden_layers} layers, "
           f"{cfg.num_attention_heads} query / {cfg.num_key_value_heads} KV heads")
     full_bytes = None
-    for method in (make_method("fullkv"), make_method("snapkv", budget=args.budget)):
+    for method in (make_method("fullkv"), snapkv):
         t0 = time.time()
         out = generate(model, tokenizer, [prompt], method, max_new_tokens=8)[0]
         seconds = time.time() - t0

@@ -18,12 +18,12 @@ import argparse
 import csv
 import io
 import json
+import math
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pyramidkv.runner.results import (  # noqa: E402
+from pyramidkv.runner.results import (
     PREDICTION_KEYS, atomic_write_text, read_jsonl, read_unique_rows,
 )
 
@@ -53,10 +53,39 @@ def _check_result(path: Path, data) -> None:
     for name, value in [("average", data["average"]), *((f"scores.{k}", v) for k, v in data["scores"].items())]:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ValueError(f"{path}: {name} must be a number or null, got {value!r}")
+        if value is not None and not (math.isfinite(value) and 0 <= value <= 100):
+            raise ValueError(f"{path}: {name} must be a score in [0, 100], got {value!r}")
     budget = data["budget"]
-    if not (budget is None or isinstance(budget, str) or
-            (isinstance(budget, (int, float)) and not isinstance(budget, bool))):
-        raise ValueError(f"{path}: budget must be a number, \"r<ratio>\" or null, got {budget!r}")
+    ratio = _ratio(budget)
+    if not (budget is None or (ratio is not None and 0 < ratio <= 1) or
+            (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1)):
+        raise ValueError(f"{path}: budget must be an integer >= 1, \"r<ratio>\" with a ratio in (0, 1], or null "
+                         f"(the full cache), got {budget!r}")
+    expected = _expected_average(data)
+    if expected is not None and data["average"] is not None and abs(expected - data["average"]) > 0.011:
+        raise ValueError(f"{path}: average {data['average']} disagrees with its scores (their mean is "
+                         f"{expected:.2f}{AVERAGED.get(data['benchmark'], ('', ''))[1]})")
+    folder = path.parent.parent.name
+    label = "full" if budget is None else str(budget)
+    if "_" in folder and folder.rsplit("_", 1)[1] != label and _looks_like_a_budget(folder.rsplit("_", 1)[1]):
+        raise ValueError(f"{path}: budget {budget!r} disagrees with its folder {folder} (the runners write "
+                         f"{{model}}_{{budget}}/{{method}}/)")
+
+
+# The scores a benchmark's average is the mean of (all of them where not named) and how messages say it.
+AVERAGED = {"needle": (("rouge1_f", "recall"), " of rouge1_f and recall")}
+
+
+def _expected_average(data: dict):
+    names, _ = AVERAGED.get(data["benchmark"], (None, ""))
+    values = [v for k, v in data["scores"].items() if names is None or k in names]
+    if not values or any(not isinstance(v, (int, float)) for v in values):
+        return None
+    return math.fsum(values) / len(values)
+
+
+def _looks_like_a_budget(text: str) -> bool:
+    return text == "full" or text.isdigit() or _ratio(text) is not None
     if not isinstance(data.get("num_samples", {}), dict):
         raise ValueError(f"{path}: num_samples must be an object of task -> count")
 

@@ -11,6 +11,7 @@ if [ $# -lt 2 ]; then sed -n 2,8p "$0"; exit 2; fi
 benchmark=$1; save_dir=$2; shift 2
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
 source scripts/sweep_tasks.sh
+check_sweep_tasks "$benchmark" --save_dir "$save_dir" "$@"
 for task in "${SWEEP_TASKS[@]}"; do
   run_sweep_task "$benchmark" "$task" --save_dir "$save_dir" "$@"
 done

@@ -29,6 +29,24 @@ done
 
 source "$(dirname "${BASH_SOURCE[0]}")/public_harness_settings.sh"
 
+# check_sweep_tasks BENCHMARK [extra runner args...]: every run of the grid has valid arguments (each runner
+# checks its flags and method with --print_run_dir, loading nothing), so one bad variant stops the sweep
+# before its first run, with a summary of every bad one.
+check_sweep_tasks() {
+  local benchmark=$1; shift
+  local task bad=0 out
+  for task in "${SWEEP_TASKS[@]}"; do
+    if ! out=$(SWEEP_QUIET=1 run_sweep_task "$benchmark" "$task" "$@" --print_run_dir 2>&1 >/dev/null); then
+      bad=$((bad + 1))
+      echo "invalid run '$task': ${out##*$'\n'}" >&2
+    fi
+  done
+  if [ "$bad" -gt 0 ]; then
+    echo "error: $bad of ${#SWEEP_TASKS[@]} runs of the sweep have invalid arguments; nothing was run" >&2
+    return 2
+  fi
+}
+
 # run_sweep_task BENCHMARK "method budget|variant" [extra runner args...]: one run, results in the usual layout.
 run_sweep_task() {
   local benchmark=$1 task=$2; shift 2
@@ -47,6 +65,6 @@ run_sweep_task() {
   if [ "${PUBLIC_HARNESS_SETTINGS:-0}" = "1" ]; then mapfile -t method_args < <(public_harness_method_args "$method"); fi
   local variant_args=()
   if [ "$variant" != "-" ] && [ "$variant" != "$task" ]; then read -r -a variant_args <<< "$variant"; fi
-  echo ">>> $benchmark: method=$method budget=$budget ${method_args[*]} ${variant_args[*]}" >&2
+  if [ -z "${SWEEP_QUIET:-}" ]; then echo ">>> $benchmark: method=$method budget=$budget ${method_args[*]} ${variant_args[*]}" >&2; fi
   "${PYTHON:-python}" "$runner" --method "$method" "${budget_args[@]}" "${method_args[@]}" "${variant_args[@]}" "$@"
 }

@@ -2,10 +2,11 @@
 each as a ratio to fullkv measured in the same run.
 
     python scripts/teacher_forced_nll.py --context_length 4096 --continuation 256 \
-        --methods fullkv fullkv:quant_method=kivi,nbits=2 snapkv:quant_method=kivi,nbits=2
+        --methods fullkv fullkv:quant_method=kivi,nbits=2 snapkv:quant_method=kivi,nbits=2 \
+        --data_file path/to/LongBench/data/multi_news.jsonl
 
-The text is real English news: the LongBench multi_news contexts (../shared/longbench/data or
---data_file), concatenated until context_length + continuation tokens. The first context_length
+The text is real English news: the contexts of a LongBench JSONL file (--data_file, e.g. the official
+multi_news.jsonl), concatenated until context_length + continuation tokens. The first context_length
 tokens are the prompt (compressed by the method at prefill); the continuation is then fed one token
 per step through the compressed (and possibly quantized) cache, and the NLL of each next token is
 averaged. Method specs as in scripts/benchmark_latency_memory.py (NAME:setting=value,...).
@@ -14,21 +15,13 @@ averaged. Method specs as in scripts/benchmark_latency_memory.py (NAME:setting=v
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-from benchmark_latency_memory import method_from_spec  # noqa: E402
-
-from pyramidkv import DEFAULT_MODEL_NAME, compress, load_model  # noqa: E402
-from pyramidkv.runner.results import atomic_write_json, read_jsonl  # noqa: E402
-
-DATA_CANDIDATES = (ROOT.parent / "shared" / "longbench" / "data" / "multi_news.jsonl",
-                   Path("/work/shared/longbench/data/multi_news.jsonl"))
+from pyramidkv import DEFAULT_MODEL_NAME, compress, load_model
+from pyramidkv.benchmarks.measure import method_from_spec
+from pyramidkv.runner.results import atomic_write_json, read_jsonl
 
 
 def text_ids(tokenizer, data_file: Path, tokens: int) -> torch.Tensor:
@@ -55,22 +48,23 @@ def mean_nll(model, ids: torch.Tensor, method, context_length: int) -> float:
     return total / count
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--context_length", type=int, default=4096)
     parser.add_argument("--continuation", type=int, default=256)
     parser.add_argument("--max_capacity_prompts", type=int, default=256)
     parser.add_argument("--methods", nargs="+", default=["fullkv", "fullkv:quant_method=kivi,nbits=2"])
-    parser.add_argument("--data_file", type=Path, default=None)
+    parser.add_argument("--data_file", type=Path, required=True,
+                        help="a LongBench JSONL file whose contexts are the text (e.g. multi_news.jsonl)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    data_file = args.data_file or next((p for p in DATA_CANDIDATES if p.is_file()), None)
-    if data_file is None or not data_file.is_file():
-        parser.error(f"multi_news.jsonl not found ({', '.join(map(str, DATA_CANDIDATES))}); pass --data_file")
+    data_file = args.data_file
+    if not data_file.is_file():
+        parser.error(f"--data_file {data_file}: no such file")
     specs = ["fullkv"] + [m for m in args.methods if m != "fullkv"]
     try:
         methods = {spec: method_from_spec(spec, args.max_capacity_prompts, "kv_head") for spec in specs}

@@ -20,8 +20,10 @@ def test_unknown_method():
 
 
 def test_setting_the_method_does_not_have():
-    with pytest.raises(ValueError, match=r"snapkv has no setting 'beta'.*kernel_size"):
+    with pytest.raises(ValueError, match=r"beta is a setting of the layer allocation pyramid, not of uniform"):
         make_method("snapkv", budget=128, beta=20)
+    with pytest.raises(ValueError, match=r"snapkv has no setting 'betta'; its settings are: budget, .*kernel_size"):
+        make_method("snapkv", budget=128, betta=20)
 
 
 @pytest.mark.parametrize("budget", [0, -3])

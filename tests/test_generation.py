@@ -8,6 +8,7 @@ import torch
 
 from pyramidkv import compress, load_model, make_method
 from pyramidkv.generation import generate
+from pyramidkv.models.patch import UncompressedWarning
 from tests.prompts import STORY, passkey_prompt
 
 CAPITAL = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -53,8 +54,9 @@ def test_use_cache_false_runs_the_unpatched_attention(smollm2_path, model_class)
     with torch.no_grad():
         expected_logits = model(ids, use_cache=False).logits
     with compress(model, make_method("snapkv", budget=16, window_size=8)):
-        got = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False, pad_token_id=2)
-        with torch.no_grad():
+        with pytest.warns(UncompressedWarning, match="use_cache=False inside compress.*nothing is compressed"):
+            got = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False, pad_token_id=2)
+        with torch.no_grad(), pytest.warns(UncompressedWarning):
             got_logits = model(ids, use_cache=False).logits
     assert torch.equal(got, expected)
     assert torch.equal(got_logits, expected_logits)

@@ -191,7 +191,7 @@ def test_cam_sampling_reproduces_with_a_seed_and_varies_across_seeds():
     ({"merge": "mergingpress", "merge_fraction": 1.2}, "merge_fraction must be in (0, 1]"),
     ({"merge_fraction": 0.5}, "merge_fraction is a setting of the merge rule mergingpress"),
     ({"merge": "cam", "merge_budget": 0}, "merge_budget must be an integer >= 1"),
-    ({"merge": "pivot", "similarity_threshold": 0.5}, "has no setting 'similarity_threshold'"),
+    ({"merge": "pivot", "similarity_threshold": 0.5}, "similarity_threshold is a setting of the merge rule mergingpress, not of pivot"),
 ])
 def test_bad_merge_settings_are_refused(settings, message):
     with pytest.raises(ValueError) as error:

@@ -153,7 +153,7 @@ def test_resume_skips_finished_cells(tiny_model_dir, tmp_path, capsys):
     capsys.readouterr()
     assert runner.main(args) == 0
     assert _rows(path) == first
-    assert "2 of 2 cells already done" in capsys.readouterr().err
+    assert "all 2 sample(s) already done" in capsys.readouterr().out
     # A run killed mid-write leaves a cut-off line: it is dropped and that cell redone.
     path.write_text(path.read_text().splitlines()[0] + "\n" + '{"key": "400_1', encoding="utf-8")
     assert runner.main(args) == 0

@@ -261,7 +261,7 @@ def test_method_carries_the_quantizer():
     (dict(quant_method="kivi", group_size=0), "group_size must be >= 1"),
     (dict(quant_method="int4"), "unknown quantizer 'int4'"),
     (dict(nbits=2), "nbits is a setting of the quantizer kivi / kvquant / gear, but snapkv has no quant_method"),
-    (dict(quant_method="kivi", rank=2), "snapkv has no setting 'rank'"),
+    (dict(quant_method="kivi", rank=2), "rank is a setting of the quantizer gear, not of kivi; choose quant_method='gear'"),
 ])
 def test_bad_quantization_settings_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):

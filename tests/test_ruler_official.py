@@ -1,4 +1,4 @@
-"""Our RULER samples are the official generator's (NVIDIA/RULER scripts/data/synthetic, latest) for the same draws.
+"""Our RULER samples are the official generator's (NVIDIA/RULER scripts/data/synthetic, latest: vt says "assigned") for the same draws.
 
 The official text below is benchmark data, written out by hand from RULER's constants.py and generator
 scripts; the official assembly (singular rewrite, example layout, answer-prefix split) is re-stated here
@@ -27,7 +27,7 @@ NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. The
 VT_TEMPLATE = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
                "Question: Find all variables that are assigned the value {query} in the text above.")
 VT_ANSWER_PREFIX = (" Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables "
-                    "are assgined the value {query}, they are: ")
+                    "are assigned the value {query}, they are: ")
 CWE_TEMPLATE = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize "
                 "the ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the "
                 "above list?")
@@ -233,7 +233,7 @@ def test_item7_example_length_and_separators(formatter, tokenizer):
     demo_input = demo[:demo.rindex("they are: ") + len("they are: ")]
     assert 470 <= len(tokenizer(demo_input, add_special_tokens=False).input_ids) <= 500
     assert re.search(r"in the text above\. Answer: According to the chain\(s\) of variable assignment in the text "
-                     r"above, 5 variables are assgined the value \d{5}, they are:  [A-Z]{3}( [A-Z]{3}){4}\n\n"
+                     r"above, 5 variables are assigned the value \d{5}, they are:  [A-Z]{3}( [A-Z]{3}){4}\n\n"
                      r"Memorize and track", vt)
     cwe = generate_sample("cwe", 1024, 0, formatter)["input"]
     assert re.search(r"most common words in the above list\? Answer: The top 10 words that appear most often in the "
@@ -246,7 +246,7 @@ def test_item7_example_length_and_separators(formatter, tokenizer):
     ("niah_multivalue", r"<\|im_start\|>assistant\n The special magic numbers for [a-z]+-[a-z]+ mentioned in the "
                         r"provided text are"),
     ("vt", r"<\|im_start\|>assistant\n Answer: According to the chain\(s\) of variable assignment in the text above, "
-           r"5 variables are assgined the value \d{5}, they are: "),
+           r"5 variables are assigned the value \d{5}, they are: "),
     ("cwe", r"<\|im_start\|>assistant\n Answer: The top 10 words that appear most often in the list are:"),
     ("fwe", r"<\|im_start\|>assistant\n Answer: According to the coded text above, the three most frequently "
             r"appeared words are:"),
@@ -310,5 +310,5 @@ def test_item10_system_prompt_option(tokenizer):
 def test_item11_docs_list_the_deliberate_differences():
     text = (Path(__file__).resolve().parents[1] / "docs" / "ruler.md").read_text()
     section = text[text.index("## Differences from the official RULER"):]
-    for point in ("unique", "word lists", "1418-2048", "sentence", "assgined", "system", "example"):
+    for point in ("unique", "word lists", "1418-2048", "sentence", "assigned", "system", "example"):
         assert point in section, point

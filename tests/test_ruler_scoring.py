@@ -51,3 +51,51 @@ def test_bad_inputs():
         string_match_part([], [])
     with pytest.raises(ValueError, match="no references"):
         string_match_all(["a"], [[]])
+
+
+# --- the order of the arithmetic: the official code divides by n, then multiplies by 100 --------------
+
+def official_string_match_all(preds, refs):
+    """NVIDIA/RULER scripts/eval/synthetic/constants.py, restated: sum of per-sample fractions / n * 100."""
+    return round(sum([sum([1.0 if r.lower() in p.lower() else 0.0 for r in ref]) / len(ref)
+                      for p, ref in zip(preds, refs)]) / len(preds) * 100, 2)
+
+
+def official_string_match_part(preds, refs):
+    return round(sum([max([1.0 if r.lower() in p.lower() else 0.0 for r in ref])
+                      for p, ref in zip(preds, refs)]) / len(preds) * 100, 2)
+
+
+def _samples(n: int, refs_per_sample: int, hits: int):
+    """n samples of `refs_per_sample` references, `hits` of them found in total (filled sample by sample)."""
+    preds, refs = [], []
+    left = hits
+    for i in range(n):
+        found = min(left, refs_per_sample)
+        left -= found
+        refs.append([f"ref{i}x{j}" for j in range(refs_per_sample)])
+        preds.append(" ".join(refs[-1][:found]) or "nothing")
+    return preds, refs
+
+
+def test_the_issue_example_rounds_as_the_official_code():
+    preds, refs = _samples(40, 4, 23)
+    assert 100 * (23 / 4) / 40 == 14.375 and round(100 * (23 / 4) / 40, 2) == 14.38   # the other order
+    assert string_match_all(preds, refs) == official_string_match_all(preds, refs) == 14.37
+
+
+def test_every_size_where_the_order_matters_matches_the_official():
+    """All (n, references, hits) up to 200 samples where 100 * t / n and t / n * 100 round apart."""
+    differing = 0
+    for refs_per_sample in (1, 2, 4):
+        for n in range(1, 201):
+            for hits in range(0, n * refs_per_sample + 1):
+                total = hits / refs_per_sample
+                if round(100 * total / n, 2) == round(total / n * 100, 2):
+                    continue
+                differing += 1
+                preds, refs = _samples(n, refs_per_sample, hits)
+                assert string_match_all(preds, refs) == official_string_match_all(preds, refs), (n, hits)
+                if refs_per_sample == 1:
+                    assert string_match_part(preds, refs) == official_string_match_part(preds, refs), (n, hits)
+    assert differing > 50          # the sweep really visits sizes where the order matters

@@ -34,6 +34,13 @@ def global_topk_counts(scores: torch.Tensor, k: int) -> list[int]:
 
 @dataclass(frozen=True)
 class AdaKVHeads(HeadAllocation):
+    """AdaKV's split of a layer's budget over its heads.
+
+    floor_ratio: the share of its uniform budget every head keeps at least, in [0, 1] (the paper's
+        alpha; 1 = uniform).
+    normalize: scale each head's scores by its top-budget mass before the global top-k.
+    """
+
     name = "adakv"
     floor_ratio: float = 0.2
     normalize: bool = False

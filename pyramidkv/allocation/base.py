@@ -26,11 +26,17 @@ class ModelShape:
     num_query_heads: int
     num_kv_heads: int
     name: str = ""            # model path or hub id (HeadKV looks up its packaged head table by it)
+    head_dim: int = 0         # 0: unknown (the checks that need it are skipped)
+    dtype_bytes: int = 0      # bytes per value of the unquantized cache (the model dtype); 0: unknown
+    context_window: int = 0   # max_position_embeddings; 0: unknown
 
 
 @dataclass(frozen=True)
 class Allocation(Component):
     """Base of the allocators: a frozen dataclass whose fields are its settings (defaults live there)."""
+
+    def check_model(self, model: ModelShape) -> None:
+        """ValueError if the allocator cannot work on this model (checked before any prompt runs)."""
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ def load_head_scores(path) -> np.ndarray:
 
     ValueError (naming the file) unless the first line is a JSON object whose keys
     "L-H" cover the full L x H grid exactly once, each with a non-empty list of
-    finite numbers, and not every score is zero.
+    finite numbers >= 0, and not every score is zero.
     """
     path = Path(path)
     try:
@@ -64,9 +64,10 @@ def load_head_scores(path) -> np.ndarray:
         if not isinstance(scores, list) or not scores:
             raise ValueError(f"head-score file {path}: head {key!r} needs a non-empty list of scores, got {scores!r}")
         for s in scores:
-            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
-                raise ValueError(f"head-score file {path}: head {key!r} has the score {s!r}; "
-                                 f"scores must be finite numbers")
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s < 0:
+                raise ValueError(f"head-score file {path}: head {key!r} has the score {s!r}; scores must be finite "
+                                 f"numbers >= 0 (a negative importance would give the most important head the "
+                                 f"fewest tokens)")
         means[(layer, head)] = float(np.mean(np.asarray(scores, dtype=np.float64)))
 
     num_layers = 1 + max(layer for layer, _ in means)

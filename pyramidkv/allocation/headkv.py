@@ -53,6 +53,13 @@ def _plan(path: Optional[str], model: ModelShape, stored_heads: int, selected: i
 
 @dataclass(frozen=True)
 class HeadKVHeads(HeadAllocation):
+    """HeadKV's split of the budget over every head of the model.
+
+    head_scores: head-importance table (HeadKV's JSON layout); none: the table shipped for the model
+        (scripts/head_scores.py makes one).
+    head_beta: each head keeps at least s - s // head_beta selected tokens (>= 1).
+    """
+
     name = "headkv"
     global_over_layers = True
     head_scores: Optional[str] = None      # path of a head-score table; None = the packaged one for the model

@@ -30,6 +30,12 @@ def pyramid_shares(selected: int, num_layers: int, beta: float, max_count: float
 
 @dataclass(frozen=True)
 class PyramidLayers(LayerAllocation):
+    """PyramidKV's layer budgets.
+
+    beta: the last layer selects (budget - window) / beta tokens, the first 2 (budget - window) minus
+        that (>= 1).
+    """
+
     name = "pyramid"
     beta: float = 20.0
 

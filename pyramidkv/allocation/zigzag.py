@@ -35,6 +35,12 @@ def lmba(scores: torch.Tensor, threshold: float) -> float:
 
 @dataclass(frozen=True)
 class ZigZagLayers(LayerAllocation):
+    """ZigZagKV's layer budgets.
+
+    attention_threshold: the score mass LMBA counts, in (0, 1].
+    b_bound_ratio: each layer's guaranteed share of the uniform budget, in [0, 1].
+    """
+
     name = "zigzag"
     needs_scores = True
     attention_threshold: float = 0.9

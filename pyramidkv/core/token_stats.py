@@ -26,7 +26,22 @@ def _real(pad_lens: list[int], n: int, device) -> torch.Tensor:
     return torch.arange(n, device=device)[None, :] >= torch.tensor(pad_lens, device=device)[:, None]
 
 
-class AccumulatedAttention:
+class TokenRows:
+    """Per layer: per prompt the rows of its kept tokens (`kept`), and the tail's rows [B, H, t, ...]."""
+
+    kept: list[Optional[list[torch.Tensor]]]
+    tail: list[Optional[torch.Tensor]]
+
+    def held(self, layer_idx: int, b: int, counts: list[int]) -> list[torch.Tensor]:
+        tail = self.tail[layer_idx]
+        return [torch.cat([a, tail[b, h]]) for h, a in enumerate(self.kept[layer_idx][b].split(counts))]
+
+    def replace(self, layer_idx: int, kept: list[torch.Tensor]) -> None:
+        self.kept[layer_idx] = kept
+        self.tail[layer_idx] = self.tail[layer_idx][:, :, :0]
+
+
+class AccumulatedAttention(TokenRows):
     def __init__(self, num_layers: int, group: int, num_query_heads: int):
         self.group, self.num_query_heads = group, num_query_heads
         self.prefill: list[Optional[torch.Tensor]] = [None] * num_layers  # [B, Hq, n]
@@ -63,16 +78,9 @@ class AccumulatedAttention:
         bsz, heads, _, g = old.shape
         self.tail[layer_idx] = torch.cat([old, old.new_zeros(bsz, heads, queries.shape[2], g)], dim=2) + tail_mass
 
-    def held(self, layer_idx: int, b: int, counts: list[int]) -> list[torch.Tensor]:
-        tail = self.tail[layer_idx]
-        return [torch.cat([a, tail[b, h]]) for h, a in enumerate(self.kept[layer_idx][b].split(counts))]
-
-    def replace(self, layer_idx: int, kept: list[torch.Tensor]) -> None:
-        self.kept[layer_idx] = kept
-        self.tail[layer_idx] = self.tail[layer_idx][:, :, :0]
 
 
-class AttentionHistory:
+class AttentionHistory(TokenRows):
     def __init__(self, num_layers: int, group: int, window: int):
         self.group, self.window = group, window
         self.prefill: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = [None] * num_layers
@@ -120,10 +128,3 @@ class AttentionHistory:
         self.tail[layer_idx] = torch.cat([grown[..., q:], tail_rows], dim=-1)
         self.levels[layer_idx] = torch.cat([self.levels[layer_idx][..., q:], 1.0 / counts.float()], dim=-1)
 
-    def held(self, layer_idx: int, b: int, counts: list[int]) -> list[torch.Tensor]:
-        tail = self.tail[layer_idx]
-        return [torch.cat([a, tail[b, h]]) for h, a in enumerate(self.kept[layer_idx][b].split(counts))]
-
-    def replace(self, layer_idx: int, kept: list[torch.Tensor]) -> None:
-        self.kept[layer_idx] = kept
-        self.tail[layer_idx] = self.tail[layer_idx][:, :, :0]

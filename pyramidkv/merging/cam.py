@@ -23,10 +23,22 @@ import torch
 
 from pyramidkv.merging.base import MergeGroup, MergeRule
 
+SEED_LIMIT = 1 << 64
+
 
 @dataclass(frozen=True)
 class CamMerge(MergeRule):
+    """CaM's merge rule.
+
+    start_budget_ratio: share of the prompt's first tokens used as CaM's reference and never merged,
+        in [0, 1).
+    merge_budget: kept tokens each evicted value is spread over (none: the method's window size).
+    sampling: draw each merge (Bernoulli) instead of merging its expectation.
+    seed: seed of the draws, only with sampling; an integer in [0, 2**64).
+    """
+
     name = "cam"
+    only_with = {"seed": "sampling"}
     needs_attention = True
     start_budget_ratio: float = 0.1
     merge_budget: Optional[int] = None   # None: the method's window_size (the public harness's choice)
@@ -36,6 +48,8 @@ class CamMerge(MergeRule):
     def validate(self) -> None:
         if not 0.0 <= self.start_budget_ratio < 1.0:
             raise ValueError(f"start_budget_ratio must be in [0, 1), got {self.start_budget_ratio!r}")
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be an integer in [0, 2**64) (a torch generator seed), got {self.seed!r}")
         if self.merge_budget is not None and self.merge_budget < 1:
             raise ValueError(f"merge_budget must be an integer >= 1 (kept tokens each evicted value is spread "
                              f"over), got {self.merge_budget!r}")
@@ -46,7 +60,8 @@ class CamMerge(MergeRule):
                              f"window_size >= 1 (--window_sizes), got window_size={method.window_size}")
 
     def seed_for(self, layer_idx: int) -> Optional[int]:
-        return self.seed * 1_000_003 + layer_idx if self.sampling else None
+        # Reduced to 64 bits, the range torch seeds take (the same seed as before for seeds below 2**44).
+        return (self.seed * 1_000_003 + layer_idx) % SEED_LIMIT if self.sampling else None
 
     def merge(self, group: MergeGroup) -> tuple[torch.Tensor, torch.Tensor]:
         attention = group.attention.float()  # [H, n]

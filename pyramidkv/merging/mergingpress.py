@@ -20,6 +20,13 @@ NORM_EPS = 1e-6
 
 @dataclass(frozen=True)
 class MergingPress(MergeRule):
+    """Merge-on-evict.
+
+    similarity_threshold: merge only evicted tokens at least this cosine-similar to their target, in
+        [-1, 1].
+    merge_fraction: merge only this fraction of the eligible tokens, most similar first, in (0, 1].
+    """
+
     name = "mergingpress"
     similarity_threshold: float = 0.0
     merge_fraction: float = 1.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from pyramidkv.core.context import ScoreContext
 from pyramidkv.methods.adakv import AdaKV, AdaPyramidKV
@@ -15,6 +16,7 @@ from pyramidkv.methods.l2norm import L2Norm
 from pyramidkv.methods.nacl import NACL
 from pyramidkv.methods.pyramidkv import PyramidKV
 from pyramidkv.methods.scissorhands import Scissorhands
+from pyramidkv.methods.settings import build_method, method_from_spec, method_spec, split_spec
 from pyramidkv.methods.snapkv import SnapKV
 from pyramidkv.methods.streamingllm import StreamingLLM
 from pyramidkv.methods.think import ThinK
@@ -57,63 +59,28 @@ def register_method(cls: type[Method]) -> type[Method]:
 
 
 def make_method(name: str, **settings) -> Method:
-    """Build a method by name. Settings that the method does not have are an error, never ignored.
+    """Build a method by name. Settings that the method does not have are an error, never ignored, and so are
+    settings that have no effect (decode_interval without decode_budget, a merge seed without sampling).
 
     Settings of the method's units go to them: `make_method("h2o", budget=128, head_allocation="adakv",
     floor_ratio=0.3)` builds AdaKVHeads(floor_ratio=0.3), `make_method("snapkv", budget=128,
     merge="mergingpress", merge_fraction=0.75)` MergingPress(merge_fraction=0.75), `make_method("snapkv",
     budget=256, quant_method="kivi", nbits=4)` KIVIQuantizer(nbits=4); a unit may be given by name or as an
-    object.
+    object. A name units on two axes share is written with its axis (`merge_seed`, `quant_seed`) when both
+    are chosen (pyramidkv/methods/settings.py).
     """
-    from pyramidkv.allocation import make_head_allocation, make_layer_allocation
-    from pyramidkv.merging import make_merge_rule
-    from pyramidkv.quantization import make_quantizer
-
-    cls = get_method_class(name)
-    allowed = method_options(name)
-    own = {k: v for k, v in settings.items() if k in allowed}
-    rest = {k: v for k, v in settings.items() if k not in allowed}
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    for field, build in (("head_allocation", make_head_allocation), ("layer_allocation", make_layer_allocation),
-                         ("merge", make_merge_rule), ("quant_method", make_quantizer)):
-        chosen = own.get(field, defaults[field])
-        if chosen is None:
-            continue
-        kind = build(chosen) if isinstance(chosen, str) else chosen
-        mine = {k: rest.pop(k) for k in [k for k in rest if k in {f.name for f in dataclasses.fields(kind)}]}
-        if mine:
-            own[field] = dataclasses.replace(kind, **mine)
-    from pyramidkv.merging import MERGE_RULES
-    from pyramidkv.quantization import QUANTIZERS
-
-    for key in rest:
-        owners = [rule for rule, unit in MERGE_RULES.items() if key in {f.name for f in dataclasses.fields(unit)}]
-        if owners and own.get("merge", defaults["merge"]) is None:
-            raise ValueError(f"{key} is a setting of the merge rule {' / '.join(owners)}, but {cls.name} has no merge "
-                             f"rule; choose one with merge={owners[0]!r} (--merge {owners[0]})")
-        owners = [q for q, unit in QUANTIZERS.items() if key in {f.name for f in dataclasses.fields(unit)}]
-        if owners and own.get("quant_method", defaults["quant_method"]) is None:
-            raise ValueError(f"{key} is a setting of the quantizer {' / '.join(owners)}, but {cls.name} has no "
-                             f"quant_method; choose one with quant_method={owners[0]!r} (--quant_method {owners[0]})")
-    if rest:
-        raise ValueError(f"{cls.name} has no setting {', '.join(map(repr, sorted(rest)))}; its settings are: "
-                         f"{', '.join(allowed)}, plus those of its head_allocation, layer_allocation, merge "
-                         f"rule and quant_method ({_unit_settings_hint()})")
-    return cls(**own)
+    return build_method(get_method_class(name), settings)
 
 
-def _unit_settings_hint() -> str:
-    from pyramidkv.allocation import HEAD_ALLOCATIONS, LAYER_ALLOCATIONS
-    from pyramidkv.merging import MERGE_RULES
-    from pyramidkv.quantization import QUANTIZERS
-
-    parts = []
-    for table in (HEAD_ALLOCATIONS, LAYER_ALLOCATIONS, MERGE_RULES, QUANTIZERS):
-        for unit_name, unit in table.items():
-            names = [f.name for f in dataclasses.fields(unit)]
-            if names:
-                parts.append(f"{unit_name}: {', '.join(names)}")
-    return "; ".join(parts)
+def parse_method_spec(spec: str, budget: Optional[int] = None, **defaults) -> Method:
+    """The method a spec names: `parse_method_spec("snapkv:budget=128,merge=cam,merge_sampling=true")`.
+    `budget` and `defaults` fill settings the spec leaves out (see settings.method_from_spec)."""
+    name, items = split_spec(spec)
+    try:
+        return method_from_spec(get_method_class(name), items, budget, **defaults)
+    except ValueError as e:
+        raise ValueError(f"method spec {spec!r}: {e}") from None
 
 
-__all__ = ["METHODS", "Method", "ScoreContext", "make_method", "register_method", "get_method_class", "method_options"]
+__all__ = ["METHODS", "Method", "ScoreContext", "make_method", "register_method", "get_method_class", "method_options",
+           "parse_method_spec", "method_spec"]

@@ -36,41 +36,46 @@ GQA_REDUCTIONS = ("mean", "max", "sum")
 
 @dataclass(frozen=True)
 class Method(Component):
-    """Base of all methods.
+    """Base of all methods. Exactly one of budget and budget_ratio is set, except for methods that keep
+    everything.
 
-    budget: tokens kept per layer per head, window included (the CLI's
-        `--max_capacity_prompts`). budget_ratio: the same as a fraction of each
-        prompt's length (`--max_capacity_prompts_ratio`). Exactly one is set,
-        except for methods that keep everything.
-    gqa_layout: "kv_head" keeps one set per KV head (scores reduced over the
-        query group with `gqa_reduce`); "query_head" repeats K/V to the query
-        heads first, as the published baselines do (costs g x the memory).
-    head_allocation, layer_allocation: how the budget is split (pyramidkv.allocation).
-    merge: what happens to evicted tokens: None drops them; a merge rule (pyramidkv.merging,
-        by name or object) folds them into the kept ones without changing which are kept.
-    quant_method: how the kept tokens are stored: None in the model dtype; a quantizer
-        (pyramidkv.quantization, by name or object: kivi, kvquant, gear) stores the kept prompt
-        tokens and the generated ones in packed low-bit codes outside a full-precision recent window.
-    decode_budget: tokens per stored head the cache may hold while generating (None: no
-        compression during decoding; the prompt part is compressed once, generated tokens are
-        all kept). With it, every layer re-selects (kept prompt + generated tokens) down to
-        decode_budget with `decode_score` whenever a head would hold decode_budget +
-        decode_interval tokens (see pyramidkv/core/decoding.py and docs/decoding.md).
-    decode_interval: new tokens between two decode-time compressions (default 32: the memory
-        overshoot is at most 32 tokens per head, and each re-selection, O(decode_budget) work
-        per layer, is amortised over 32 steps).
-    num_sinks: the first tokens of the prompt (attention sinks) every head keeps, like the window,
-        whatever their scores (StreamingLLM's sinks; 0: none). The budget includes them.
-    random_fraction: the share of each head's selected tokens (budget minus window and sinks) drawn
-        without replacement from softmax(score) over the tokens the top share left, instead of taken
-        by score (NACL's random eviction; 0: all by score), at prefill. random_seed seeds it: one
-        generator per (seed, layer, stored head), fresh for every prompt, so a prompt draws the same
-        tokens in any batch.
-    key_channel_ratio: ThinK's key-channel pruning (lambda): after selection each stored head keeps
-        its D - floor(lambda D) key channels with the largest ||Q_w[:, c]||^2 ||K_kept[:, c]||^2
-        (Q_w: the prompt's last key_query_window queries) and stores its kept keys that many channels
-        wide, except its key_recent_size most recent kept tokens (full width); values and generated
-        tokens are never pruned (0: no pruning).
+    budget: tokens kept per layer per head of each prompt, observation window included.
+    budget_ratio: the budget as a fraction of each prompt's length, in (0, 1]; it must give at least
+        the window on every prompt.
+    window_size: the most recent prompt tokens, always kept (the observation window of the scorers
+        that read attention).
+    gqa_layout: kv_head keeps one set per KV head (scores reduced over the query group with
+        gqa_reduce); query_head repeats K/V to the query heads first, as the published baselines do
+        (costs g x the memory).
+    gqa_reduce: how a query group's scores become one KV head's: mean, max or sum.
+    head_allocation: how a layer's budget is split across its heads (pyramidkv.allocation): uniform,
+        adakv, headkv.
+    layer_allocation: how the budget is split across layers: uniform, pyramid, zigzag.
+    merge: what happens to evicted tokens: none drops them; a merge rule (pyramidkv.merging: pivot,
+        weighted, mergingpress, cam) folds them into the kept ones without changing which are kept.
+    quant_method: how the kept tokens are stored: none in the model dtype; a quantizer
+        (pyramidkv.quantization: kivi, kvquant, gear) stores the kept prompt tokens and the generated
+        ones in packed low-bit codes outside a full-precision recent window.
+    decode_budget: tokens per stored head the cache may hold while generating (none: no compression
+        during decoding). With it every layer re-selects (kept prompt + generated tokens) down to
+        decode_budget with the method's scorer whenever a head would hold decode_budget +
+        decode_interval tokens (docs/decoding.md).
+    decode_interval: new tokens between two decode-time compressions, only with decode_budget (the
+        memory overshoot is at most this many tokens per head, and each re-selection is amortised over
+        them).
+    num_sinks: the first prompt tokens (attention sinks) every head keeps, like the window, whatever their
+        scores (StreamingLLM's sinks; 0: none). The budget includes them.
+    random_fraction: the share of each head's selected tokens (budget minus window and sinks) drawn at
+        prefill without replacement from softmax(score) over the tokens the top share left, instead of
+        taken by score (NACL's random eviction; 0: all by score).
+    random_seed: seeds the random share: one generator per (seed, layer, stored head), fresh for every
+        prompt, so a prompt draws the same tokens in any batch.
+    key_channel_ratio: ThinK's key-channel pruning (lambda, the share of key channels pruned; 0: off):
+        after selection each stored head keeps its D - floor(lambda D) channels with the largest
+        ||Q_w[:, c]||^2 ||K_kept[:, c]||^2 and stores its kept keys that thin, values and generated
+        tokens never pruned (docs/methods.md).
+    key_recent_size: ThinK: the most recent kept tokens of each head whose keys stay full width.
+    key_query_window: ThinK: the prompt's last queries that score the key channels (Q_w).
     """
 
     kind_key = "method"
@@ -78,6 +83,7 @@ class Method(Component):
     unlabelled = ("budget", "budget_ratio")
     setting_labels = {"budget": "budget (max_capacity_prompts)",
                       "budget_ratio": "budget_ratio (max_capacity_prompts_ratio)"}
+    only_with = {"decode_interval": "decode_budget"}
     needs_budget: ClassVar[bool] = True
     # During decoding the cache accumulates the attention every held token receives (H2O) and
     # passes it to decode_score as ctx.accumulated; costs one extra attention pass per step.
@@ -160,6 +166,28 @@ class Method(Component):
             return self.budget
         return max(self.protected_tokens, round(self.budget_ratio * real_len), 1)
 
+    # --- checks before anything runs ------------------------------------------------------------
+    def check_model(self, model: ModelShape) -> None:
+        """ValueError if the method cannot do what its settings say on this model (the runners call it before
+        the weights load, compress() when it patches): a head-score table that does not fit, quantizer
+        settings the head dim or dtype defeat, ..."""
+        self.head_allocation.check_model(model)
+        self.layer_allocation.check_model(model)
+        if self.quant_method is not None:
+            self.quant_method.check_model(model.head_dim, model.dtype_bytes, model.context_window)
+
+    def check_prompt(self, prompt_len: int) -> None:
+        """ValueError if on a prompt of `prompt_len` tokens the method would not do what its settings say
+        (a ratio budget that resolves below the window is not silently raised to it)."""
+        if self.budget_ratio is not None:
+            share = round(self.budget_ratio * prompt_len)
+            if share < max(self.window_size, 1):
+                needed = max(self.window_size, 1) / prompt_len
+                raise ValueError(f"budget_ratio (max_capacity_prompts_ratio) {self.budget_ratio:g} gives "
+                                 f"round({self.budget_ratio:g} x {prompt_len}) = {share} tokens on a {prompt_len}-token "
+                                 f"prompt, below the {max(self.window_size, 1)} the budget must hold (window_size "
+                                 f"{self.window_size}); use a ratio >= {needed:.4g} or a smaller window_size")
+
     def validate(self) -> None:
         if self.gqa_layout not in GQA_LAYOUTS:
             raise ValueError(f"gqa_layout must be one of {'|'.join(GQA_LAYOUTS)}, got {self.gqa_layout!r}")
@@ -187,8 +215,12 @@ class Method(Component):
                                  f"decoding; it takes no decode_budget (got {self.decode_budget}); use e.g. "
                                  f"streamingllm, h2o or snapkv with decode_budget")
             self._validate_decode_settings()
+            if self.quant_method is not None:
+                self.quant_method.check_budget(None)
             return
         self._validate_decode_settings()
+        if self.quant_method is not None:
+            self.quant_method.check_budget(self.budget)
         if self.merge is not None:
             self.merge.check_method(self)
         if (self.budget is None) == (self.budget_ratio is None):
@@ -210,11 +242,7 @@ class Method(Component):
             raise ValueError(f"decode_interval must be an integer >= 1 (new tokens between two decode-time "
                              f"compressions), got {self.decode_interval!r}")
         if self.decode_budget is None:
-            default = type(self).__dataclass_fields__["decode_interval"].default
-            if self.decode_interval != default:
-                raise ValueError(f"decode_interval={self.decode_interval} only applies with decode_budget "
-                                 f"(compression during decoding); set decode_budget too, or leave decode_interval out")
-            return
+            return   # a decode_interval without decode_budget is refused by Component (only_with)
         if self.quant_method is not None:
             raise ValueError(f"decode_budget (compression during decoding) does not combine with quant_method="
                              f"{self.quant_method.name!r} yet (a quantized cache is never re-selected); use one of them")

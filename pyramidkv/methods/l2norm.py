@@ -17,6 +17,12 @@ from pyramidkv.methods.base import Method
 
 @dataclass(frozen=True)
 class L2Norm(Method):
+    """L2Norm's scorer.
+
+    skip_layers: the first layers keep the whole prompt (the paper leaves 2 uncompressed); must be
+        smaller than the model's layer count.
+    """
+
     name = "l2norm"
     window_size: int = 0
     skip_layers: int = 2
@@ -26,6 +32,13 @@ class L2Norm(Method):
         if self.skip_layers < 0:
             raise ValueError(f"skip_layers must be an integer >= 0 (the first layers left uncompressed), "
                              f"got {self.skip_layers}")
+
+    def check_model(self, model) -> None:
+        super().check_model(model)
+        if self.skip_layers >= model.num_layers:
+            raise ValueError(f"skip_layers {self.skip_layers} leaves none of the model's {model.num_layers} layers "
+                             f"compressed (l2norm would keep the whole prompt); allowed: 0 <= skip_layers < "
+                             f"{model.num_layers}")
 
     def layer_budgets(self, budget, num_layers, prompt_len, layer_scores=None):
         budgets = super().layer_budgets(budget, num_layers, prompt_len, layer_scores)

@@ -31,6 +31,11 @@ def unimportant_counts(rows: torch.Tensor, levels: torch.Tensor) -> torch.Tensor
 
 @dataclass(frozen=True)
 class Scissorhands(Method):
+    """Counts of unimportance over a history window, dropping the most unimportant while decoding.
+
+    history_window: the last queries (prompt rows, then decode steps) whose attention counts how often a
+        token was unimportant."""
+
     name = "scissorhands"
     history_window: int = 64
 

@@ -21,6 +21,14 @@ GQA_POOLING_ORDERS = ("after_reduce", "before_reduce")
 
 @dataclass(frozen=True)
 class SnapKV(Method):
+    """SnapKV's scorer.
+
+    kernel_size: width of the 1-D pooling over the window scores (odd; 1 = no pooling).
+    pooling: max or avg pooling.
+    gqa_pooling: kv_head layout only: after_reduce pools the query group's reduced scores (the public
+        code's order), before_reduce pools each query head first.
+    """
+
     name = "snapkv"
     kernel_size: int = 7
     pooling: str = "max"
@@ -36,6 +44,15 @@ class SnapKV(Method):
             raise ValueError(f"gqa_pooling must be one of {'|'.join(GQA_POOLING_ORDERS)}, got {self.gqa_pooling!r}")
         if self.window_size < 1:
             raise ValueError(f"{self.name} needs window_size >= 1 (the observation window), got {self.window_size}")
+
+    def check_prompt(self, prompt_len: int) -> None:
+        super().check_prompt(prompt_len)
+        candidates = prompt_len - min(self.window_size, prompt_len)
+        compressed = prompt_len > self.prompt_budget(prompt_len)
+        if compressed and self.kernel_size > 1 and candidates > 1 and self.kernel_size // 2 >= candidates - 1:
+            raise ValueError(f"kernel_size {self.kernel_size} is wider than the prompt: on a {prompt_len}-token prompt "
+                             f"the {candidates} tokens before the window all pool to the same score (every score "
+                             f"ties); use kernel_size < {2 * candidates - 1} (odd)")
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         n = ctx.keys.shape[2]

@@ -18,6 +18,12 @@ from pyramidkv.methods.base import Method
 
 @dataclass(frozen=True)
 class StreamingLLM(Method):
+    """StreamingLLM's rule.
+
+    num_sinks: the first prompt tokens always kept (attention sinks); the rest of the budget goes to
+        the most recent tokens.
+    """
+
     name = "streamingllm"
     window_size: int = 0
     num_sinks: int = 4

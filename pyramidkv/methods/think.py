@@ -13,5 +13,10 @@ from pyramidkv.methods.snapkv import SnapKV
 
 @dataclass(frozen=True)
 class ThinK(SnapKV):
+    """SnapKV plus ThinK's key channels, with the official defaults.
+
+    key_channel_ratio: the share of key channels each stored head prunes (ThinK's lambda; 0.4 in the
+        official scripts)."""
+
     name = "think"
     key_channel_ratio: float = 0.4

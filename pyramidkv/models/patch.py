@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import types
+import warnings
 
 from transformers.cache_utils import Cache
 
@@ -27,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 MODEL_GLUE = {"llama": llama, "mistral": mistral}
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
+
+
+class UncompressedWarning(UserWarning):
+    """A forward inside compress() that runs without a cache, so nothing is compressed."""
 
 
 def _decoder(model):
@@ -54,15 +59,8 @@ class CompressionPatch:
         sliding = getattr(model.config, "sliding_window", None)
         if model_type == "mistral" and sliding is not None:
             logger.warning("config.sliding_window=%s is not applied to the compressed cache during decoding", sliding)
-        check_allocation = getattr(method.head_allocation, "check_model", None)
-        if check_allocation is not None:  # e.g. HeadKV's table: missing or misshapen fails here, not mid-run
-            config = model.config
-            check_allocation(ModelShape(config.num_hidden_layers, config.num_attention_heads,
-                                        config.num_key_value_heads, getattr(config, "_name_or_path", "") or ""))
-        if method.quant_method is not None:  # e.g. a group size that does not divide the head dim fails here
-            config = model.config
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            method.quant_method.check_head_dim(head_dim)
+        # e.g. HeadKV's table, a quantizer's group size or bytes, l2norm's skipped layers: fail here, not mid-run
+        method.check_model(model_shape(model.config, next(model.parameters()).dtype.itemsize))
         self.model = model
         self.method = method
         self.glue = MODEL_GLUE[model_type]
@@ -117,11 +115,19 @@ class CompressionPatch:
         if isinstance(cache, CompressedCache):
             if cache.pad_lens is None:
                 cache.set_padding(kwargs.get("attention_mask"), bsz, seq_len)
+            elif cache.get_seq_length() > 0 and seq_len != 1:
+                raise ValueError(f"this CompressedCache already holds a prompt ({cache.get_seq_length()} tokens) and "
+                                 f"takes one new token per forward, got {seq_len}: a compressed cache serves one "
+                                 f"generate() call; pass a new one (patch.new_cache()) or none (compress() gives every "
+                                 f"generate() its own)")
             return None
         use_cache = kwargs.get("use_cache")
         if use_cache is None:
             use_cache = self.model.config.use_cache
         if not use_cache:
+            warnings.warn("use_cache=False inside compress(): the model runs its own attention with no cache, so "
+                          f"nothing is compressed by {self.method.name}; leave use_cache on to compress",
+                          UncompressedWarning, stacklevel=2)
             return None
         empty = cache is None or (isinstance(cache, Cache) and cache.get_seq_length() == 0) or cache == ()
         if not empty:
@@ -131,6 +137,14 @@ class CompressionPatch:
         cache.set_padding(kwargs.get("attention_mask"), bsz, seq_len)
         kwargs["past_key_values"] = cache
         return args, kwargs
+
+
+def model_shape(config, dtype_bytes: int = 0) -> ModelShape:
+    """What a method's checks need to know of a model, from its config (and the bytes of its dtype)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return ModelShape(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+                      getattr(config, "_name_or_path", "") or "", head_dim=head_dim, dtype_bytes=dtype_bytes,
+                      context_window=getattr(config, "max_position_embeddings", 0) or 0)
 
 
 def compress(model, method: Method) -> CompressionPatch:

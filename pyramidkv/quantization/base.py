@@ -24,7 +24,13 @@ from pyramidkv.quantization.uniform import quantize_groups
 
 @dataclass(frozen=True)
 class Quantizer(Component):
-    """Base of the quantizers; subclasses set their defaults and implement `_quantize`."""
+    """Base of the quantizers; subclasses set their defaults and implement `_quantize`.
+
+    nbits: bits per code: 2, 4 or 8.
+    group_size: values per quantization group (keys: tokens of one channel; values: channels of one
+        token); must divide the model's head dim.
+    residual_length: the most recent tokens kept in full precision, a multiple of group_size.
+    """
 
     keys_before_rope: ClassVar[bool] = False   # True: the cache must hand over keys before RoPE
 
@@ -49,6 +55,38 @@ class Quantizer(Component):
         if head_dim % self.group_size:
             raise ValueError(f"{self.name}: group_size {self.group_size} does not divide head_dim {head_dim} "
                              f"(values are quantized per token in groups of group_size channels)")
+
+    def check_model(self, head_dim: int, dtype_bytes: int, context_window: int = 0) -> None:
+        """What the settings need from the model: the group size divides the head dim, and a quantized entry is
+        smaller than an unquantized one in the model's dtype (settings that store more than they save are
+        refused). 0 for an unknown figure skips the checks that need it."""
+        if head_dim:
+            self.check_head_dim(head_dim)
+        if head_dim and dtype_bytes:
+            stored = self.bytes_per_entry(head_dim)
+            if stored > dtype_bytes:
+                raise ValueError(f"{self.name}: these settings store {stored:.4g} bytes per quantized key/value entry "
+                                 f"({self.bytes_explained(head_dim)}), more than the {dtype_bytes} bytes of the "
+                                 f"unquantized cache in the model's dtype: nothing would be saved; "
+                                 f"{self.bytes_advice()}")
+
+    def bytes_per_entry(self, head_dim: int) -> float:
+        """Average bytes one quantized key or value entry costs in a long block: its code plus its share of
+        the group's fp16 scale and zero, plus what the unit adds (`extra_bytes_per_entry`)."""
+        return self.nbits / 8 + 4 / self.group_size + self.extra_bytes_per_entry(head_dim)
+
+    def extra_bytes_per_entry(self, head_dim: int) -> float:
+        return 0.0
+
+    def bytes_explained(self, head_dim: int) -> str:
+        return f"{self.nbits}-bit code + an fp16 scale and zero per group of {self.group_size}"
+
+    def bytes_advice(self) -> str:
+        return "use a larger group_size (32 or 64) or fewer bits"
+
+    def check_budget(self, budget) -> None:
+        """ValueError if a method keeping `budget` prompt tokens per head would quantize none of them for
+        reasons of these settings (budget None: the method keeps every token)."""
 
     def quantize_keys(self, keys: torch.Tensor, *, decoding: bool = False) -> QuantizedBlock:
         """keys: [N, T, D], T a multiple of group_size -> per-channel groups of group_size tokens.

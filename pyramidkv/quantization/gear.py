@@ -43,6 +43,15 @@ def low_rank_factors(error: torch.Tensor, rank: int, iterations: int, seed: int)
 
 @dataclass(frozen=True)
 class GEARQuantizer(Quantizer):
+    """GEAR.
+
+    outlier_fraction: share of each head's entries kept exactly as sparse outliers, in [0, 1).
+    rank: rank of the low-rank error term of a block quantized at prefill, at most the head dim.
+    decode_rank: the same for blocks compressed while decoding.
+    power_iterations: subspace iterations of the low-rank fit (>= 1).
+    seed: seed of the low-rank fit's random start; an integer in [0, 2**64).
+    """
+
     name = "gear"
 
     nbits: int = 2
@@ -64,8 +73,27 @@ class GEARQuantizer(Quantizer):
                 raise ValueError(f"gear: {setting} must be >= 0 (0: no low-rank term), got {getattr(self, setting)!r}")
         if self.power_iterations < 1:
             raise ValueError(f"gear: power_iterations must be >= 1, got {self.power_iterations!r}")
-        if self.seed < 0:
-            raise ValueError(f"gear: seed must be >= 0, got {self.seed!r}")
+        if not 0 <= self.seed < 1 << 64:
+            raise ValueError(f"gear: seed must be an integer in [0, 2**64) (a torch generator seed), got {self.seed!r}")
+
+    def check_model(self, head_dim: int, dtype_bytes: int, context_window: int = 0) -> None:
+        for setting in ("rank", "decode_rank"):
+            if head_dim and getattr(self, setting) > head_dim:
+                raise ValueError(f"gear: {setting} {getattr(self, setting)} is above the head dim {head_dim} (a rank is "
+                                 f"at most min(tokens, head dim)); allowed: 0 <= {setting} <= {head_dim}")
+        super().check_model(head_dim, dtype_bytes, context_window)
+
+    def extra_bytes_per_entry(self, head_dim: int) -> float:
+        # Outliers: fp16 value + int32 index each; low rank: a [T, r] fp16 factor per block (the [D, r] one is
+        # shared by the block's tokens and left out).
+        return 6 * self.outlier_fraction + 2 * max(self.rank, self.decode_rank) / head_dim
+
+    def bytes_explained(self, head_dim: int) -> str:
+        return (f"{super().bytes_explained(head_dim)}, + outliers ({self.outlier_fraction} of the entries at 6 bytes) "
+                f"+ a rank-{max(self.rank, self.decode_rank)} fp16 factor")
+
+    def bytes_advice(self) -> str:
+        return "use a smaller outlier_fraction (0.02) or rank, a larger group_size or fewer bits"
 
     def _quantize(self, rows, layout, shape, decoding):
         n, tokens, dim = shape

@@ -68,6 +68,14 @@ def fit_levels(sample: torch.Tensor, count: int, iterations: int) -> torch.Tenso
 
 @dataclass(frozen=True)
 class KVQuantQuantizer(Quantizer):
+    """KVQuant.
+
+    outlier_fraction: share of each vector kept exactly as sparse outliers, in [0, 1).
+    sink_tokens: the first prompt tokens kept in full precision (the attention sink).
+    datatype: uniform levels, or nuq (1-D k-means levels fitted per block, not calibrated).
+    kmeans_iterations: Lloyd steps of the nuq fit (>= 1).
+    """
+
     name = "kvquant"
     keys_before_rope = True
 
@@ -90,6 +98,30 @@ class KVQuantQuantizer(Quantizer):
             raise ValueError(f"kvquant: datatype must be one of {', '.join(DATATYPES)}, got {self.datatype!r}")
         if self.kmeans_iterations < 1:
             raise ValueError(f"kvquant: kmeans_iterations must be >= 1, got {self.kmeans_iterations!r}")
+
+    def extra_bytes_per_entry(self, head_dim: int) -> float:
+        # Per value vector ceil(f * D) exact entries of fp16 value + int16 index (keys' channel rows: about f).
+        return 4 * outlier_count(self.outlier_fraction, head_dim) / head_dim
+
+    def bytes_explained(self, head_dim: int) -> str:
+        return (f"{super().bytes_explained(head_dim)}, + {outlier_count(self.outlier_fraction, head_dim)} of every "
+                f"{head_dim} entries kept exactly at 4 bytes (outlier_fraction {self.outlier_fraction})")
+
+    def bytes_advice(self) -> str:
+        return "use a smaller outlier_fraction (0.01), a larger group_size or fewer bits"
+
+    def check_model(self, head_dim: int, dtype_bytes: int, context_window: int = 0) -> None:
+        super().check_model(head_dim, dtype_bytes, context_window)
+        if context_window and self.sink_tokens >= context_window:
+            raise ValueError(f"kvquant: sink_tokens {self.sink_tokens} covers the model's whole context window "
+                             f"({context_window} tokens): every prompt token would stay in full precision and "
+                             f"nothing be quantized; allowed: 0 <= sink_tokens < {context_window}")
+
+    def check_budget(self, budget) -> None:
+        if budget is not None and self.sink_tokens >= budget:
+            raise ValueError(f"kvquant: sink_tokens {self.sink_tokens} covers every one of the {budget} prompt tokens a "
+                             f"head keeps (the budget): they would all stay in full precision and none be "
+                             f"quantized; allowed: 0 <= sink_tokens < {budget}")
 
     def _quantize(self, rows, layout, shape, decoding):
         n, num_rows, length = rows.shape

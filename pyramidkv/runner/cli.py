@@ -1,73 +1,135 @@
-"""Command-line conventions shared by run_longbench.py, run_ruler.py and run_needle_in_haystack.py.
+"""The command line every runner shares, generated from the settings dataclasses (as HfArgumentParser does).
 
-Flag names follow the public PyramidKV harness (`--method`, `--model_path`,
-`--max_capacity_prompts`, `--attn_implementation`, `--save_dir`, ...). Method
-settings given on the command line are passed to the method; one the method
-does not have is an error (never parsed and ignored). Defaults live only in
-the method dataclasses.
+Every setting of every registered method, allocator, merge rule and quantizer gets a flag: its name (see
+pyramidkv/methods/settings.py: a unit setting by its field when that is unambiguous, and always by its
+axis-qualified name, `--quant_rank`, `--merge_seed`), its help from the field's documentation, its
+default from the dataclass (shown in the help, never restated here: a flag left out is not passed). The
+public harness's names stay as aliases (`--max_capacity_prompts`, `--window_sizes`, `--floor`, ...).
+`--method` takes a method name or a whole spec (`snapkv:window_size=8,merge=cam`); flags add to it. An
+error names the flag (or spec item) the user typed, the value and what is allowed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import typing
 from pathlib import Path
 
-from pyramidkv.allocation import HEAD_ALLOCATIONS, LAYER_ALLOCATIONS
-from pyramidkv.merging import MERGE_RULES
-from pyramidkv.methods import METHODS, Method, make_method
+from pyramidkv.components import parse_setting, setting_help
+from pyramidkv.methods import METHODS, Method, get_method_class
+from pyramidkv.methods.settings import AXES, AXIS_BY_FIELD, bare_unit_names, build_method, read_settings, split_spec
 from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
-from pyramidkv.quantization import QUANTIZERS
 
-# CLI flag -> method setting. A flag left unset is not passed (the method's default applies).
-METHOD_FLAGS = {
-    "max_capacity_prompts": "budget",
-    "max_capacity_prompts_ratio": "budget_ratio",
-    "window_sizes": "window_size",
-    "kernel_sizes": "kernel_size",
-    "pooling": "pooling",
-    "beta": "beta",
-    "num_sinks": "num_sinks",
-    "gqa_layout": "gqa_layout",
-    "gqa_reduce": "gqa_reduce",
-    "gqa_pooling": "gqa_pooling",
-    "skip_layers": "skip_layers",
-    "head_allocation": "head_allocation",
-    "layer_allocation": "layer_allocation",
-    "floor": "floor_ratio",
-    "normalize": "normalize",
-    "head_path": "head_scores",
-    "head_beta": "head_beta",
-    "attention_threshold": "attention_threshold",
-    "b_bound_ratio": "b_bound_ratio",
-    "merge": "merge",
-    "similarity_threshold": "similarity_threshold",
-    "merge_fraction": "merge_fraction",
-    "merge_budget": "merge_budget",
-    "start_budget_ratio": "start_budget_ratio",
-    "merge_sampling": "sampling",
-    "merge_seed": "seed",
-    "quant_method": "quant_method",
-    "nbits": "nbits",
-    "q_group_size": "group_size",
-    "quant_residual_length": "residual_length",
-    "quant_outlier_fraction": "outlier_fraction",
-    "quant_sink_tokens": "sink_tokens",
-    "quant_datatype": "datatype",
-    "quant_rank": "rank",
-    "quant_decode_rank": "decode_rank",
-    "decode_budget": "decode_budget",
-    "decode_interval": "decode_interval",
-    "random_fraction": "random_fraction",
-    "random_seed": "random_seed",
-    "proxy_size": "proxy_size",
-    "key_channel_ratio": "key_channel_ratio",
-    "key_recent_size": "key_recent_size",
-    "key_query_window": "key_query_window",
-    "history_window": "history_window",
+# The public PyramidKV harness's flag names (and earlier ones of ours), by the setting they set.
+FLAG_ALIASES = {
+    "budget": ("--max_capacity_prompts",),
+    "budget_ratio": ("--max_capacity_prompts_ratio",),
+    "window_size": ("--window_sizes",),
+    "kernel_size": ("--kernel_sizes",),
+    "head_floor_ratio": ("--floor",),
+    "head_scores": ("--head_path",),
+    "quant_group_size": ("--q_group_size",),
 }
 
 
-def add_model_and_method_args(parser: argparse.ArgumentParser) -> None:
+@dataclasses.dataclass(frozen=True)
+class SettingFlag:
+    key: str                      # the setting's name in a spec (the flag's dest)
+    flags: tuple[str, ...]        # option strings, the first shown first
+    annotation: object
+    help: str
+    choices: tuple[str, ...] = ()
+
+
+def _defaults_text(owners: dict[str, object]) -> str:
+    """'7' when every owner has that default, else '7; cam: 1' (the most common first, the others by owner)."""
+    texts = {owner: ("none" if v is None else getattr(v, "name", None) or str(v)) for owner, v in owners.items()}
+    counts: dict[str, int] = {}
+    for text in texts.values():
+        counts[text] = counts.get(text, 0) + 1
+    common = max(counts, key=counts.get)
+    others = [f"{owner}: {text}" for owner, text in texts.items() if text != common]
+    if len(owners) > 1 and len(texts) > 1 and not others and len(counts) == 1:
+        return common
+    return "; ".join([common] + others) if others else common
+
+
+def setting_flags(taken: set[str] = frozenset()) -> list[SettingFlag]:
+    """One flag per setting of every registered method and unit (read from the registries at call time, so a
+    new field or unit gets its flag with no edit here). Option strings in `taken` (a benchmark's own flags)
+    are left to the benchmark."""
+    method_fields: dict[str, dict[str, object]] = {}
+    docs: dict[str, str] = {}
+    annotations: dict[str, object] = {}
+    for name, cls in METHODS.items():
+        hints = typing.get_type_hints(cls)
+        helps = setting_help(cls)
+        for f in dataclasses.fields(cls):
+            method_fields.setdefault(f.name, {})[name] = f.default
+            docs.setdefault(f.name, helps.get(f.name, ""))
+            annotations.setdefault(f.name, hints[f.name])
+    out = []
+    for key, owners in method_fields.items():
+        if key == "method":
+            continue
+        which = "" if len(owners) == len(METHODS) else f"{', '.join(owners)}: "
+        default = _defaults_text(owners)
+        axis = AXIS_BY_FIELD.get(key)
+        choices = tuple(axis.registry) + ("none",) if axis is not None else ()
+        flags = [f for f in (*FLAG_ALIASES.get(key, ()), f"--{key}") if f not in taken]
+        out.append(SettingFlag(key, tuple(flags), annotations[key], f"{which}{docs[key]} [{default}]", choices))
+    bare = bare_unit_names(method_fields)
+    for axis in AXES:
+        for setting, units in axis.fields().items():
+            key = axis.qualified(setting)
+            names = [*FLAG_ALIASES.get(key, ())]
+            if bare.get(setting) is axis:
+                names.append(f"--{setting}")
+            names.append(f"--{key}")
+            flags = tuple(f for f in dict.fromkeys(names) if f not in taken)
+            helps = {unit: setting_help(axis.registry[unit]).get(setting, "") for unit in units}
+            if len(set(helps.values())) == 1:
+                text = f"{' / '.join(units)}: {next(iter(helps.values()))}"
+            else:
+                text = "; ".join(f"{unit}: {h}" for unit, h in helps.items())
+            unit_defaults = {unit: {f.name: f.default for f in dataclasses.fields(axis.registry[unit])}[setting]
+                        for unit in units}
+            hints = typing.get_type_hints(axis.registry[units[0]])
+            out.append(SettingFlag(key, flags, hints[setting], f"{text} [{_defaults_text(unit_defaults)}]"))
+    return out
+
+
+def _reader(annotation, flag: str):
+    def read(text: str):
+        try:
+            return parse_setting(text, annotation)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    read.__name__ = flag
+    return read
+
+
+def _is_bool(annotation) -> bool:
+    if typing.get_origin(annotation) is typing.Union:
+        annotation = [a for a in typing.get_args(annotation) if a is not type(None)][0]
+    return annotation is bool
+
+
+class _Typed(argparse.Action):
+    """Stores the value and remembers the option string the user typed (errors name it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        typed = getattr(parser, "typed_flags", None)
+        if typed is None:
+            typed = parser.typed_flags = {}
+        typed[self.dest] = option_string
+
+
+def add_model_and_method_args(parser: argparse.ArgumentParser) -> list[str]:
+    """The model, method and run flags; returns the dests of the method settings."""
+    taken = set(parser._option_string_actions)
     g = parser.add_argument_group("model")
     g.add_argument("--model_path", default=DEFAULT_MODEL_NAME,
                    help=f"local HF directory, hub id, or {DEFAULT_MODEL_NAME!r} (embedded default)")
@@ -76,103 +138,33 @@ def add_model_and_method_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attn_implementation", default="sdpa", choices=["eager", "sdpa", "flash_attention_2"])
     g.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto")
     g.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                   help="default: float32 on CPU, bfloat16 on CUDA")
-    m = parser.add_argument_group("compression method")
-    m.add_argument("--method", required=True, type=str.lower, choices=list(METHODS))
-    m.add_argument("--max_capacity_prompts", type=int, default=None,
-                   help="tokens kept per layer per head, observation window included")
-    m.add_argument("--max_capacity_prompts_ratio", type=float, default=None,
-                   help="budget as a fraction of each prompt's length (instead of --max_capacity_prompts)")
-    m.add_argument("--window_sizes", type=int, default=None, help="observation window (method default if unset)")
-    m.add_argument("--kernel_sizes", type=int, default=None, help="SnapKV/PyramidKV pooling kernel")
-    m.add_argument("--pooling", choices=["max", "avg"], default=None)
-    m.add_argument("--beta", type=float, default=None,
-                   help="pyramid layer allocation: min layer budget = (budget - window) / beta (default 20)")
-    m.add_argument("--num_sinks", type=int, default=None, help="StreamingLLM sink tokens")
-    m.add_argument("--gqa_layout", choices=["kv_head", "query_head"], default=None)
-    m.add_argument("--gqa_reduce", choices=["mean", "max", "sum"], default=None)
-    m.add_argument("--gqa_pooling", choices=["after_reduce", "before_reduce"], default=None,
-                   help="SnapKV/PyramidKV in the kv_head layout: pool the scores after reducing the query group "
-                        "(the public code's order, default) or pool each query head first")
-    m.add_argument("--skip_layers", type=int, default=None,
-                   help="L2Norm: the first N layers keep the whole prompt (paper default 2)")
-    a = parser.add_argument_group("budget allocation (any method; defaults: the method's own)")
-    a.add_argument("--head_allocation", choices=list(HEAD_ALLOCATIONS), default=None,
-                   help="split each layer's budget across heads: uniform, adakv (AdaKV), headkv (HeadKV table)")
-    a.add_argument("--layer_allocation", choices=list(LAYER_ALLOCATIONS), default=None,
-                   help="split the budget across layers: uniform, pyramid (PyramidKV), zigzag (ZigZagKV)")
-    a.add_argument("--floor", type=float, default=None,
-                   help="adakv: floor_ratio, the share of the uniform budget every head keeps at least (default 0.2)")
-    a.add_argument("--normalize", action="store_true", default=None,
-                   help="adakv: scale each head's scores by its top-budget mass before the global top-k")
-    a.add_argument("--head_path", default=None,
-                   help="headkv: head-score table (HeadKV JSON; default: the table shipped for the model, "
-                        "else make one with scripts/head_scores.py)")
-    a.add_argument("--head_beta", type=float, default=None,
-                   help="headkv: each head keeps at least s - s // head_beta selected tokens (default 1.01)")
-    a.add_argument("--attention_threshold", type=float, default=None,
-                   help="zigzag: score mass LMBA counts (default 0.9)")
-    a.add_argument("--b_bound_ratio", type=float, default=None,
-                   help="zigzag: each layer's guaranteed share of the uniform budget (default 0.2)")
-    mg = parser.add_argument_group("merging evicted tokens (any method but fullkv; default: drop them)")
-    mg.add_argument("--merge", type=str.lower, choices=list(MERGE_RULES), default=None,
-                    help="fold evicted tokens into kept ones: pivot | weighted (the public harness's rules), "
-                         "mergingpress (merge-on-evict, values only), cam (CaM)")
-    mg.add_argument("--similarity_threshold", type=float, default=None,
-                    help="mergingpress: merge only evicted tokens at least this cosine-similar to their target "
-                         "(default 0.0)")
-    mg.add_argument("--merge_fraction", type=float, default=None,
-                    help="mergingpress: merge only this fraction of the eligible tokens, most similar first (default 1.0)")
-    mg.add_argument("--merge_budget", type=int, default=None,
-                    help="cam: kept tokens each evicted value is spread over (default: the window size)")
-    mg.add_argument("--start_budget_ratio", type=float, default=None,
-                    help="cam: share of the prompt's first tokens used as CaM's reference and never merged (default 0.1)")
-    mg.add_argument("--merge_sampling", action="store_true", default=None,
-                    help="cam: draw each merge (Bernoulli) instead of merging its expectation (seeded by --merge_seed)")
-    mg.add_argument("--merge_seed", type=int, default=None, help="cam with --merge_sampling: the seed (default 0)")
-    q = parser.add_argument_group("quantized KV storage (any method; default: the model dtype)")
-    q.add_argument("--quant_method", type=str.lower, choices=list(QUANTIZERS), default=None,
-                   help="store the kept and generated tokens quantized: kivi (KIVI), kvquant (KVQuant), gear (GEAR)")
-    q.add_argument("--nbits", type=int, default=None, help="bits per code: 2, 4 or 8 (kivi/gear 2, kvquant 4)")
-    q.add_argument("--q_group_size", type=int, default=None,
-                   help="values per quantization group; must divide the head dim (kivi 32, kvquant 32, gear 64)")
-    q.add_argument("--quant_residual_length", type=int, default=None,
-                   help="recent tokens kept in full precision, a multiple of the group size (kivi 128, kvquant 0, "
-                        "gear 64)")
-    q.add_argument("--quant_outlier_fraction", type=float, default=None,
-                   help="kvquant / gear: share of entries kept exactly as sparse outliers (0.01 / 0.02)")
-    q.add_argument("--quant_sink_tokens", type=int, default=None,
-                   help="kvquant: first prompt tokens kept in full precision (default 1)")
-    q.add_argument("--quant_datatype", choices=["uniform", "nuq"], default=None,
-                   help="kvquant: uniform levels, or nuq (1-D k-means levels fitted per block, not calibrated)")
-    q.add_argument("--quant_rank", type=int, default=None, help="gear: low-rank rank at prefill (default 4)")
-    q.add_argument("--quant_decode_rank", type=int, default=None,
-                   help="gear: low-rank rank of blocks compressed while decoding (default 2)")
-    d = parser.add_argument_group("compression during decoding (any method but fullkv; default: off)")
-    d.add_argument("--decode_budget", type=int, default=None,
-                   help="tokens per head the cache may hold while generating (>= the window); every "
-                        "--decode_interval new tokens each layer re-selects down to it with the method's scorer")
-    d.add_argument("--decode_interval", type=int, default=None,
-                   help="new tokens between two decode-time compressions; the cache holds at most "
-                        "decode_budget + decode_interval tokens per head (default 32)")
-    e = parser.add_argument_group("selection extras (any method but fullkv): NACL's random share, ThinK's key "
-                                  "channels, Scissorhands' history (docs/methods.md)")
-    e.add_argument("--random_fraction", type=float, default=None,
-                   help="share of the selected tokens drawn from softmax(score) instead of by score (nacl)")
-    e.add_argument("--random_seed", type=int, default=None, help="seed of the random share")
-    e.add_argument("--proxy_size", type=int, default=None, help="nacl: prompt queries that score the tokens")
-    e.add_argument("--key_channel_ratio", type=float, default=None,
-                   help="ThinK: share of key channels pruned (think: 0.4; other methods: 0, off)")
-    e.add_argument("--key_recent_size", type=int, default=None, help="ThinK: most recent kept keys left full width")
-    e.add_argument("--key_query_window", type=int, default=None, help="ThinK: prompt queries scoring the channels")
-    e.add_argument("--history_window", type=int, default=None,
-                   help="scissorhands: decode steps whose attention is counted")
+                   help="when not given: float32 on CPU, bfloat16 on CUDA")
+    m = parser.add_argument_group(
+        "compression method", "every setting of every method and unit; [..] shows the dataclass defaults, a flag "
+        "left out keeps them")
+    m.add_argument("--method", required=True,
+                   help=f"a method ({', '.join(METHODS)}) or a whole spec, e.g. snapkv:window_size=8,merge=cam")
+    dests = []
+    for flag in setting_flags(taken):
+        if not flag.flags:
+            continue
+        kwargs = dict(dest=flag.key, default=None, action=_Typed, help=flag.help)
+        if flag.choices:
+            kwargs.update(type=str.lower, choices=flag.choices, metavar="{" + ",".join(flag.choices) + "}")
+        elif _is_bool(flag.annotation):
+            kwargs.update(nargs="?", const=True, type=_reader(flag.annotation, flag.flags[0]), metavar="true|false")
+        else:
+            kwargs.update(type=_reader(flag.annotation, flag.flags[0]))
+        m.add_argument(*flag.flags, **kwargs)
+        dests.append(flag.key)
     r = parser.add_argument_group("run")
     r.add_argument("--num_threads", type=int, default=None,
-                   help="CPU threads for torch (default: torch's choice; 1 is faster on a busy shared CPU)")
+                   help="CPU threads for torch (when not given: torch's choice; 1 is faster on a busy shared CPU)")
     r.add_argument("--overwrite", action="store_true",
                    help="delete the run folder's earlier results first (needed to rerun a folder with other "
                         "settings: a resume must match the stored configuration)")
+    parser.set_defaults(_setting_dests=dests)
+    return dests
 
 
 # Errors a runner reports as one line and exit status 2 (bad input, found before anything is written).
@@ -197,10 +189,41 @@ def apply_num_threads(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.num_threads)
 
 
-def method_from_args(args: argparse.Namespace) -> Method:
-    settings = {setting: getattr(args, flag) for flag, setting in METHOD_FLAGS.items()
-                if getattr(args, flag, None) is not None}
-    return make_method(args.method, **settings)
+def method_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> Method:
+    """The method of --method (a name or a spec) and the setting flags given. On a bad setting: ValueError
+    naming the flags (or spec items) that cause it, as the user typed them."""
+    name, items = split_spec(args.method)
+    cls = get_method_class(name)
+    typed = getattr(parser, "typed_flags", {}) if parser is not None else {}
+    labels = {key: key for key, _ in items}                         # how messages name each given setting
+    shown = {key: f"{key}={raw} (in --method {args.method})" for key, raw in items}   # ... with its value
+    settings = read_settings(cls, items, lambda key: labels.get(key, key))
+    for key in getattr(args, "_setting_dests", []):
+        value = getattr(args, key, None)
+        if value is None:
+            continue
+        flag = typed.get(key, f"--{key}")
+        if key in settings:
+            raise ValueError(f"{shown[key]} and {flag} {value} set the same setting; give it once")
+        settings[key] = None if value == "none" else value
+        labels[key], shown[key] = flag, f"{flag} {value}"
+    label = lambda key: labels.get(key, key)  # noqa: E731
+    try:
+        return build_method(cls, settings, label)
+    except ValueError as error:
+        culprits = [key for key in settings if _error_without(cls, settings, key) != str(error)]
+        named = [shown[key] for key in culprits if f"{labels[key]} " not in f"{error} "]
+        raise ValueError(f"{', '.join(named)}: {error}" if named else str(error)) from None
+
+
+def _error_without(cls, settings: dict, key: str) -> str:
+    """The error building the method gives without one setting ('' if none): a setting whose removal changes
+    the error is one the error is about."""
+    try:
+        build_method(cls, {k: v for k, v in settings.items() if k != key})
+    except ValueError as e:
+        return str(e)
+    return ""
 
 
 def budget_label(method: Method) -> str:
@@ -234,14 +257,14 @@ def run_dir(save_dir: str, model_path: str, method: Method) -> Path:
 
 def check_model_args(args: argparse.Namespace, method: Method | None = None):
     """load_model's checks without loading weights: (resolved path, config, device, dtype). With the method:
-    also what the method needs from the model (a quantizer's group size must divide the head dim)."""
-    from pyramidkv.models.loading import check_model
+    also what the method needs from the model (Method.check_model: head tables, quantizer settings, layers)."""
+    from pyramidkv.models.loading import DTYPES, check_model
+    from pyramidkv.models.patch import model_shape
 
     checked = check_model(args.model_path, args.attn_implementation, args.device, args.dtype, args.model_class)
-    config = checked[1]
-    if method is not None and method.quant_method is not None and config is not None:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        method.quant_method.check_head_dim(head_dim)
+    config, dtype = checked[1], checked[3]
+    if method is not None and config is not None:
+        method.check_model(model_shape(config, DTYPES[dtype].itemsize))
     return checked
 
 
@@ -251,7 +274,11 @@ def run_fingerprint(args: argparse.Namespace, method: Method, model_check, extra
 
     path, _, device, dtype = model_check
     table = getattr(method.head_allocation, "head_scores", None)
-    if table is not None and Path(table).is_file():  # a table edited in place under the same path shows
+    if table is not None and Path(table).is_file():  # the table's content: one edited in place under the same path shows
         extra = {**(extra or {}), "head_scores_file": file_digest(Path(table))}
-    return generation_fingerprint(vars(args), method, model_fingerprint(path),
+    # The method's settings are in the fingerprint's method section (its full description), whichever flags or
+    # spec gave them: spelling out a default value is the same configuration as leaving it out.
+    setting_args = {"method", *getattr(args, "_setting_dests", ())}
+    arguments = {k: v for k, v in vars(args).items() if k not in setting_args and not k.startswith("_")}
+    return generation_fingerprint(arguments, method, model_fingerprint(path),
                                   {"device": device.split(":")[0], "dtype": dtype}, extra)

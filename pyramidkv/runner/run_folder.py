@@ -44,6 +44,17 @@ NON_GENERATING_ARGS = {
 }
 # Arguments fingerprinted by their resolved value instead (auto -> cpu/cuda, default dtype -> its name).
 RESOLVED_ARGS = ("device", "dtype", "model_path")
+# Method flags that fingerprints written before the method spec recorded among the arguments. The method
+# section holds the method's whole configuration, so a stored fingerprint's copies of them are not compared
+# (a run made with `--quant_method kivi` resumes with `--quant_method kivi --nbits 2`).
+LEGACY_METHOD_ARGS = frozenset({
+    "method", "max_capacity_prompts", "max_capacity_prompts_ratio", "window_sizes", "kernel_sizes", "pooling", "beta",
+    "num_sinks", "gqa_layout", "gqa_reduce", "gqa_pooling", "skip_layers", "head_allocation", "layer_allocation",
+    "floor", "normalize", "head_path", "head_beta", "attention_threshold", "b_bound_ratio", "merge",
+    "similarity_threshold", "merge_fraction", "merge_budget", "start_budget_ratio", "merge_sampling", "merge_seed",
+    "quant_method", "nbits", "q_group_size", "quant_residual_length", "quant_outlier_fraction", "quant_sink_tokens",
+    "quant_datatype", "quant_rank", "quant_decode_rank", "decode_budget", "decode_interval",
+})
 
 LOCK_NAME = ".run.lock"
 RUN_META = "run_meta.json"
@@ -186,11 +197,19 @@ def generation_fingerprint(args: dict, method, model_files: dict, resolved: dict
     return json.loads(json.dumps(fingerprint, default=str))   # the form it has once read back from disk
 
 
-def fingerprint_differences(old: dict, new: dict) -> list[str]:
-    """Readable 'setting: old -> new' lines for each differing leaf (one level into each section)."""
+def fingerprint_differences(old: dict, new: dict, argument_defaults: Optional[dict] = None) -> list[str]:
+    """Readable 'setting: old -> new' lines for each differing leaf (one level into each section).
+
+    An argument the stored fingerprint lacks (a flag added since) counts as equal when the new run leaves it
+    at its default (`argument_defaults`); the method flags older fingerprints listed among the arguments are
+    compared through the method section instead (LEGACY_METHOD_ARGS)."""
+    defaults = json.loads(json.dumps(argument_defaults or {}, default=str))
     lines = []
     for section in sorted(set(old) | set(new)):
         a, b = old.get(section), new.get(section)
+        if section == "arguments" and isinstance(a, dict) and isinstance(b, dict):
+            a = {k: v for k, v in a.items() if k not in LEGACY_METHOD_ARGS or k in b}
+            a.update({k: defaults[k] for k in b if k not in a and k in defaults and b[k] == defaults[k]})
         if isinstance(a, dict) and isinstance(b, dict):
             for key in sorted(set(a) | set(b)):
                 if a.get(key, "<unset>") != b.get(key, "<unset>"):
@@ -205,7 +224,8 @@ def _result_files(folder: Path) -> list[Path]:
     return sorted({p for pattern in RESULT_GLOBS for p in folder.glob(pattern) if p.is_file()})
 
 
-def open_run_folder(folder: Path, fingerprint: dict, overwrite: bool = False) -> RunLock:
+def open_run_folder(folder: Path, fingerprint: dict, overwrite: bool = False,
+                    argument_defaults: Optional[dict] = None) -> RunLock:
     """Create and lock the run folder; check that its results came from `fingerprint` (or clear them
     with `overwrite`). Returns the held lock. On refusal nothing is left behind: the lock is
     released and folders this call created are removed again."""
@@ -231,7 +251,7 @@ def open_run_folder(folder: Path, fingerprint: dict, overwrite: bool = False) ->
                     f"{folder} holds results ({results[0].name}, ...) but no configuration fingerprint in "
                     f"{RUN_META} (written by an older version or by hand), so resuming could mix "
                     f"configurations; rerun with --overwrite or use another --save_dir")
-            diffs = fingerprint_differences(stored, fingerprint)
+            diffs = fingerprint_differences(stored, fingerprint, argument_defaults)
             if diffs:
                 raise RunFolderError(
                     f"{folder} holds results of another configuration ({'; '.join(diffs)}); rerun with "

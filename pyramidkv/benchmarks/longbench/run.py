@@ -18,7 +18,7 @@ import argparse
 import json
 import random
 import sys
-import time
+from array import array
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Sequence
@@ -58,7 +58,10 @@ MODEL_MAX_LENGTH = {
 
 REQUIRED_FIELDS = ("_id", "answers", "length")
 HUB_DATASET = "THUDM/LongBench"
-_SENTINEL = "\u2063PYRAMIDKV_PROMPT\u2063"
+
+from pyramidkv.benchmarks.prompting import chat_frame  # noqa: E402
+from pyramidkv.runner.protocol import Benchmark, Sample, SampleFile, run_benchmark  # noqa: E402
+from pyramidkv.runner.protocol import build_parser as protocol_parser  # noqa: E402
 
 
 @lru_cache(maxsize=None)
@@ -211,11 +214,7 @@ class PromptBuilder:
         tok = self.tokenizer
         if getattr(tok, "chat_template", None) is None:
             return None
-        text = tok.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False,
-                                       add_generation_prompt=True)
-        if text.count(_SENTINEL) != 1:
-            raise ValueError("the tokenizer's chat template does not insert the user message verbatim once")
-        before, after = text.split(_SENTINEL)
+        before, after = chat_frame(tok)          # the template's own rendering of a lone user turn
         encode = lambda s: tok(s, add_special_tokens=False).input_ids if s else []  # noqa: E731
         return encode(before), encode(after)
 
@@ -269,158 +268,98 @@ def stop_token_ids(model, tokenizer, dataset: str) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-# --- command line ------------------------------------------------------------------------------
+# --- the benchmark adapter ---------------------------------------------------------------------
 
-def build_parser() -> argparse.ArgumentParser:
-    from pyramidkv.runner.cli import add_model_and_method_args
+class LongBench(Benchmark):
+    name = "longbench"
+    prog = "run_longbench.py"
+    description = "Run LongBench v1 with a KV-cache compression method; `--eval` scores the run afterwards."
+    key = "_id"
 
-    parser = argparse.ArgumentParser(
-        prog="run_longbench.py",
-        description="Run LongBench v1 with a KV-cache compression method; `--eval` scores the run afterwards.",
-    )
-    add_model_and_method_args(parser)
-    d = parser.add_argument_group("LongBench")
-    d.add_argument("--data_dir", default=None,
-                   help="folder with the official {dataset}.jsonl files; without it the data comes from the "
-                        f"Hugging Face hub ({HUB_DATASET}), which needs network access")
-    d.add_argument("--datasets", nargs="+", default=None,
-                   help="dataset names (space or comma separated) or `all` (21); default: the 16 English/code "
-                        "datasets (" + " ".join(ENGLISH_DATASETS) + ")")
-    d.add_argument("--e", action="store_true", help="LongBench-E: {dataset}_e files, length-bucket scores")
-    d.add_argument("--max_num_examples", type=int, default=None, help="at most this many samples per dataset")
-    d.add_argument("--sample_method", choices=["topk", "random"], default="topk",
-                   help="with --max_num_examples: the first N rows (topk) or N random rows (random, --seed)")
-    d.add_argument("--seed", type=int, default=42)
-    d.add_argument("--eval_batch_size", type=int, default=1, help="prompts per batch (left-padded)")
-    d.add_argument("--max_length", type=int, default=None,
-                   help="prompt tokens kept (middle truncation); default: known-model table, else the model's "
-                        "context window minus the dataset's new tokens")
-    d.add_argument("--max_new_tokens", type=int, default=None,
-                   help="override the official per-dataset generation length (smoke tests only)")
-    d.add_argument("--save_dir", default="results/longbench",
-                   help="results go to {save_dir}/{model}_{budget}/{method}/{dataset}.jsonl")
-    d.add_argument("--eval", action="store_true", help="score the run when it is done (same code as eval.py)")
-    return parser
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        d = parser.add_argument_group("LongBench")
+        d.add_argument("--data_dir", default=None,
+                       help="folder with the official {dataset}.jsonl files; without it the data comes from the "
+                            f"Hugging Face hub ({HUB_DATASET}), which needs network access")
+        d.add_argument("--datasets", nargs="+", default=None,
+                       help="dataset names (space or comma separated) or `all` (21); when not given: the 16 "
+                            "English/code datasets (" + " ".join(ENGLISH_DATASETS) + ")")
+        d.add_argument("--e", action="store_true", help="LongBench-E: {dataset}_e files, length-bucket scores")
+        d.add_argument("--max_num_examples", type=int, default=None, help="at most this many samples per dataset")
+        d.add_argument("--sample_method", choices=["topk", "random"], default="topk",
+                       help="with --max_num_examples: the first N rows (topk) or N random rows (random, --seed)")
+        d.add_argument("--seed", type=int, default=42)
+        d.add_argument("--eval_batch_size", type=int, default=1, help="prompts per batch (left-padded)")
+        d.add_argument("--max_length", type=int, default=None,
+                       help="prompt tokens kept (middle truncation); when not given: known-model table, else the "
+                            "model's context window minus the dataset's new tokens")
+        d.add_argument("--max_new_tokens", type=int, default=None,
+                       help="override the official per-dataset generation length (smoke tests only)")
+        d.add_argument("--save_dir", default="results/longbench",
+                       help="results go to {save_dir}/{model}_{budget}/{method}/{dataset}.jsonl")
+        d.add_argument("--eval", action="store_true", help="score the run when it is done (same code as eval.py)")
 
+    def check_arguments(self, args) -> None:
+        for flag in ("max_num_examples", "eval_batch_size", "max_new_tokens"):
+            value = getattr(args, flag)
+            if value is not None and value < 1:
+                raise ValueError(f"--{flag} must be >= 1, got {value}")
+        if args.max_length is not None and args.max_length < 2:
+            raise ValueError(f"--max_length must be >= 2, got {args.max_length}")
+        self.datasets = resolve_datasets(args.datasets, args.e)
 
-def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    for flag in ("max_num_examples", "eval_batch_size", "max_new_tokens"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            parser.error(f"--{flag} must be >= 1, got {value}")
-    if args.max_length is not None and args.max_length < 2:
-        parser.error(f"--max_length must be >= 2, got {args.max_length}")
-    try:
-        return resolve_datasets(args.datasets, args.e)
-    except ValueError as e:
-        parser.error(str(e))
+    def prepare(self, args, tokenizer, config, out_dir):
+        suffix = "_e" if args.e else ""
+        builder = PromptBuilder(tokenizer)
+        if not builder.has_chat_template:
+            print(f"note: {args.model_path} has no chat template; every prompt is used as is", file=sys.stderr)
+        if args.max_length is not None and args.max_length < builder.template_overhead():
+            raise ValueError(f"--max_length {args.max_length} is shorter than the chat template's "
+                             f"{builder.template_overhead()} tokens around the prompt: the sample would be mostly "
+                             f"template; give at least {builder.template_overhead()}")
+        self.max_new = {d: args.max_new_tokens or dataset2maxlen()[d] for d in self.datasets}
+        self.max_len = {d: resolve_max_length(args.model_path, config, d, self.max_new[d],
+                                              builder.template_overhead(), args.max_length) for d in self.datasets}
+        files = []
+        for dataset in self.datasets:
+            rows = load_rows(dataset, Path(args.data_dir) if args.data_dir is not None else None, args.e)
+            samples = []
+            for row in select_rows(rows, args.max_num_examples, args.sample_method, args.seed):
+                ids, _ = builder.build(dataset, row, self.max_len[dataset])
+                samples.append(Sample(row["_id"], array("l", ids), self.max_new[dataset],
+                                      {"answers": row["answers"], "all_classes": row.get("all_classes"),
+                                       "length": row["length"]}, f"{dataset}: sample {row['_id']}"))
+            files.append(SampleFile(dataset, f"{dataset}{suffix}.jsonl", samples, dataset,
+                                    min_new_tokens=1 if dataset == "samsum" else 0))
+        return files
+
+    def meta_extra(self, args, files) -> dict:
+        return {"benchmark": "longbench-e" if args.e else "longbench", "datasets": self.datasets,
+                "max_length": self.max_len, "max_new_tokens": self.max_new}
+
+    def stop_token_ids(self, model, tokenizer, sample_file):
+        return stop_token_ids(model, tokenizer, sample_file.name)
+
+    def prediction_row(self, sample, output) -> dict:
+        return {"_id": sample.key, "pred": output.text, **sample.row, "prompt_tokens": output.prompt_tokens,
+                "kv_bytes": output.kv_bytes_per_prompt}
+
+    def score(self, args, out_dir, files, method, model):
+        if not args.eval:
+            return None
+        from pyramidkv.benchmarks.longbench.evaluate import evaluate_run_dir
+
+        return evaluate_run_dir(out_dir, longbench_e=args.e)
+
+    def format(self, result: dict) -> str:
+        from pyramidkv.benchmarks.longbench.evaluate import format_table
+
+        return format_table([result])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from pyramidkv.runner.cli import (
-        INPUT_ERRORS, check_model_args, check_run_args, fail, method_from_args, run_dir,
-        run_fingerprint,
-    )
-    from pyramidkv.runner.results import read_unique_rows, write_run_meta
-    from pyramidkv.runner.run_folder import check_writable, exit_on_disk_full, open_run_folder
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    check_run_args(parser, args)
-    datasets = _check_args(parser, args)
-    try:
-        method = method_from_args(args)
-    except (ValueError, TypeError) as e:
-        parser.error(str(e))
-
-    # Read and check everything (data, model, run folder) before the (slow) model load: bad input fails in seconds.
-    suffix = "_e" if args.e else ""
-    selected: dict[str, list[dict]] = {}
-    try:
-        from transformers import AutoTokenizer
-
-        out_dir = run_dir(args.save_dir, args.model_path, method)
-        check_writable(out_dir)
-        for dataset in datasets:
-            rows = load_rows(dataset, Path(args.data_dir) if args.data_dir is not None else None, args.e)
-            selected[dataset] = select_rows(rows, args.max_num_examples, args.sample_method, args.seed)
-        model_check = check_model_args(args, method)
-        builder = PromptBuilder(AutoTokenizer.from_pretrained(model_check[0]))
-        max_new = {d: args.max_new_tokens or dataset2maxlen()[d] for d in datasets}
-        max_len = {d: resolve_max_length(args.model_path, model_check[1], d, max_new[d],
-                                         builder.template_overhead(), args.max_length) for d in datasets}
-        for dataset in datasets:
-            if (out_dir / f"{dataset}{suffix}.jsonl").is_file():
-                read_unique_rows(out_dir / f"{dataset}{suffix}.jsonl", "_id", skip_torn_last_line=True)
-        fingerprint = run_fingerprint(args, method, model_check)
-        lock = open_run_folder(out_dir, fingerprint, args.overwrite)
-    except INPUT_ERRORS as e:
-        fail(parser, e)
-    if not builder.has_chat_template:
-        print(f"note: {args.model_path} has no chat template; every prompt is used as is", file=sys.stderr)
-
-    try:
-        with exit_on_disk_full(out_dir):
-            write_run_meta(out_dir, vars(args), method, extra={
-                "benchmark": "longbench-e" if args.e else "longbench", "datasets": datasets,
-                "max_length": max_len, "max_new_tokens": max_new,
-            }, fingerprint=fingerprint)
-            print(f"results -> {out_dir}")
-            _generate_all(args, method, datasets, selected, builder, max_new, max_len, out_dir, suffix)
-    finally:
-        lock.release()
-
-    if args.eval:
-        from pyramidkv.benchmarks.longbench.evaluate import evaluate_run_dir, format_table
-
-        result = evaluate_run_dir(out_dir, longbench_e=args.e)
-        print(format_table([result]))
-    return 0
+    return run_benchmark(LongBench(), argv)
 
 
-def _generate_all(args, method, datasets, selected, builder, max_new, max_len, out_dir, suffix) -> None:
-    """Decode every pending sample of every dataset, appending one row per sample (the model loads
-    only when a sample is pending)."""
-    from tqdm import tqdm
-
-    from pyramidkv.models.loading import load_model
-    from pyramidkv.generation import generate
-    from pyramidkv.runner.cli import apply_num_threads
-    from pyramidkv.runner.results import ResultsWriter
-
-    model = tokenizer = None
-    for dataset in datasets:
-        rows = selected[dataset]
-        started = time.perf_counter()
-        with ResultsWriter(out_dir / f"{dataset}{suffix}.jsonl", key="_id") as writer:
-            pending = [row for row in rows if row["_id"] not in writer.done]
-            if pending and model is None:
-                apply_num_threads(args)
-                model, tokenizer = load_model(args.model_path, attn_implementation=args.attn_implementation,
-                                              device=args.device, dtype=args.dtype, model_class=args.model_class)
-            stops = stop_token_ids(model, tokenizer, dataset) if pending else []
-            truncated = 0
-            with tqdm(total=len(rows), initial=len(rows) - len(pending), desc=dataset, unit="sample",
-                      dynamic_ncols=True) as bar:
-                for start in range(0, len(pending), args.eval_batch_size):
-                    batch = pending[start:start + args.eval_batch_size]
-                    prompts = []
-                    for row in batch:
-                        ids, cut = builder.build(dataset, row, max_len[dataset])
-                        prompts.append(ids)
-                        truncated += cut
-                    outputs = generate(model, tokenizer, prompts, method, max_new_tokens=max_new[dataset],
-                                       stop_token_ids=stops, min_new_tokens=1 if dataset == "samsum" else 0)
-                    for row, out in zip(batch, outputs):
-                        writer.append({
-                            "_id": row["_id"], "pred": out.text, "answers": row["answers"],
-                            "all_classes": row.get("all_classes"), "length": row["length"],
-                            "prompt_tokens": out.prompt_tokens, "kv_bytes": out.kv_bytes_per_prompt,
-                        })
-                    bar.update(len(batch))
-        elapsed = time.perf_counter() - started
-        done_now = len(pending)
-        rate = f", {elapsed / done_now:.1f} s/sample" if done_now else ""
-        print(f"{dataset}: {done_now} new sample(s) in {elapsed:.1f} s{rate}"
-              f" ({len(rows) - done_now} already done, {truncated} truncated to {max_len[dataset]} tokens)")
-
+def build_parser() -> argparse.ArgumentParser:
+    return protocol_parser(LongBench())

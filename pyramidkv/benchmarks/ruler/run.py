@@ -16,12 +16,15 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 from pyramidkv.benchmarks.ruler.tasks import DEFAULT_TASKS, OFFLINE_TASKS, QA_TASKS, TASKS
+from pyramidkv.runner.protocol import Benchmark, Sample, SampleFile, run_benchmark, write_results
+from pyramidkv.runner.protocol import build_parser as protocol_parser
+
+DEFAULT_CONTEXT_LENGTH = 4096
 
 
 @dataclass
@@ -40,41 +43,87 @@ class SampleSet:
         return f"{self.task}_{self.length}.jsonl"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from pyramidkv.runner.cli import add_model_and_method_args
+class Ruler(Benchmark):
+    name = "ruler"
+    prog = "run_ruler.py"
+    description = "RULER (offline generator) under a KV-cache compression method: samples, predictions, scores."
+    key = "index"
 
-    parser = argparse.ArgumentParser(
-        prog="run_ruler.py",
-        description="RULER (offline generator) under a KV-cache compression method: samples, predictions, scores.",
-    )
-    add_model_and_method_args(parser)
-    r = parser.add_argument_group("RULER")
-    r.add_argument("--tasks", nargs="+", default=None,
-                   help=f"default: {' '.join(DEFAULT_TASKS)}; task names, or 'all' for the "
-                        f"{len(OFFLINE_TASKS)} offline tasks: {', '.join(OFFLINE_TASKS)}; "
-                        f"{' and '.join(QA_TASKS)} need --squad_file / --hotpot_file")
-    r.add_argument("--context_lengths", nargs="+", type=int, default=None,
-                   help="target lengths in tokens (prompt after the chat template + tokens to generate); default 4096")
-    r.add_argument("--num_samples", type=int, default=25, help="samples per task and length")
-    r.add_argument("--seed", type=int, default=42, help="generator seed (same seed -> identical samples)")
-    r.add_argument("--eval_batch_size", type=int, default=1, help="prompts decoded together (left padding)")
-    r.add_argument("--save_dir", default="results/ruler",
-                   help="predictions go to {save_dir}/{model}_{budget}/{method}/{task}_{length}.jsonl")
-    r.add_argument("--cache_dir", default=None, help="generated samples cache (default {save_dir}/data)")
-    r.add_argument("--data_file", nargs="+", default=None,
-                   help="RULER-format JSONL file(s) to run instead of generating ({task}_{length}.jsonl or "
-                        "RULER's {length}/data/{task}/validation.jsonl)")
-    r.add_argument("--data_dir", default=None,
-                   help="folder of RULER-format JSONL: {task}_{length}.jsonl or {length}/data/{task}/validation.jsonl")
-    r.add_argument("--squad_file", default=None, help="SQuAD v2.0 json (dev-v2.0.json) for qa_1")
-    r.add_argument("--hotpot_file", default=None, help="HotpotQA dev json (hotpot_dev_distractor_v1.json) for qa_2")
-    r.add_argument("--no_chat_template", action="store_true",
-                   help="use the raw task prompt (default: the tokenizer's chat template around it)")
-    r.add_argument("--system_prompt", default=None, metavar="TEXT",
-                   help="a system turn before the task, in the chat template (default: none, as RULER's model "
-                        "templates; the user turn alone, even where the template would add its own default "
-                        "system prompt, e.g. SmolLM2's). Not with --no_chat_template")
-    return parser
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        r = parser.add_argument_group("RULER")
+        r.add_argument("--tasks", nargs="+", default=None,
+                       help=f"task names, or 'all' for the {len(OFFLINE_TASKS)} offline tasks: "
+                            f"{', '.join(OFFLINE_TASKS)}; {' and '.join(QA_TASKS)} need --squad_file / --hotpot_file; "
+                            f"when not given: {' '.join(DEFAULT_TASKS)}")
+        r.add_argument("--context_lengths", nargs="+", type=int, default=None,
+                       help=f"target lengths in tokens (prompt after the chat template + tokens to generate); when "
+                            f"not given: {DEFAULT_CONTEXT_LENGTH}")
+        r.add_argument("--num_samples", type=int, default=25, help="samples per task and length")
+        r.add_argument("--seed", type=int, default=42, help="generator seed (same seed -> identical samples)")
+        r.add_argument("--eval_batch_size", type=int, default=1, help="prompts decoded together (left padding)")
+        r.add_argument("--save_dir", default="results/ruler",
+                       help="predictions go to {save_dir}/{model}_{budget}/{method}/{task}_{length}.jsonl")
+        r.add_argument("--cache_dir", default=None, help="generated samples cache; when not given: {save_dir}/data")
+        r.add_argument("--data_file", nargs="+", default=None,
+                       help="RULER-format JSONL file(s) to run instead of generating ({task}_{length}.jsonl or "
+                            "RULER's {length}/data/{task}/validation.jsonl)")
+        r.add_argument("--data_dir", default=None,
+                       help="folder of RULER-format JSONL: {task}_{length}.jsonl or {length}/data/{task}/validation.jsonl")
+        r.add_argument("--squad_file", default=None, help="SQuAD v2.0 json (dev-v2.0.json) for qa_1")
+        r.add_argument("--hotpot_file", default=None, help="HotpotQA dev json (hotpot_dev_distractor_v1.json) for qa_2")
+        r.add_argument("--no_chat_template", action="store_true",
+                       help="use the raw task prompt (otherwise the tokenizer's chat template around it)")
+        r.add_argument("--system_prompt", default=None, metavar="TEXT",
+                       help="a system turn before the task, in the chat template (when not given: none, as RULER's "
+                            "model templates; the user turn alone, even where the template would add its own default "
+                            "system prompt, e.g. SmolLM2's). Not with --no_chat_template")
+
+    def check_arguments(self, args) -> None:
+        if args.num_samples < 1:
+            raise ValueError(f"--num_samples must be >= 1, got {args.num_samples}")
+        if args.eval_batch_size < 1:
+            raise ValueError(f"--eval_batch_size must be >= 1, got {args.eval_batch_size}")
+        if args.data_file and args.data_dir:
+            raise ValueError("give --data_file or --data_dir, not both")
+        bad = [n for n in (args.context_lengths or []) if n < 1]
+        if bad:
+            raise ValueError(f"--context_lengths must be positive, got {bad}")
+        if args.data_file and args.tasks is not None:
+            raise ValueError("--tasks does not apply with --data_file: each file's task comes from its name or rows")
+        unused = [flag for flag, value, task in (("--squad_file", args.squad_file, "qa_1"),
+                                                  ("--hotpot_file", args.hotpot_file, "qa_2"))
+                  if value and task not in (args.tasks or [])]
+        if unused and not args.data_file:
+            raise ValueError(f"{' and '.join(unused)} given but the matching task is not in --tasks")
+        self.tasks = resolve_tasks(args.tasks if args.tasks is not None else DEFAULT_TASKS)
+
+    def prepare(self, args, tokenizer, config, out_dir):
+        window = getattr(config, "max_position_embeddings", None) or sys.maxsize
+        lengths = args.context_lengths or [DEFAULT_CONTEXT_LENGTH]
+        self.sets = collect_sample_sets(args, self.tasks, lengths, tokenizer, self.model_label(args), window)
+        files = []
+        for s in self.sets:
+            samples = [Sample(row["index"], tokenizer(row["input"], add_special_tokens=False).input_ids,
+                              row["max_new_tokens"], {"outputs": row["outputs"], "length": row["length"]},
+                              f"{s.source}: sample {row['index']}") for row in s.rows]
+            files.append(SampleFile(s.key, s.file_name, samples, s.source))
+        return files
+
+    def check_resume(self, path, sample_file) -> None:
+        check_resume(path, next(s for s in self.sets if s.key == sample_file.name))
+
+    def meta_extra(self, args, files) -> dict:
+        return {"tasks": [s.key for s in self.sets], "data": {s.key: s.source for s in self.sets}}
+
+    def prediction_row(self, sample, output) -> dict:
+        return {"index": sample.key, "pred": output.text, **sample.row, "prompt_tokens": output.prompt_tokens,
+                "kv_bytes": output.kv_bytes_per_prompt}
+
+    def score(self, args, out_dir, files, method, model) -> dict:
+        return score_run(out_dir, self.sets, model, method)
+
+    def format(self, result: dict) -> str:
+        return format_scores(result)
 
 
 def resolve_tasks(names: Sequence[str]) -> list[str]:
@@ -152,12 +201,9 @@ def check_resume(path: Path, sample_set: SampleSet) -> None:
 
 def score_run(out_dir: Path, sets: Sequence[SampleSet], model_name: str, method) -> dict:
     """Scores of the finished sample sets -> results.json and results.csv (both written atomically)."""
-    import csv
-    import io
-
     from pyramidkv.benchmarks.ruler.scoring import score_task
     from pyramidkv.runner.cli import budget_value
-    from pyramidkv.runner.results import atomic_write_json, atomic_write_text, read_unique_rows
+    from pyramidkv.runner.results import read_unique_rows
 
     scores, counts = {}, {}
     for s in sets:
@@ -171,15 +217,9 @@ def score_run(out_dir: Path, sets: Sequence[SampleSet], model_name: str, method)
     average = round(math.fsum(scores.values()) / len(scores), 2) if scores else None
     result = {"benchmark": "ruler", "model": model_name, "method": method.name, "budget": budget_value(method),
               "scores": scores, "average": average, "num_samples": counts}
-    atomic_write_json(out_dir / "results.json", result)
-    text = io.StringIO()
-    writer = csv.writer(text, lineterminator="\n")
-    writer.writerow(["task", "length", "score", "num_samples"])
-    for s in sets:
-        if s.key in scores:
-            writer.writerow([s.task, s.length, scores[s.key], counts[s.key]])
-    writer.writerow(["average", "", "" if average is None else average, sum(counts.values())])
-    atomic_write_text(out_dir / "results.csv", text.getvalue())
+    table = [[s.task, s.length, scores[s.key], counts[s.key]] for s in sets if s.key in scores]
+    table.append(["average", "", "" if average is None else average, sum(counts.values())])
+    write_results(out_dir, result, ["task", "length", "score", "num_samples"], table)
     return result
 
 
@@ -193,135 +233,9 @@ def format_scores(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _batches(rows: list[dict], size: int) -> list[list[dict]]:
-    """Batches of at most `size` rows, each with one max_new_tokens (rows from other files may differ)."""
-    groups: dict[int, list[dict]] = {}
-    for row in rows:
-        groups.setdefault(row["max_new_tokens"], []).append(row)
-    return [group[i:i + size] for group in groups.values() for i in range(0, len(group), size)]
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from pyramidkv.runner.cli import (
-        INPUT_ERRORS, check_model_args, check_run_args, fail, method_from_args, model_label,
-        run_dir, run_fingerprint,
-    )
-    from pyramidkv.runner.run_folder import check_writable, exit_on_disk_full, open_run_folder
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    check_run_args(parser, args)
-    if args.num_samples < 1:
-        parser.error(f"--num_samples must be >= 1, got {args.num_samples}")
-    if args.eval_batch_size < 1:
-        parser.error(f"--eval_batch_size must be >= 1, got {args.eval_batch_size}")
-    if args.data_file and args.data_dir:
-        parser.error("give --data_file or --data_dir, not both")
-    lengths = args.context_lengths or [4096]
-    bad = [n for n in lengths if n < 1]
-    if bad:
-        parser.error(f"--context_lengths must be positive, got {bad}")
-    if args.data_file and args.tasks is not None:
-        parser.error("--tasks does not apply with --data_file: each file's task comes from its name or rows")
-    unused = [flag for flag, value, task in (("--squad_file", args.squad_file, "qa_1"),
-                                              ("--hotpot_file", args.hotpot_file, "qa_2"))
-              if value and task not in (args.tasks or [])]
-    if unused and not args.data_file:
-        parser.error(f"{' and '.join(unused)} given but the matching task is not in --tasks")
-    try:
-        tasks = resolve_tasks(args.tasks if args.tasks is not None else DEFAULT_TASKS)
-        method = method_from_args(args)
-    except (ValueError, TypeError) as e:
-        parser.error(str(e))
-
-    # Everything that can fail (model, device, paths, window, data, run folder) does so before the model loads.
-    try:
-        from transformers import AutoTokenizer
-
-        out_dir = run_dir(args.save_dir, args.model_path, method)
-        check_writable(out_dir)
-        model_check = check_model_args(args, method)
-        path, config = model_check[0], model_check[1]
-        window = getattr(config, "max_position_embeddings", None) or sys.maxsize
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model_name = model_label(args.model_path)
-        sets = collect_sample_sets(args, tasks, lengths, tokenizer, model_name, window)
-        encoded = {}
-        for s in sets:
-            for row in s.rows:
-                ids = tokenizer(row["input"], add_special_tokens=False).input_ids
-                if len(ids) + row["max_new_tokens"] > window:
-                    raise ValueError(f"{s.source}: sample {row['index']} needs {len(ids)} prompt + "
-                                     f"{row['max_new_tokens']} new tokens, above the model's window: "
-                                     f"{args.model_path} has max_position_embeddings = {window}")
-                encoded[(s.key, row["index"])] = ids
-        for s in sets:
-            check_resume(out_dir / s.file_name, s)
-        fingerprint = run_fingerprint(args, method, model_check)
-        lock = open_run_folder(out_dir, fingerprint, args.overwrite)
-    except INPUT_ERRORS as e:
-        fail(parser, e)
-
-    from pyramidkv.runner.results import ResultsWriter, write_run_meta
-
-    writers = {}
-    try:
-        with exit_on_disk_full(out_dir):
-            write_run_meta(out_dir, vars(args), method, extra={
-                "benchmark": "ruler", "tasks": [s.key for s in sets],
-                "data": {s.key: s.source for s in sets}, "resolved_model_path": str(path),
-            }, fingerprint=fingerprint)
-            print(f"results -> {out_dir}")
-            writers = {s.key: ResultsWriter(out_dir / s.file_name, key="index") for s in sets}
-            _decode_pending(args, method, sets, encoded, writers)
-        try:
-            result = score_run(out_dir, sets, model_label(args.model_path), method)
-        except ValueError as e:
-            fail(parser, e)
-    finally:
-        for writer in writers.values():
-            try:
-                writer.close()
-            except OSError:
-                pass
-        lock.release()
-    print(format_scores(result))
-    return 0
+    return run_benchmark(Ruler(), argv)
 
 
-def _decode_pending(args, method, sets: Sequence[SampleSet], encoded: dict, writers: dict) -> None:
-    """Decode every sample not yet in its predictions file, appending one row per sample (the model
-    loads only when a sample is pending)."""
-    from tqdm import tqdm
-
-    from pyramidkv.runner.cli import apply_num_threads
-
-    pending = {s.key: [r for r in s.rows if r["index"] not in writers[s.key].done] for s in sets}
-    total = sum(len(s.rows) for s in sets)
-    todo = sum(len(p) for p in pending.values())
-    if not todo:
-        print(f"all {total} sample(s) already done; scoring only")
-        return
-    from pyramidkv.models.loading import load_model
-    from pyramidkv.generation import generate
-
-    apply_num_threads(args)
-    model, tokenizer = load_model(args.model_path, attn_implementation=args.attn_implementation,
-                                  device=args.device, dtype=args.dtype, model_class=args.model_class)
-    started = time.perf_counter()
-    with tqdm(total=total, initial=total - todo, unit="sample", dynamic_ncols=True, desc="RULER") as bar:
-        for s in sets:
-            bar.set_postfix_str(s.key)
-            for batch in _batches(pending[s.key], args.eval_batch_size):
-                outputs = generate(model, tokenizer, [encoded[(s.key, r["index"])] for r in batch], method,
-                                   max_new_tokens=batch[0]["max_new_tokens"])
-                for row, out in zip(batch, outputs):
-                    writers[s.key].append({
-                        "index": row["index"], "pred": out.text, "outputs": row["outputs"],
-                        "length": row["length"], "prompt_tokens": out.prompt_tokens,
-                        "kv_bytes": out.kv_bytes_per_prompt,
-                    })
-                bar.update(len(batch))
-    elapsed = time.perf_counter() - started
-    print(f"{todo} sample(s) in {elapsed:.1f} s ({60 * todo / elapsed:.2f} samples/min, "
-          f"batch size {args.eval_batch_size}); {total - todo} already done")
+def build_parser() -> argparse.ArgumentParser:
+    return protocol_parser(Ruler())

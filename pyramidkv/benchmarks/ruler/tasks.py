@@ -322,9 +322,8 @@ class VariableTrackingBuilder(Builder):
     def _question(context: str, value: str, count: int) -> tuple[str, str]:
         body = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
                 f"{context}\nQuestion: Find all variables that are assigned the value {value} in the text above.")
-        # "assgined" is RULER's spelling.
         prefix = (f" Answer: According to the chain(s) of variable assignment in the text above, {count} variables "
-                  f"are assgined the value {value}, they are: ")
+                  f"are assigned the value {value}, they are: ")
         return body, prefix
 
     def render(self, size: int) -> Rendered:

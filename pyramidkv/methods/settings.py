@@ -1,0 +1,292 @@
+"""Every setting of a method and of its units under one name, and the method spec that writes a whole
+configuration as one line: `snapkv:budget=128,window_size=8,merge=cam,merge_sampling=true,merge_seed=3`.
+
+Names. A method's own settings keep their field names. A unit's setting (an allocator's, a merge rule's,
+a quantizer's) is named by its field when no other axis and no method has a field of that name
+(`nbits`, `merge_fraction`), and always also by its axis-qualified name: `head_` / `layer_` / `merge_` /
+`quant_` + field (`quant_rank`, `merge_seed`); a field that starts with its axis prefix is its own
+qualified name (`head_beta`). A bare name that units on two axes share (`seed`: CaM and GEAR) must be
+qualified when both are chosen; otherwise it goes to the one chosen unit that has it.
+
+The spec `NAME[:setting=value,...]` uses these names; values are read by each field's type (booleans
+true/false, none for None; a string holding `,` `=` `:` or `"` is written in double quotes). `method_spec`
+prints a method back in canonical form: the settings that differ from the method's defaults, in field order,
+each unit's changed settings right after it, so a spec that spells out default values names the same
+configuration as one that leaves them out, and `parse(print(m)) == m`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from pyramidkv.allocation import HEAD_ALLOCATIONS, LAYER_ALLOCATIONS, make_head_allocation, make_layer_allocation
+from pyramidkv.components import parse_setting, setting_text
+from pyramidkv.merging import MERGE_RULES, make_merge_rule
+from pyramidkv.methods.base import Method
+from pyramidkv.quantization import QUANTIZERS, make_quantizer
+
+
+@dataclass(frozen=True)
+class Axis:
+    """A method field that holds a unit: its registry, its name prefix, and how errors call its units."""
+
+    field: str
+    registry: dict
+    prefix: str
+    kind: str
+    make: typing.Callable
+
+    def qualified(self, setting: str) -> str:
+        return setting if setting.startswith(self.prefix) else self.prefix + setting
+
+    def fields(self) -> dict[str, list[str]]:
+        """{setting: [units that have it]} over the registry, in registration order."""
+        found: dict[str, list[str]] = {}
+        for unit_name, cls in self.registry.items():
+            for f in dataclasses.fields(cls):
+                found.setdefault(f.name, []).append(unit_name)
+        return found
+
+
+AXES = (
+    Axis("head_allocation", HEAD_ALLOCATIONS, "head_", "head allocation", make_head_allocation),
+    Axis("layer_allocation", LAYER_ALLOCATIONS, "layer_", "layer allocation", make_layer_allocation),
+    Axis("merge", MERGE_RULES, "merge_", "merge rule", make_merge_rule),
+    Axis("quant_method", QUANTIZERS, "quant_", "quantizer", make_quantizer),
+)
+AXIS_BY_FIELD = {axis.field: axis for axis in AXES}
+
+
+def _method_fields(cls: type[Method]) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def bare_unit_names(method_fields: Iterable[str]) -> dict[str, Axis]:
+    """Unit settings whose bare field name is unambiguous over every registry: {name: its axis}."""
+    taken = set(method_fields)
+    owners: dict[str, list[Axis]] = {}
+    for axis in AXES:
+        for setting in axis.fields():
+            owners.setdefault(setting, []).append(axis)
+    return {name: axes[0] for name, axes in owners.items() if len(axes) == 1 and name not in taken}
+
+
+def unit_key(axis: Axis, setting: str, method_fields: Iterable[str]) -> str:
+    """The shortest name of a unit setting: its field when unambiguous, else its qualified name."""
+    return setting if bare_unit_names(method_fields).get(setting) is axis else axis.qualified(setting)
+
+
+class SpecError(ValueError):
+    """A setting name or value that cannot be read."""
+
+
+# --- building a method from named settings -------------------------------------------------------
+
+def _chosen_unit(axis: Axis, value):
+    """The unit class an axis value stands for (a name, an object, or None)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        key = value.lower()
+        if key not in axis.registry:
+            raise ValueError(f"unknown {axis.kind} {value!r}; choose one of: {', '.join(axis.registry)}")
+        return axis.registry[key]
+    return type(value)
+
+
+def resolve(cls: type[Method], key: str, chosen: dict[str, Optional[type]]) -> tuple[Optional[Axis], str]:
+    """(axis or None for the method itself, field) that the setting name `key` denotes, given the unit class
+    chosen on each axis. ValueError naming the unit to choose, or the qualified names to write."""
+    own = _method_fields(cls)
+    if key in own:
+        return None, key
+    for axis in AXES:
+        for setting in axis.fields():
+            if key == axis.qualified(setting) and (key != setting or setting.startswith(axis.prefix)):
+                return axis, setting
+    having = [axis for axis in AXES if key in axis.fields()]
+    if not having:
+        raise ValueError(f"{cls.name} has no setting {key!r}; its settings are: {', '.join(own)}, plus those of "
+                         f"its units ({_unit_settings_hint(own)})")
+    picked = [axis for axis in having if chosen[axis.field] is not None
+              and key in {f.name for f in dataclasses.fields(chosen[axis.field])}]
+    if len(picked) > 1:
+        raise ValueError(f"{key!r} is a setting of the {' and of the '.join(a.kind for a in picked)} chosen here; "
+                         f"write {' or '.join(a.qualified(key) for a in picked)}")
+    if picked:
+        return picked[0], key
+    if len(having) > 1:
+        owners = " and the ".join(f"{a.kind} {' / '.join(a.fields()[key])}" for a in having)
+        raise ValueError(f"{key!r} is a setting of the {owners}, and {cls.name} has none of them chosen; choose one "
+                         f"and write {' or '.join(a.qualified(key) for a in having)}")
+    return having[0], key
+
+
+def _unit_settings_hint(method_fields) -> str:
+    parts = []
+    for axis in AXES:
+        for unit_name, unit in axis.registry.items():
+            names = [unit_key(axis, f.name, method_fields) for f in dataclasses.fields(unit)]
+            if names:
+                parts.append(f"{unit_name}: {', '.join(names)}")
+    return "; ".join(parts)
+
+
+def build_method(cls: type[Method], settings: dict, label=None) -> Method:
+    """The method `cls` with `settings` ({name: value}, names as in the module docstring). A setting the
+    method and its chosen units do not have is an error, and so is one that has no effect (`only_with`),
+    even at its default value. label(name) is how errors name a setting (the command line passes its flags)."""
+    label = label or (lambda name: name)
+    own_fields = _method_fields(cls)
+    own = {k: v for k, v in settings.items() if k in own_fields}
+    chosen = {axis.field: _chosen_unit(axis, own.get(axis.field, own_fields[axis.field].default)) for axis in AXES}
+    per_axis: dict[str, dict] = {axis.field: {} for axis in AXES}
+    names: dict[tuple[str, str], str] = {}
+    for key, value in settings.items():
+        if key in own_fields:
+            continue
+        axis, setting = resolve(cls, key, chosen)
+        unit = chosen[axis.field]
+        if unit is None:
+            owners = axis.fields()[setting]
+            raise ValueError(f"{label(key)} is a setting of the {axis.kind} {' / '.join(owners)}, but {cls.name} has "
+                             f"no {axis.field}; choose one with {axis.field}={owners[0]!r} "
+                             f"(--{axis.field} {owners[0]})")
+        if setting not in {f.name for f in dataclasses.fields(unit)}:
+            owners = axis.fields()[setting]
+            raise ValueError(f"{label(key)} is a setting of the {axis.kind} {' / '.join(owners)}, not of "
+                             f"{unit.name}; choose {axis.field}={owners[0]!r}, or leave {label(key)} out")
+        if setting in per_axis[axis.field]:
+            raise ValueError(f"{label(key)} and {label(names[(axis.field, setting)])} name the same setting "
+                             f"({axis.kind} {unit.name}: {setting}); give it once")
+        per_axis[axis.field][setting] = value
+        names[(axis.field, setting)] = key
+    for axis in AXES:
+        if not per_axis[axis.field]:
+            continue
+        current = own.get(axis.field, own_fields[axis.field].default)
+        base = axis.make(current) if isinstance(current, str) else current
+        own[axis.field] = dataclasses.replace(base, **per_axis[axis.field])
+    method = cls(**own)
+    method.check_given([k for k in own if k in own_fields], label)
+    for axis in AXES:
+        unit = getattr(method, axis.field)
+        if unit is not None and per_axis[axis.field]:
+            unit.check_given(per_axis[axis.field], lambda s, a=axis: label(names.get((a.field, s), unit_key(
+                a, s, own_fields))))
+    return method
+
+
+# --- the spec: one line for a whole configuration -----------------------------------------------
+
+def split_spec(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """NAME[:key=value,...] -> (name, [(key, raw value)]); a value in double quotes is a JSON string."""
+    if not isinstance(text, str) or not text.strip():
+        raise SpecError(f"method spec {text!r}: expected NAME[:setting=value,...]")
+    name, _, rest = text.strip().partition(":")
+    items: list[tuple[str, str]] = []
+    position = 0
+    while rest and position < len(rest):
+        key, sep, _ = rest[position:].partition("=")
+        if not sep or not key or "," in key:
+            raise SpecError(f"method spec {text!r}: expected NAME:setting=value[,setting=value...], got "
+                            f"{rest[position:].split(',')[0]!r}")
+        position += len(key) + 1
+        if rest[position:position + 1] == '"':
+            try:
+                value, length = json.JSONDecoder().raw_decode(rest[position:])
+            except json.JSONDecodeError:
+                raise SpecError(f"method spec {text!r}: unterminated quoted value for {key}") from None
+            position += length
+        else:
+            end = rest.find(",", position)
+            end = len(rest) if end < 0 else end
+            value, position = rest[position:end], end
+        items.append((key.strip(), value))
+        if position < len(rest):
+            if rest[position] != ",":
+                raise SpecError(f"method spec {text!r}: expected ',' after the value of {key}")
+            position += 1
+    return name.strip().lower(), items
+
+
+def annotation_of(cls: type[Method], key: str, chosen: dict[str, Optional[type]]):
+    """The type annotation of the field that setting `key` names (for reading its value from text)."""
+    axis, setting = resolve(cls, key, chosen)
+    owner = cls if axis is None else chosen[axis.field]
+    if owner is None or setting not in {f.name for f in dataclasses.fields(owner)}:
+        owner = axis.registry[axis.fields()[setting][0]]   # not the chosen unit's: build_method names the problem
+    return typing.get_type_hints(owner)[setting]
+
+
+def read_settings(cls: type[Method], items: list[tuple[str, str]], label=None) -> dict:
+    """Text values of a spec (or command line) read by their fields' types: {name: value}."""
+    label = label or (lambda name: name)
+    own_fields = _method_fields(cls)
+    seen: set = set()
+    for key, _ in items:
+        if key in seen:
+            raise SpecError(f"{label(key)} is given twice")
+        seen.add(key)
+    given = {k: (None if v.strip().lower() == "none" else v) for k, v in items if k in AXIS_BY_FIELD}
+    chosen = {axis.field: _chosen_unit(axis, given.get(axis.field, own_fields[axis.field].default)) for axis in AXES}
+    settings = {}
+    for key, raw in items:
+        if key in AXIS_BY_FIELD:
+            settings[key] = given[key]
+            continue
+        annotation = annotation_of(cls, key, chosen)
+        try:
+            settings[key] = parse_setting(raw, annotation) if isinstance(raw, str) else raw
+        except ValueError as e:
+            raise SpecError(f"{label(key)}: {e}") from None
+    return settings
+
+
+def method_spec(method: Method) -> str:
+    """The canonical spec of a method: NAME:changed settings (see the module docstring)."""
+    own_fields = _method_fields(type(method))
+    parts = []
+    for name, f in own_fields.items():
+        value, default = getattr(method, name), f.default
+        axis = AXIS_BY_FIELD.get(name)
+        if axis is None:
+            if value != default:
+                parts.append((name, value))
+            continue
+        if value is None:
+            if default is not None:
+                parts.append((name, None))
+            continue
+        if default is None or type(value) is not type(default):
+            parts.append((name, value))
+            reference = type(value)()
+        else:
+            reference = default
+        for unit_field in dataclasses.fields(value):
+            setting = getattr(value, unit_field.name)
+            if setting != getattr(reference, unit_field.name):
+                parts.append((unit_key(axis, unit_field.name, own_fields), setting))
+    return method.name + ("" if not parts else ":" + ",".join(f"{k}={_quote(setting_text(v))}" for k, v in parts))
+
+
+def _quote(text: str) -> str:
+    return json.dumps(text) if (not text or any(c in text for c in ',=:"') or text != text.strip()) else text
+
+
+def method_from_spec(cls: type[Method], items: list[tuple[str, str]], budget: Optional[int] = None,
+                     **defaults) -> Method:
+    """The method of a split spec; `budget` applies when the method takes one and the spec gives neither budget
+    nor budget_ratio, each of `defaults` when the method has that setting and the spec does not give it."""
+    settings = read_settings(cls, items)
+    own = _method_fields(cls)
+    if budget is not None and cls.needs_budget and "budget" not in settings and "budget_ratio" not in settings:
+        settings["budget"] = budget
+    for key, value in defaults.items():
+        if key in own and key not in settings:
+            settings[key] = value
+    return build_method(cls, settings)

@@ -1,0 +1,268 @@
+"""The run protocol every benchmark runner follows; a benchmark is an adapter that supplies its own flags,
+its samples and its scorer (CONTRIBUTING.md, "a benchmark").
+
+    parse (common flags + the benchmark's) -> every check that needs no model (flags, method, data, model
+    config, each sample's length against the model and the method) -> the run folder as a `with` block
+    (lock, fingerprint, run_meta.json, crash-safe writers, disk full) -> the model, loaded only when a
+    sample is pending -> batches -> generate -> one appended row per sample -> scoring -> results.json /
+    results.csv and the printed table.
+
+A bad input ends the run with one line (`<prog>: error: ...`, exit status 2) before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from pyramidkv.runner.cli import (
+    INPUT_ERRORS, add_model_and_method_args, apply_num_threads, check_model_args, check_run_args, fail,
+    method_from_args, model_label, run_dir, run_fingerprint,
+)
+
+
+@dataclass
+class Sample:
+    """One prompt to decode: its row key, token ids, generation length, and the fields its prediction row
+    carries besides the output (references, lengths, ...)."""
+
+    key: object
+    prompt: Sequence[int]
+    max_new_tokens: int
+    row: Optional[dict] = None            # fields the prediction row carries besides the output
+    label: str = ""                       # how errors name the sample ("sample 3 of niah_single_1_4096.jsonl")
+    batch_group: object = None            # samples are batched only with others of the same group
+
+
+@dataclass
+class SampleFile:
+    """The samples whose predictions go to one file of the run folder."""
+
+    name: str                             # what progress and errors call it ("niah_single_1@4096", "multi_news")
+    file_name: str                        # the predictions file in the run folder
+    samples: list[Sample]
+    source: str = ""                      # where the samples came from
+    stop_token_ids: Optional[list[int]] = None   # None: the model's end-of-sequence tokens
+    min_new_tokens: int = 0
+
+
+class Benchmark:
+    """The adapter a benchmark implements. `key` names the prediction rows' key field."""
+
+    name = ""
+    prog = ""
+    description = ""
+    key = "index"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """The benchmark's own flags (its --save_dir included)."""
+
+    def check_arguments(self, args: argparse.Namespace) -> None:
+        """ValueError (one line) for a bad combination of the benchmark's flags."""
+
+    def model_label(self, args: argparse.Namespace) -> str:
+        return model_label(args.model_path)
+
+    def prepare(self, args, tokenizer, config, out_dir: Path) -> list[SampleFile]:
+        """Every sample of the run, tokenized, before any weights load (ValueError for bad data)."""
+        raise NotImplementedError
+
+    def check_resume(self, path: Path, sample_file: SampleFile) -> None:
+        """Predictions already in `path` must belong to these samples (by default: each key once)."""
+        from pyramidkv.runner.results import read_unique_rows
+
+        read_unique_rows(path, self.key, skip_torn_last_line=True)
+
+    def fingerprint_extra(self, args, tokenizer) -> Optional[dict]:
+        """Facts beyond the arguments that decide the predictions (the needle text, a haystack hash)."""
+        return None
+
+    def meta_extra(self, args, files: list[SampleFile]) -> dict:
+        return {}
+
+    def stop_token_ids(self, model, tokenizer, sample_file: SampleFile) -> Optional[list[int]]:
+        return sample_file.stop_token_ids
+
+    def prediction_row(self, sample: Sample, output) -> dict:
+        return {self.key: sample.key, "pred": output.text, **(sample.row or {}), "prompt_tokens": output.prompt_tokens,
+                "kv_bytes": output.kv_bytes_per_prompt}
+
+    def score(self, args, out_dir: Path, files: list[SampleFile], method, model: str) -> Optional[dict]:
+        """Score the run and write its results files (write_results); None: no scoring this run."""
+        return None
+
+    def format(self, result: dict) -> str:
+        return ""
+
+
+def write_results(out_dir: Path, result: dict, header: Sequence[str], rows: Sequence[Sequence]) -> None:
+    """results.json (the common schema) and results.csv (one row per task plus the average), atomically."""
+    from pyramidkv.runner.results import atomic_write_json, atomic_write_text
+
+    atomic_write_json(out_dir / "results.json", result)
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+    atomic_write_text(out_dir / "results.csv", text.getvalue())
+
+
+def build_parser(benchmark: Benchmark) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=benchmark.prog, description=benchmark.description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    benchmark.add_arguments(parser)
+    add_model_and_method_args(parser)
+    if "--print_run_dir" not in parser._option_string_actions:
+        parser.add_argument("--print_run_dir", action="store_true",
+                            help="print the run folder these arguments write to and exit (used by eval.sh)")
+    return parser
+
+
+def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) -> int:
+    """The whole run (see the module docstring); returns the exit status."""
+    parser = build_parser(benchmark)
+    args = parser.parse_args(argv)
+    try:
+        check_run_args(parser, args)
+        benchmark.check_arguments(args)
+        method = method_from_args(args, parser)
+        out_dir = run_dir(args.save_dir, benchmark.model_label(args), method)
+    except (ValueError, TypeError) as e:
+        fail(parser, e)
+    if args.print_run_dir:
+        print(out_dir)
+        return 0
+
+    from pyramidkv.runner.run_folder import check_writable, exit_on_disk_full, open_run_folder
+
+    try:
+        from transformers import AutoTokenizer
+
+        check_writable(out_dir)
+        try:
+            model_check = check_model_args(args, method)
+        except ValueError as e:
+            raise ValueError(_with_typed_flags(parser, args, str(e))) from None
+        config = model_check[1]
+        tokenizer = AutoTokenizer.from_pretrained(model_check[0])
+        files = benchmark.prepare(args, tokenizer, config, out_dir)
+        check_samples(files, method, config, args.model_path)
+        for sample_file in files:
+            if (out_dir / sample_file.file_name).is_file():
+                benchmark.check_resume(out_dir / sample_file.file_name, sample_file)
+        fingerprint = run_fingerprint(args, method, model_check, benchmark.fingerprint_extra(args, tokenizer))
+        lock = open_run_folder(out_dir, fingerprint, args.overwrite,
+                               {action.dest: action.default for action in parser._actions})
+    except INPUT_ERRORS as e:
+        fail(parser, e)
+
+    from pyramidkv.methods import method_spec
+    from pyramidkv.runner.results import write_run_meta
+
+    result = None
+    try:
+        with exit_on_disk_full(out_dir):
+            write_run_meta(out_dir, _recorded_arguments(args), method, extra={
+                "benchmark": benchmark.name, "method_spec": method_spec(method),
+                "resolved_model_path": str(model_check[0]), **benchmark.meta_extra(args, files),
+            }, fingerprint=fingerprint)
+            print(f"results -> {out_dir}")
+            decode_pending(args, method, benchmark, files, out_dir)
+            try:
+                result = benchmark.score(args, out_dir, files, method, benchmark.model_label(args))
+            except ValueError as e:
+                fail(parser, e)
+    finally:
+        lock.release()
+    if result is not None:
+        print(benchmark.format(result))
+    return 0
+
+
+def _with_typed_flags(parser, args, message: str) -> str:
+    """The message prefixed with the setting flags the user typed that it names (by their setting's field)."""
+    import re
+
+    typed = getattr(parser, "typed_flags", {})
+    named = []
+    for dest, flag in typed.items():
+        field = dest.split("_", 1)[1] if dest.startswith(("quant_", "merge_", "head_", "layer_")) else dest
+        if any(re.search(rf"\b{re.escape(n)}\b", message) for n in {dest, field}) and flag not in message:
+            named.append(f"{flag} {getattr(args, dest)}")
+    return f"{', '.join(named)}: {message}" if named else message
+
+
+def _recorded_arguments(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(args).items() if not k.startswith("_")}
+
+
+def check_samples(files: list[SampleFile], method, config, model_path: str) -> None:
+    """Each sample fits the model's window with its new tokens, and the method can do what its settings
+    say on it (Method.check_prompt: a ratio budget below the window, a pooling kernel wider than the prompt)."""
+    window = getattr(config, "max_position_embeddings", None)
+    for sample_file in files:
+        for sample in sample_file.samples:
+            name = sample.label or f"{sample_file.source or sample_file.name}: sample {sample.key}"
+            if window and len(sample.prompt) + sample.max_new_tokens > window:
+                raise ValueError(f"{name} needs {len(sample.prompt)} prompt + {sample.max_new_tokens} new tokens, "
+                                 f"above the model's window: {model_path} has max_position_embeddings = {window}")
+            try:
+                method.check_prompt(len(sample.prompt))
+            except ValueError as e:
+                raise ValueError(f"{name} ({len(sample.prompt)} tokens): {e}") from None
+
+
+def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], out_dir: Path) -> None:
+    """Decode every sample not yet in its predictions file, one appended row each; the model loads only when
+    a sample is pending. Batches hold samples of one file with one max_new_tokens."""
+    from tqdm import tqdm
+
+    from pyramidkv.runner.results import ResultsWriter
+
+    total = sum(len(f.samples) for f in files)
+    model = tokenizer = None
+    started, done_now = time.perf_counter(), 0
+    with tqdm(total=total, unit="sample", dynamic_ncols=True, desc=benchmark.name) as bar:
+        for sample_file in files:
+            with ResultsWriter(out_dir / sample_file.file_name, key=benchmark.key) as writer:
+                pending = [s for s in sample_file.samples if s.key not in writer.done]
+                bar.update(len(sample_file.samples) - len(pending))
+                if not pending:
+                    continue
+                if model is None:
+                    from pyramidkv.models.loading import load_model
+
+                    apply_num_threads(args)
+                    model, tokenizer = load_model(args.model_path, attn_implementation=args.attn_implementation,
+                                                  device=args.device, dtype=args.dtype, model_class=args.model_class)
+                bar.set_postfix_str(sample_file.name)
+                stops = benchmark.stop_token_ids(model, tokenizer, sample_file)
+                for batch in _batches(pending, args.eval_batch_size):
+                    from pyramidkv.generation import generate
+
+                    outputs = generate(model, tokenizer, [s.prompt for s in batch], method,
+                                       max_new_tokens=batch[0].max_new_tokens, stop_token_ids=stops,
+                                       min_new_tokens=sample_file.min_new_tokens)
+                    for sample, output in zip(batch, outputs):
+                        writer.append(benchmark.prediction_row(sample, output))
+                    bar.update(len(batch))
+                    done_now += len(batch)
+    elapsed = time.perf_counter() - started
+    if done_now:
+        print(f"{done_now} sample(s) in {elapsed:.1f} s ({60 * done_now / elapsed:.2f} samples/min, batch size "
+              f"{args.eval_batch_size}); {total - done_now} already done")
+    else:
+        print(f"all {total} sample(s) already done; scoring only")
+
+
+def _batches(samples: list[Sample], size: int) -> list[list[Sample]]:
+    groups: dict[tuple, list[Sample]] = {}
+    for sample in samples:
+        groups.setdefault((sample.max_new_tokens, sample.batch_group), []).append(sample)
+    return [group[i:i + size] for group in groups.values() for i in range(0, len(group), size)]
+
