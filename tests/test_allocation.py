@@ -140,14 +140,14 @@ def test_zigzag_caps_a_layer_at_the_prompt_and_keeps_the_total():
 # --- allocation errors --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("settings,message", [
-    (dict(head_allocation="ada"), r"unknown head_allocation 'ada'; choose one of: uniform, adakv, headkv"),
-    (dict(layer_allocation="linear"), r"unknown layer_allocation 'linear'; choose one of: uniform, pyramid, zigzag"),
+    (dict(head_allocation="ada"), r"unknown head allocation 'ada'; choose one of: uniform, adakv, headkv"),
+    (dict(layer_allocation="linear"), r"unknown layer allocation 'linear'; choose one of: uniform, pyramid, zigzag"),
     (dict(head_allocation="adakv", floor_ratio=1.5), r"floor_ratio \(--floor\) must be in \[0, 1\]"),
     (dict(head_allocation="adakv", floor_ratio=-0.1), r"floor_ratio \(--floor\) must be in \[0, 1\]"),
     (dict(layer_allocation="zigzag", attention_threshold=0.0), r"attention_threshold must be in \(0, 1\]"),
     (dict(layer_allocation="zigzag", attention_threshold=1.2), r"attention_threshold must be in \(0, 1\]"),
     (dict(layer_allocation="zigzag", b_bound_ratio=2.0), r"b_bound_ratio must be in \[0, 1\]"),
-    (dict(floor_ratio=0.5), r"snapkv has no setting 'floor_ratio'"),
+    (dict(floor_ratio=0.5), r"floor_ratio is a setting of the head allocation adakv, not of uniform"),
     (dict(head_allocation="headkv", layer_allocation="pyramid"), r"cannot be combined with layer_allocation='pyramid'"),
     (dict(head_allocation="headkv", head_beta=0.5), r"head_beta must be >= 1"),
 ])
