@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-import pyramidkv.core.prefill as core  (the prefill pipeline calls merge_prompt)
+import pyramidkv.core.prefill as core  # the prefill pipeline calls merge_prompt
 from pyramidkv import DEFAULT_MODEL_NAME, compress, load_model, make_method
 from pyramidkv.merging import MERGE_RULES
 

@@ -262,7 +262,7 @@ def test_merge_rule_folds_evicted_decode_tokens_without_changing_which_are_kept(
     ("snapkv", dict(budget=128, decode_budget=16), r"decode_budget 16 is smaller than window_size 32"),
     ("h2o", dict(budget=128, window_size=8, decode_budget=0), r"decode_budget must be an integer >= 1 .*got 0"),
     ("snapkv", dict(budget=128, decode_budget=64, decode_interval=0), r"decode_interval must be an integer >= 1.*got 0"),
-    ("snapkv", dict(budget=128, decode_interval=16), r"decode_interval=16 only applies with decode_budget"),
+    ("snapkv", dict(budget=128, decode_interval=16), r"decode_interval=16 has no effect without decode_budget"),
     ("streamingllm", dict(budget=64, decode_budget=4), r"decode_budget 4 must exceed num_sinks 4"),
     ("fullkv", dict(decode_budget=256), r"fullkv keeps every token and has no scorer.*no decode_budget"),
 ])

@@ -153,7 +153,7 @@ class DecodeLayout:
             out, start = None, 0
             for part, (row_start, row_stop) in zip(self.parts, spans):
                 kept = row_stop - row_start
-                term = torch.matmul(probs[..., start:start + kept].reshape(-1, kept), part.values[row_start:row_stop])
+                term = torch.matmul(probs[..., start:start + kept].flatten(0, 1), part.values[row_start:row_stop])
                 out = term if out is None else out + term
                 start += kept
             tail = torch.matmul(probs[..., start:], tail_values[first:last])
