@@ -182,3 +182,32 @@ def prompt_queries_and_keys(model, ids) -> tuple[list[np.ndarray], list[np.ndarr
             hook.remove()
     keys = [out.past_key_values[layer][0][0].double().numpy() for layer in range(len(layers))]
     return [queries[layer] for layer in range(len(layers))], keys
+
+
+# ---- Quest (../shared/NEXT_METHODS.md section 1.10), float64, one segment ------------------------------
+def quest_page_bounds(keys: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """keys [n, D] -> (mins, maxs) [pages, D] over pages of `size` tokens aligned at 0, the last one partial."""
+    pages = [keys[p:p + size] for p in range(0, len(keys), size)]
+    return np.stack([p.min(axis=0) for p in pages]), np.stack([p.max(axis=0) for p in pages])
+
+
+def quest_criticality(query: np.ndarray, mins: np.ndarray, maxs: np.ndarray) -> np.ndarray:
+    """U_p = sum_c max(q_c m_c, q_c M_c) for query [D] -> [pages]."""
+    return np.maximum(query * mins, query * maxs).sum(axis=1)
+
+
+def quest_pages(scores: np.ndarray, k: int, forced: tuple[int, ...] = ()) -> list[int]:
+    """The k best pages (the forced ones first), ties to the later page."""
+    rest = sorted((p for p in range(len(scores)) if p not in forced), key=lambda p: (-scores[p], -p))
+    return list(forced) + rest[:k - len(forced)]
+
+
+def quest_attention(query: np.ndarray, keys: np.ndarray, values: np.ndarray, pages: list[int],
+                    size: int) -> np.ndarray:
+    """Softmax attention of query [D] over the tokens of `pages` only (-inf elsewhere) -> [D]."""
+    allowed = np.zeros(len(keys), dtype=bool)
+    for p in pages:
+        allowed[p * size:(p + 1) * size] = True
+    logits = np.where(allowed, keys @ query / math.sqrt(len(query)), -np.inf)
+    weights = np.exp(logits - logits.max())
+    return (weights / weights.sum()) @ values

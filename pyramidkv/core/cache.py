@@ -27,6 +27,8 @@ from pyramidkv.core.context import CompressionMethod
 from pyramidkv.core.decoding import DecodeCompressor
 from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.kept import KeptKV
+from pyramidkv.core.paged import PagedStore
+from pyramidkv.core.pages import PageSettings
 from pyramidkv.core.prefill import PromptCompressor
 from pyramidkv.core.quantized import QuantizedStore
 from pyramidkv.core.rotary import RotaryTable
@@ -78,6 +80,8 @@ class CompressedCache(Cache):
         self.scratch = None if quantizer is None else Scratch()  # dequantization buffers shared by the layers
         self.decoding = None if method.decode_budget is None else \
             DecodeCompressor(method, self.layers, num_query_heads, self.stored_heads)
+        self.pages = PageSettings(method.page_size, method.page_min_count, method.page_keep_last,
+                                  method.page_selection) if method.selects_pages else None
 
     # ---- transformers Cache API -------------------------------------------------------------
     def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
@@ -118,15 +122,18 @@ class CompressedCache(Cache):
             self.decoding.observe_prefill(layer_idx, queries, keys, scored.raw_scores, self.pad_lens)
         ready = self.prompt.keep(layer_idx, scored)
         for layer, kept in ready.items():
-            self.layers[layer] = self._new_store(kept, position_ids)
+            self.layers[layer] = self._new_store(layer, kept, position_ids)
         held = self.kv_bytes() + self.prompt.waiting_bytes()
         self.peak_prefill_kv_bytes = max(self.peak_prefill_kv_bytes, held, self.prompt.peak_waiting_bytes)
         if self.decoding is not None:
             for layer in ready:
                 self.decoding.after_prefill(layer)
 
-    def _new_store(self, kept: list[KeptKV], position_ids: Optional[torch.Tensor]) -> LayerStore:
+    def _new_store(self, layer_idx: int, kept: list[KeptKV], position_ids: Optional[torch.Tensor]) -> LayerStore:
         quantizer = self.method.quant_method
+        if self.pages is not None and layer_idx >= self.method.page_dense_layers:
+            budgets = [self.method.decode_page_budget(n) for n in self.prompt.real_lens]
+            return PagedStore(kept, self.prompt.real_lens, self.pages, budgets)
         if quantizer is None:
             return FullPrecisionStore(kept, self.prompt.real_lens)
         quantizer.check_head_dim(kept[0].keys.shape[-1])
@@ -199,6 +206,11 @@ class CompressedCache(Cache):
     def kv_bytes(self, batch_idx: Optional[int] = None, tail_tokens: Optional[int] = None) -> int:
         """Bytes of stored keys and values (see kv_bytes_breakdown)."""
         return sum(self.kv_bytes_breakdown(batch_idx, tail_tokens).values())
+
+    def decode_read_bytes(self, batch_idx: Optional[int] = None) -> int:
+        """K/V bytes the last decode step's attention read, all layers, of all prompts or one: everything
+        held, except where Quest read only its chosen pages (their K/V plus the page metadata)."""
+        return sum(store.read_bytes(batch_idx) for store in self.layers if store is not None)
 
     def tail_capacity_bytes(self) -> int:
         """Bytes allocated for appended tokens, all layers, including unused capacity (kv_bytes counts only

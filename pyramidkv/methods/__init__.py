@@ -14,6 +14,7 @@ from pyramidkv.methods.headkv import HeadKV
 from pyramidkv.methods.l2norm import L2Norm
 from pyramidkv.methods.nacl import NACL
 from pyramidkv.methods.pyramidkv import PyramidKV
+from pyramidkv.methods.quest import Quest
 from pyramidkv.methods.scissorhands import Scissorhands
 from pyramidkv.methods.snapkv import SnapKV
 from pyramidkv.methods.streamingllm import StreamingLLM
@@ -22,7 +23,7 @@ from pyramidkv.methods.zigzagkv import ZigZagKV
 
 METHODS: dict[str, type[Method]] = {
     cls.name: cls for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, L2Norm, AdaKV, AdaPyramidKV, HeadKV,
-                              ZigZagKV, CAM, ThinK, NACL, Scissorhands)
+                              ZigZagKV, CAM, ThinK, NACL, Scissorhands, Quest)
 }
 
 

@@ -25,6 +25,7 @@ from pyramidkv.allocation.base import HeadAllocation, LayerAllocation, ModelShap
 from pyramidkv.allocation.uniform import UniformHeads, UniformLayers
 from pyramidkv.components import Component
 from pyramidkv.core.context import DecodeScoreContext, ScoreContext
+from pyramidkv.core.pages import PAGE_SELECTIONS
 from pyramidkv.merging import make_merge_rule
 from pyramidkv.merging.base import MergeRule
 from pyramidkv.quantization import make_quantizer
@@ -71,6 +72,19 @@ class Method(Component):
         (Q_w: the prompt's last key_query_window queries) and stores its kept keys that many channels
         wide, except its key_recent_size most recent kept tokens (full width); values and generated
         tokens are never pruned (0: no pruning).
+    page_budget: Quest's decode-time page retrieval (None: off): per stored head and decode step, attention
+        reads only the tokens of the pages with the highest criticality U_p = sum_c max(q_c m_c, q_c M_c)
+        (m, M: the element-wise min and max key of a page of `page_size` held tokens); the attended pages
+        K = min(max(page_min_count, floor(page_budget / page_size)), pages). Nothing is evicted. With
+        page_keep_last the newest token's page is always among them. The first page_dense_layers layers
+        attend densely. page_selection: "query_head" (each query head its own pages, as the official code)
+        or "group_max" / "group_mean" (U reduced over the GQA group: one page set per stored head).
+    cross_layer_merge: MiniCache's cross-layer merging: from cross_layer_start (None: the middle layer)
+        upward, each pair of adjacent layers (l - 1, l) stores per token and stored head one shared
+        direction for its keys and one for its values (SLERP of the two unit vectors at cross_layer_t) and
+        the four magnitudes; the cross_layer_retain share of token pairs with the largest angular distance
+        (for keys and values separately) keep their original vectors for both layers. With eviction the pair
+        selects once, on the sum of its two layers' scores.
     """
 
     kind_key = "method"
@@ -103,6 +117,16 @@ class Method(Component):
     key_channel_ratio: float = 0.0
     key_recent_size: int = 32
     key_query_window: int = 32
+    page_budget: Optional[int] = None
+    page_size: int = 16
+    page_min_count: int = 3
+    page_keep_last: bool = False
+    page_dense_layers: int = 2
+    page_selection: str = "query_head"
+    cross_layer_merge: bool = False
+    cross_layer_start: Optional[int] = None
+    cross_layer_t: float = 0.6
+    cross_layer_retain: float = 0.05
 
     def __post_init__(self) -> None:
         # A unit may be given by name ("adakv"): it gets that unit with its defaults.
@@ -123,6 +147,14 @@ class Method(Component):
         buffered recent queries as the observation window); methods that need something else
         override it (H2O: the attention each token has accumulated)."""
         return self.score(ctx)
+
+    @property
+    def selects_pages(self) -> bool:
+        return self.page_budget is not None
+
+    def decode_page_budget(self, real_len: int) -> Optional[int]:
+        """Quest: tokens of the pages attended per stored head and decode step (None: everything held)."""
+        return self.page_budget
 
     @property
     def layer_budgets_need_scores(self) -> bool:
@@ -168,6 +200,8 @@ class Method(Component):
         if self.window_size < 0:
             raise ValueError(f"window_size must be an integer >= 0, got {self.window_size!r}")
         self._validate_selection_settings()
+        self._validate_page_settings()
+        self._validate_cross_layer_settings()
         if self.head_allocation.global_over_layers and not isinstance(self.layer_allocation, UniformLayers):
             raise ValueError(f"head_allocation={self.head_allocation.name!r} splits the budget over all layers and "
                              f"heads at once; it cannot be combined with layer_allocation="
@@ -255,3 +289,64 @@ class Method(Component):
         if not self.needs_budget and (self.num_sinks or self.random_fraction):
             raise ValueError(f"{self.name} keeps every token; it takes no num_sinks or random_fraction "
                              f"(got num_sinks={self.num_sinks}, random_fraction={self.random_fraction:g})")
+
+    def _unused(self, settings: tuple[str, ...], needs: str) -> None:
+        """One line naming the first of `settings` changed from its default while the axis is off."""
+        fields = type(self).__dataclass_fields__
+        for setting in settings:
+            if getattr(self, setting) != fields[setting].default:
+                raise ValueError(f"{setting}={getattr(self, setting)!r} only applies with {needs}; set it too, or "
+                                 f"leave {setting} out")
+
+    def _validate_page_settings(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be an integer >= 1 (tokens per Quest page), got {self.page_size!r}")
+        if self.page_min_count < 1:
+            raise ValueError(f"page_min_count must be an integer >= 1, got {self.page_min_count!r}")
+        if self.page_dense_layers < 0:
+            raise ValueError(f"page_dense_layers must be an integer >= 0, got {self.page_dense_layers!r}")
+        if self.page_selection not in PAGE_SELECTIONS:
+            raise ValueError(f"page_selection must be one of {'|'.join(PAGE_SELECTIONS)}, got {self.page_selection!r}")
+        if not self.selects_pages:
+            self._unused(("page_size", "page_min_count", "page_keep_last", "page_dense_layers", "page_selection"),
+                         "page_budget (Quest)")
+            return
+        if self.page_budget is not None and self.page_budget < self.page_size:
+            raise ValueError(f"page_budget {self.page_budget} is smaller than one page (page_size {self.page_size}); "
+                             f"the budget counts the tokens of the attended pages")
+        for setting, value, why in (
+                ("quant_method", self.quant_method, "Quest pages a full-precision cache"),
+                ("key_channel_ratio", self.key_channel_ratio or None, "Quest pages full-width keys"),
+                ("cross_layer_merge", self.cross_layer_merge or None, "Quest pages one layer's own keys")):
+            if value is not None:
+                raise ValueError(f"Quest page selection does not combine with {setting}={value!r} ({why}); use one "
+                                 f"of them")
+        if self.decode_budget is not None and (self.accumulates_attention or self.history_window is not None):
+            raise ValueError(f"Quest page selection does not combine with {self.name}'s decode-time attention "
+                             f"statistics (decode_budget): they would count attention Quest never computed")
+
+    def _validate_cross_layer_settings(self) -> None:
+        if not 0.0 <= self.cross_layer_t <= 1.0:
+            raise ValueError(f"cross_layer_t must be in [0, 1] (SLERP weight of the upper layer), "
+                             f"got {self.cross_layer_t!r}")
+        if not 0.0 <= self.cross_layer_retain <= 1.0:
+            raise ValueError(f"cross_layer_retain must be in [0, 1] (share of token pairs kept unmerged), "
+                             f"got {self.cross_layer_retain!r}")
+        if self.cross_layer_start is not None and self.cross_layer_start < 0:
+            raise ValueError(f"cross_layer_start must be a layer index >= 0 (or None: the middle layer), "
+                             f"got {self.cross_layer_start!r}")
+        if not self.cross_layer_merge:
+            self._unused(("cross_layer_start", "cross_layer_t", "cross_layer_retain"), "cross_layer_merge (MiniCache)")
+            return
+        refused = [("quant_method", self.quant_method is not None, "the merged directions are not quantized"),
+                   ("decode_budget", self.decode_budget is not None, "decode-time re-selection is per layer"),
+                   ("key_channel_ratio", self.key_channel_ratio > 0, "thin keys are per layer"),
+                   ("layer_allocation", not isinstance(self.layer_allocation, UniformLayers),
+                    "a merged pair keeps one token set, so its two layers need the same budget"),
+                   ("head_allocation", self.head_allocation.global_over_layers,
+                    "its per-layer head table would split a merged pair")]
+        for setting, bad, why in refused:
+            if bad:
+                value = getattr(self, setting)
+                raise ValueError(f"cross-layer merging (MiniCache) does not combine with {setting}="
+                                 f"{getattr(value, 'name', value)!r}: {why}")
