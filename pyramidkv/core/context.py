@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from pyramidkv.allocation.base import ModelShape
     from pyramidkv.merging.base import MergeRule
     from pyramidkv.quantization.base import Quantizer
-    from pyramidkv.sparse_prefill.base import SparsePrefill
+    from pyramidkv.sparse_prefill.base import PrefillPattern, SparsePrefill
 
 
 @dataclass
@@ -26,6 +26,8 @@ class ScoreContext:
 
     queries: [B, Hq, n, D] and keys/values: [B, Hkv, n, D], after RoPE.
     real: [B, n] bool, False at left padding.
+    pattern: the layer's sparse prefill pattern (MInference; its `mask(start, stop, n)` gives the entries the
+    model computed), None for dense prefill: attention statistics pass it to the scoring helpers.
     """
 
     layer_idx: int
@@ -34,6 +36,7 @@ class ScoreContext:
     keys: torch.Tensor
     values: torch.Tensor
     real: torch.Tensor
+    pattern: Optional["PrefillPattern"] = None
 
 
 @dataclass

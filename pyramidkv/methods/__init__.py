@@ -12,6 +12,8 @@ from pyramidkv.methods.fullkv import FullKV
 from pyramidkv.methods.h2o import H2O
 from pyramidkv.methods.headkv import HeadKV
 from pyramidkv.methods.l2norm import L2Norm
+from pyramidkv.methods.minference import MInferenceMethod
+from pyramidkv.methods.minicache import MiniCache
 from pyramidkv.methods.nacl import NACL
 from pyramidkv.methods.pyramidkv import PyramidKV
 from pyramidkv.methods.quest import Quest
@@ -23,7 +25,7 @@ from pyramidkv.methods.zigzagkv import ZigZagKV
 
 METHODS: dict[str, type[Method]] = {
     cls.name: cls for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, L2Norm, AdaKV, AdaPyramidKV, HeadKV,
-                              ZigZagKV, CAM, ThinK, NACL, Scissorhands, Quest)
+                              ZigZagKV, CAM, ThinK, NACL, Scissorhands, Quest, MiniCache, MInferenceMethod)
 }
 
 
@@ -69,6 +71,7 @@ def make_method(name: str, **settings) -> Method:
     from pyramidkv.allocation import make_head_allocation, make_layer_allocation
     from pyramidkv.merging import make_merge_rule
     from pyramidkv.quantization import make_quantizer
+    from pyramidkv.sparse_prefill import make_sparse_prefill
 
     cls = get_method_class(name)
     allowed = method_options(name)
@@ -76,7 +79,8 @@ def make_method(name: str, **settings) -> Method:
     rest = {k: v for k, v in settings.items() if k not in allowed}
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     for field, build in (("head_allocation", make_head_allocation), ("layer_allocation", make_layer_allocation),
-                         ("merge", make_merge_rule), ("quant_method", make_quantizer)):
+                         ("merge", make_merge_rule), ("quant_method", make_quantizer),
+                         ("prefill_attention", make_sparse_prefill)):
         chosen = own.get(field, defaults[field])
         if chosen is None:
             continue
@@ -86,6 +90,7 @@ def make_method(name: str, **settings) -> Method:
             own[field] = dataclasses.replace(kind, **mine)
     from pyramidkv.merging import MERGE_RULES
     from pyramidkv.quantization import QUANTIZERS
+    from pyramidkv.sparse_prefill import SPARSE_PREFILLS
 
     for key in rest:
         owners = [rule for rule, unit in MERGE_RULES.items() if key in {f.name for f in dataclasses.fields(unit)}]
@@ -96,10 +101,14 @@ def make_method(name: str, **settings) -> Method:
         if owners and own.get("quant_method", defaults["quant_method"]) is None:
             raise ValueError(f"{key} is a setting of the quantizer {' / '.join(owners)}, but {cls.name} has no "
                              f"quant_method; choose one with quant_method={owners[0]!r} (--quant_method {owners[0]})")
+        owners = [u for u, unit in SPARSE_PREFILLS.items() if key in {f.name for f in dataclasses.fields(unit)}]
+        if owners and own.get("prefill_attention", defaults["prefill_attention"]) is None:
+            raise ValueError(f"{key} is a setting of the prefill attention {' / '.join(owners)}, but {cls.name} has "
+                             f"none; choose one with prefill_attention={owners[0]!r}")
     if rest:
         raise ValueError(f"{cls.name} has no setting {', '.join(map(repr, sorted(rest)))}; its settings are: "
                          f"{', '.join(allowed)}, plus those of its head_allocation, layer_allocation, merge "
-                         f"rule and quant_method ({_unit_settings_hint()})")
+                         f"rule, quant_method and prefill_attention ({_unit_settings_hint()})")
     return cls(**own)
 
 
@@ -107,9 +116,10 @@ def _unit_settings_hint() -> str:
     from pyramidkv.allocation import HEAD_ALLOCATIONS, LAYER_ALLOCATIONS
     from pyramidkv.merging import MERGE_RULES
     from pyramidkv.quantization import QUANTIZERS
+    from pyramidkv.sparse_prefill import SPARSE_PREFILLS
 
     parts = []
-    for table in (HEAD_ALLOCATIONS, LAYER_ALLOCATIONS, MERGE_RULES, QUANTIZERS):
+    for table in (HEAD_ALLOCATIONS, LAYER_ALLOCATIONS, MERGE_RULES, QUANTIZERS, SPARSE_PREFILLS):
         for unit_name, unit in table.items():
             names = [f.name for f in dataclasses.fields(unit)]
             if names:

@@ -30,6 +30,8 @@ from pyramidkv.merging import make_merge_rule
 from pyramidkv.merging.base import MergeRule
 from pyramidkv.quantization import make_quantizer
 from pyramidkv.quantization.base import Quantizer
+from pyramidkv.sparse_prefill import make_sparse_prefill
+from pyramidkv.sparse_prefill.base import SparsePrefill
 
 GQA_LAYOUTS = ("kv_head", "query_head")
 GQA_REDUCTIONS = ("mean", "max", "sum")
@@ -85,6 +87,9 @@ class Method(Component):
         the four magnitudes; the cross_layer_retain share of token pairs with the largest angular distance
         (for keys and values separately) keep their original vectors for both layers. With eviction the pair
         selects once, on the sum of its two layers' scores.
+    prefill_attention: how the prompt's attention is computed (None: the model's own dense attention); a
+        sparse prefill (pyramidkv.sparse_prefill, by name or object: minference) computes only its pattern's
+        entries, and the scorers' attention statistics count those entries only.
     """
 
     kind_key = "method"
@@ -127,11 +132,13 @@ class Method(Component):
     cross_layer_start: Optional[int] = None
     cross_layer_t: float = 0.6
     cross_layer_retain: float = 0.05
+    prefill_attention: Optional[SparsePrefill] = None
 
     def __post_init__(self) -> None:
         # A unit may be given by name ("adakv"): it gets that unit with its defaults.
         for setting, make in (("head_allocation", make_head_allocation), ("layer_allocation", make_layer_allocation),
-                              ("merge", make_merge_rule), ("quant_method", make_quantizer)):
+                              ("merge", make_merge_rule), ("quant_method", make_quantizer),
+                              ("prefill_attention", make_sparse_prefill)):
             if isinstance(getattr(self, setting), str):
                 object.__setattr__(self, setting, make(getattr(self, setting)))
         super().__post_init__()
@@ -202,6 +209,7 @@ class Method(Component):
         self._validate_selection_settings()
         self._validate_page_settings()
         self._validate_cross_layer_settings()
+        self._validate_prefill_attention()
         if self.head_allocation.global_over_layers and not isinstance(self.layer_allocation, UniformLayers):
             raise ValueError(f"head_allocation={self.head_allocation.name!r} splits the budget over all layers and "
                              f"heads at once; it cannot be combined with layer_allocation="
@@ -324,6 +332,11 @@ class Method(Component):
         if self.decode_budget is not None and (self.accumulates_attention or self.history_window is not None):
             raise ValueError(f"Quest page selection does not combine with {self.name}'s decode-time attention "
                              f"statistics (decode_budget): they would count attention Quest never computed")
+
+    def _validate_prefill_attention(self) -> None:
+        if self.prefill_attention is not None and self.history_window is not None:
+            raise ValueError(f"prefill_attention={self.prefill_attention.name!r} does not combine with {self.name}: its "
+                             f"uniform level counts every key a prompt row attends, not a sparse head's")
 
     def _validate_cross_layer_settings(self) -> None:
         if not 0.0 <= self.cross_layer_t <= 1.0:

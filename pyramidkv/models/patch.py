@@ -36,6 +36,30 @@ def _decoder(model):
     return decoder
 
 
+def check_method_for_model(method: Method, config) -> None:
+    """What a method needs from a model, checked on its config alone (no weights): the runners call it before
+    loading the model, `compress` again. One-line ValueError naming the setting: a HeadKV table or a sparse
+    prefill pattern table of another shape, a quantizer group that does not divide the head dim, a MiniCache
+    start layer with no pair above it, Quest dense layers covering the whole model."""
+    layers = config.num_hidden_layers
+    shape = ModelShape(layers, config.num_attention_heads, config.num_key_value_heads,
+                       getattr(config, "_name_or_path", "") or "")
+    check_allocation = getattr(method.head_allocation, "check_model", None)
+    if check_allocation is not None:  # e.g. HeadKV's table: missing or misshapen fails here, not mid-run
+        check_allocation(shape)
+    if method.quant_method is not None:  # e.g. a group size that does not divide the head dim fails here
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        method.quant_method.check_head_dim(head_dim)
+    if method.cross_layer_merge and method.cross_layer_start is not None and method.cross_layer_start >= layers - 1:
+        raise ValueError(f"cross_layer_start {method.cross_layer_start} leaves no layer pair to merge in this "
+                         f"{layers}-layer model (layers 0..{layers - 1}); use at most {layers - 2}")
+    if method.selects_pages and method.page_dense_layers >= layers:
+        raise ValueError(f"page_dense_layers {method.page_dense_layers} leaves no layer of this {layers}-layer "
+                         f"model to Quest; use at most {layers - 1}")
+    if method.prefill_attention is not None:  # e.g. a pattern table of another model
+        method.prefill_attention.check_model(layers, config.num_attention_heads, shape.name)
+
+
 class CompressionPatch:
     """Patches a model to use a compressed cache with `method`; `remove()` (or leaving the `with`) undoes it."""
 
@@ -54,15 +78,7 @@ class CompressionPatch:
         sliding = getattr(model.config, "sliding_window", None)
         if model_type == "mistral" and sliding is not None:
             logger.warning("config.sliding_window=%s is not applied to the compressed cache during decoding", sliding)
-        check_allocation = getattr(method.head_allocation, "check_model", None)
-        if check_allocation is not None:  # e.g. HeadKV's table: missing or misshapen fails here, not mid-run
-            config = model.config
-            check_allocation(ModelShape(config.num_hidden_layers, config.num_attention_heads,
-                                        config.num_key_value_heads, getattr(config, "_name_or_path", "") or ""))
-        if method.quant_method is not None:  # e.g. a group size that does not divide the head dim fails here
-            config = model.config
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            method.quant_method.check_head_dim(head_dim)
+        check_method_for_model(method, model.config)
         self.model = model
         self.method = method
         self.glue = MODEL_GLUE[model_type]
