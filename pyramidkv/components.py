@@ -137,6 +137,19 @@ def _text(value) -> str:
 
 
 @dataclass(frozen=True)
+class ModelShape:
+    """What a component's checks may need to know about the model being compressed (no weights)."""
+
+    num_layers: int
+    num_query_heads: int
+    num_kv_heads: int
+    name: str = ""            # model path or hub id (HeadKV looks up its packaged head table by it)
+    head_dim: int = 0         # 0: unknown (the checks that need it are skipped)
+    dtype_bytes: int = 0      # bytes per value of the unquantized cache (the model dtype); 0: unknown
+    context_window: int = 0   # max_position_embeddings; 0: unknown
+
+
+@dataclass(frozen=True)
 class Component:
     name: ClassVar[str] = ""
     # The key under which describe() records the name ("method" for methods, as run_meta.json has it).

@@ -1,4 +1,9 @@
-"""Batched greedy generation with a compression method: what the runners and the quickstart call."""
+"""Batched greedy generation with a compression method: what the runners and the quickstart call.
+
+Two protocols: the whole prompt is prefilled (compression sees the question, SnapKV's setting), or, with
+`questions`, only the context is prefilled and each question token is then fed as one decode step
+before the answer is generated (Quest's protocol: the question is seen by decode-time selection only).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
 from pyramidkv.methods.base import Method
 from pyramidkv.models.patch import compress
 
@@ -14,7 +21,7 @@ from pyramidkv.models.patch import compress
 @dataclass
 class Generation:
     text: str
-    prompt_tokens: int          # real (unpadded) prompt length
+    prompt_tokens: int          # real (unpadded) prompt length (context + question when fed as decode steps)
     new_tokens: int
     kv_bytes_per_prompt: int    # stored K/V bytes for this prompt after generation, all layers
 
@@ -28,6 +35,7 @@ def generate(
     max_new_tokens: int,
     stop_token_ids: Optional[Sequence[int]] = None,
     min_new_tokens: int = 0,
+    questions: Optional[Sequence[str] | Sequence[Sequence[int]]] = None,
 ) -> list[Generation]:
     """Greedy-decode a batch of prompts (strings, or token-id lists) under `method`.
 
@@ -37,36 +45,24 @@ def generate(
     tokens: the caller applies any chat template (e.g. tokenizer.apply_chat_template).
     Decoding stops at `stop_token_ids`, by default the model's end-of-sequence tokens
     (`default_stop_token_ids`); pass an empty list to always decode max_new_tokens.
+
+    questions: per prompt, a question (string or token ids) fed token by token as decode steps after the
+    prompt (then only the context) is prefilled, before the answer is generated; each prompt's question
+    may have its own length. `split_prompt` cuts a complete prompt into (context, question) token ids.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if len(prompts) == 0:
         return []
-    texts = [isinstance(p, str) for p in prompts]
-    if any(texts) and not all(texts):
-        raise ValueError(f"prompts mix text (prompt {texts.index(True)}) and token ids (prompt {texts.index(False)}); "
-                         f"give all as strings or all as token-id lists")
-    if all(texts):
-        token_lists = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-    else:
-        token_lists = [list(p) for p in prompts]
-        bad = [i for i, t in enumerate(token_lists) if any(isinstance(x, (str, bytes, float)) for x in t)]
-        if bad:
-            raise ValueError(f"prompt {bad[0]} is neither text nor a list of token ids: {prompts[bad[0]]!r:.60}")
-    if any(len(t) == 0 for t in token_lists):
-        raise ValueError("empty prompt")
+    token_lists = _token_lists(tokenizer, prompts, "prompt")
     for tokens in token_lists:
         method.check_prompt(len(tokens))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width = max(len(t) for t in token_lists)
-    input_ids = torch.full((len(token_lists), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, tokens in enumerate(token_lists):
-        input_ids[row, width - len(tokens):] = torch.tensor(tokens)
-        attention_mask[row, width - len(tokens):] = 1
-    device = next(model.parameters()).device
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-
+    if questions is not None:
+        if len(questions) != len(prompts):
+            raise ValueError(f"got {len(questions)} questions for {len(prompts)} prompts")
+        return _generate_after_questions(model, tokenizer, token_lists, _token_lists(tokenizer, questions, "question"),
+                                         method, max_new_tokens, stop_token_ids, min_new_tokens)
+    input_ids, attention_mask, width, pad_id = _left_padded(model, tokenizer, token_lists)
     eos = default_stop_token_ids(model, tokenizer) if stop_token_ids is None else [int(t) for t in stop_token_ids]
     with compress(model, method) as patch:
         cache = patch.new_cache()
@@ -86,6 +82,106 @@ def generate(
         generated = min(cut + 1, len(new))
         results.append(Generation(text, len(tokens), cut, cache.kv_bytes(row, tail_tokens=max(0, generated - 1))))
     return results
+
+
+def _token_lists(tokenizer, texts, what: str) -> list[list[int]]:
+    """Each text's token ids: all strings (tokenized without special tokens) or all token-id lists; none empty."""
+    is_text = [isinstance(t, str) for t in texts]
+    if any(is_text) and not all(is_text):
+        raise ValueError(f"{what}s mix text ({what} {is_text.index(True)}) and token ids ({what} "
+                         f"{is_text.index(False)}); give all as strings or all as token-id lists")
+    if all(is_text):
+        token_lists = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    else:
+        token_lists = [list(t) for t in texts]
+        bad = [i for i, t in enumerate(token_lists) if any(isinstance(x, (str, bytes, float)) for x in t)]
+        if bad:
+            raise ValueError(f"{what} {bad[0]} is neither text nor a list of token ids: {texts[bad[0]]!r:.60}")
+    empty = [i for i, t in enumerate(token_lists) if len(t) == 0]
+    if empty:
+        raise ValueError(f"{what} {empty[0]} is empty")
+    return token_lists
+
+
+def split_prompt(tokenizer, prompt: str, question_start: int) -> tuple[list[int], list[int]]:
+    """The token ids of `prompt` (tokenized whole, without special tokens) cut where the question begins:
+    (context ids, question ids), the question being every token that starts at character question_start or
+    later, so the two parts together are exactly the whole prompt's tokens."""
+    encoded = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = encoded.input_ids, encoded.offset_mapping
+    cut = next((i for i, (start, _) in enumerate(offsets) if start >= question_start), len(ids))
+    return list(ids[:cut]), list(ids[cut:])
+
+
+class _FeedQuestions(LogitsProcessor):
+    """Forces each row's question tokens as its first "generated" tokens (so they are fed as decode steps),
+    then suppresses the stop tokens for the row's first min_new_tokens answer tokens."""
+
+    def __init__(self, width: int, questions: list[list[int]], stops: list[int], min_new_tokens: int):
+        self.width, self.questions, self.stops, self.min_new_tokens = width, questions, stops, min_new_tokens
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        step = input_ids.shape[1] - self.width
+        for row, question in enumerate(self.questions):
+            if step < len(question):
+                forced = scores.new_full(scores.shape[1:], float("-inf"))
+                forced[question[step]] = 0.0
+                scores[row] = forced
+            elif step - len(question) < self.min_new_tokens and self.stops:
+                scores[row, self.stops] = float("-inf")
+        return scores
+
+
+class _AnswerDone(StoppingCriteria):
+    """A row is done once its answer (the tokens after its question) holds a stop token or max_new_tokens."""
+
+    def __init__(self, width: int, questions: list[list[int]], stops: set[int], max_new_tokens: int):
+        self.width, self.questions, self.stops, self.max_new_tokens = width, questions, stops, max_new_tokens
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        done = []
+        for row, question in enumerate(self.questions):
+            answer = input_ids[row, self.width + len(question):].tolist()
+            done.append(len(answer) >= self.max_new_tokens or any(t in self.stops for t in answer))
+        return torch.tensor(done, device=input_ids.device)
+
+
+def _generate_after_questions(model, tokenizer, contexts: list[list[int]], questions: list[list[int]], method: Method,
+                              max_new_tokens: int, stop_token_ids, min_new_tokens: int) -> list[Generation]:
+    input_ids, attention_mask, width, pad_id = _left_padded(model, tokenizer, contexts)
+    eos = default_stop_token_ids(model, tokenizer) if stop_token_ids is None else [int(t) for t in stop_token_ids]
+    steps = max(len(q) for q in questions) + max_new_tokens
+    with compress(model, method) as patch:
+        cache = patch.new_cache()
+        output = model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=steps,
+            do_sample=False, temperature=None, top_p=None, top_k=None, num_beams=1, eos_token_id=None,
+            pad_token_id=pad_id,
+            logits_processor=LogitsProcessorList([_FeedQuestions(width, questions, eos, min_new_tokens)]),
+            stopping_criteria=StoppingCriteriaList([_AnswerDone(width, questions, set(eos), max_new_tokens)]),
+        )
+    results = []
+    for row, (context, question) in enumerate(zip(contexts, questions)):
+        answer = output[row, width + len(question):].tolist()[:max_new_tokens]
+        cut = next((i for i, tok in enumerate(answer) if tok in eos), len(answer))
+        text = tokenizer.decode(answer[:cut], skip_special_tokens=True)
+        # Fed back into the cache: every question token, then the answer tokens but the last one sampled.
+        fed = len(question) + min(cut + 1, len(answer)) - 1
+        results.append(Generation(text, len(context) + len(question), cut, cache.kv_bytes(row, tail_tokens=fed)))
+    return results
+
+
+def _left_padded(model, tokenizer, token_lists: list[list[int]]):
+    """(input_ids, attention_mask) [B, width] left-padded on the model's device, width, pad id."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(t) for t in token_lists)
+    input_ids = torch.full((len(token_lists), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, tokens in enumerate(token_lists):
+        input_ids[row, width - len(tokens):] = torch.tensor(tokens)
+        attention_mask[row, width - len(tokens):] = 1
+    device = next(model.parameters()).device
+    return input_ids.to(device), attention_mask.to(device), width, pad_id
 
 
 def default_stop_token_ids(model, tokenizer) -> list[int]:

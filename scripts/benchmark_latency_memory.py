@@ -26,6 +26,12 @@ most stored at any moment of the whole run (prefill peak, after every decode ste
 compression during decoding, e.g. `snapkv:decode_budget=512`, just before each re-selection). The
 plain row decodes over transformers' DynamicCache (its bytes: the K/V tensors it holds).
 
+Quest (`quest`, or `snapkv:page_budget=64`) evicts nothing: its KV bytes are what it holds (K/V + page
+metadata, part "page_metadata"), and `read_bytes_per_step` is what decode attention read per step (mean
+over the decode steps: the chosen pages' K/V + all page metadata in paged layers, everything held in the
+others), also as a ratio to fullkv's. MiniCache rows (`minicache`) break their bytes into directions,
+magnitudes, retained rows and indices.
+
 Compression during decoding (docs/decoding.md), 1024 new tokens:
 
     python scripts/benchmark_latency_memory.py --context_length 1024 --max_capacity_prompts 512 \
@@ -51,6 +57,8 @@ from pyramidkv.models.loading import check_model
 from pyramidkv.runner.results import atomic_write_json
 
 PLAIN = "plain"  # the unpatched model's row
+# Parts of kv_bytes_breakdown stored in the model's dtype (the others are packed codes, fp16 scales, int64 indices).
+MODEL_DTYPE_PARTS = {"residual", "page_metadata", "directions", "magnitudes", "retained"}
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -79,7 +87,7 @@ def measure_once(model, ids, method: Optional[Method], new_tokens: int, device: 
         peak = getattr(cache, "peak_prefill_kv_bytes", None)
         peak_prefill = kv_bytes if peak is None else peak
         peak_all = peak_prefill
-        decode_times = []
+        decode_times, read = [], []
         token = out.logits[:, -1:].argmax(-1)
         for _ in range(new_tokens):
             sync(device)
@@ -89,6 +97,7 @@ def measure_once(model, ids, method: Optional[Method], new_tokens: int, device: 
             decode_times.append(time.perf_counter() - t0)
             token = out.logits[:, -1:].argmax(-1)
             peak_all = max(peak_all, stored())  # outside the timed region
+            read.append(cache.decode_read_bytes() if patch is not None else stored())
         decoding = getattr(cache, "decoding", None)
         if decoding is not None:  # the instants just before each decode-time re-selection
             peak_all = max(peak_all, decoding.peak_kv_bytes)
@@ -97,9 +106,11 @@ def measure_once(model, ids, method: Optional[Method], new_tokens: int, device: 
         if patch is not None:
             patch.remove()
     element = next(model.parameters()).element_size()
-    fp16 = kv_bytes - breakdown["residual"] + breakdown["residual"] * 2 // element
+    in_model_dtype = sum(size for part, size in breakdown.items() if part in MODEL_DTYPE_PARTS)
+    fp16 = kv_bytes - in_model_dtype + in_model_dtype * 2 // element
     result = {"prefill_s": prefill, "decode_s_per_token": statistics.median(decode_times),
               "decode_s_per_token_mean": statistics.fmean(decode_times),
+              "read_bytes_per_step": statistics.fmean(read),
               "kv_bytes_after_prefill": kv_bytes, "peak_prefill_kv_bytes": peak_prefill,
               "kv_bytes_final": final, "peak_kv_bytes": peak_all,
               "kv_bytes_fp16": fp16, **{f"kv_bytes_{part}": size for part, size in breakdown.items()}}
@@ -183,6 +194,15 @@ def main(argv=None) -> None:
               f"{r['decode_ratio_plain']:.3f} | {r['decode_ratio']:.3f} | {1000 * r['decode_s_per_token_mean']:.1f} | "
               f"{r['kv_bytes_after_prefill'] / 2**20:.2f} | {r['peak_prefill_kv_bytes'] / 2**20:.2f} | "
               f"{r['kv_ratio']:.4f} | {r['peak_kv_bytes'] / 2**20:.2f} | {r['peak_kv_ratio']:.4f} |")
+    if any("page" in name or "quest" in name or "minicache" in name or "cross_layer" in name for name in rows):
+        print("\n| method | held KV MiB | x fullkv | of which page metadata MiB | read MiB / decode step | x fullkv | "
+              "MiniCache directions + magnitudes + retained + indices MiB |")
+        print("|---|---|---|---|---|---|---|")
+        for name, r in rows.items():
+            merged = sum(r.get(f"kv_bytes_{p}", 0) for p in ("directions", "magnitudes", "retained", "indices"))
+            print(f"| {name} | {r['kv_bytes_after_prefill'] / 2**20:.2f} | {r['kv_ratio']:.4f} | "
+                  f"{r.get('kv_bytes_page_metadata', 0) / 2**20:.3f} | {r['read_bytes_per_step'] / 2**20:.2f} | "
+                  f"{r['read_ratio']:.4f} | {merged / 2**20:.2f} |")
     if any("quant_method" in name for name in rows):
         print("\n| method | KV x fullkv fp16 | formula | decode x unquantized | codes MiB | scales+zeros MiB | "
               "outliers+factors+positions MiB | residual MiB |")
@@ -210,7 +230,8 @@ def add_ratios(rows: dict) -> None:
     """Each figure of each row as a ratio to fullkv (`*_ratio`) and to plain transformers (`*_ratio_plain`);
     KV bytes also against fullkv in fp16, decode time also against the row's spec without its quantizer."""
     figures = {"prefill": "prefill_s", "decode": "decode_s_per_token", "decode_mean": "decode_s_per_token_mean",
-               "kv": "kv_bytes_after_prefill", "peak_prefill_kv": "peak_prefill_kv_bytes", "peak_kv": "peak_kv_bytes"}
+               "kv": "kv_bytes_after_prefill", "peak_prefill_kv": "peak_prefill_kv_bytes", "peak_kv": "peak_kv_bytes",
+               "read": "read_bytes_per_step"}
     for name, r in rows.items():
         for label, key in figures.items():
             r[f"{label}_ratio"] = r[key] / rows["fullkv"][key]

@@ -182,3 +182,142 @@ def prompt_queries_and_keys(model, ids) -> tuple[list[np.ndarray], list[np.ndarr
             hook.remove()
     keys = [out.past_key_values[layer][0][0].double().numpy() for layer in range(len(layers))]
     return [queries[layer] for layer in range(len(layers))], keys
+
+
+# ---- Quest (../shared/NEXT_METHODS.md section 1.10), float64, one segment ------------------------------
+def quest_page_bounds(keys: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """keys [n, D] -> (mins, maxs) [pages, D] over pages of `size` tokens aligned at 0, the last one partial."""
+    pages = [keys[p:p + size] for p in range(0, len(keys), size)]
+    return np.stack([p.min(axis=0) for p in pages]), np.stack([p.max(axis=0) for p in pages])
+
+
+def quest_criticality(query: np.ndarray, mins: np.ndarray, maxs: np.ndarray) -> np.ndarray:
+    """U_p = sum_c max(q_c m_c, q_c M_c) for query [D] -> [pages]."""
+    return np.maximum(query * mins, query * maxs).sum(axis=1)
+
+
+def quest_pages(scores: np.ndarray, k: int, forced: tuple[int, ...] = ()) -> list[int]:
+    """The k best pages (the forced ones first), ties to the later page."""
+    rest = sorted((p for p in range(len(scores)) if p not in forced), key=lambda p: (-scores[p], -p))
+    return list(forced) + rest[:k - len(forced)]
+
+
+def quest_attention(query: np.ndarray, keys: np.ndarray, values: np.ndarray, pages: list[int],
+                    size: int) -> np.ndarray:
+    """Softmax attention of query [D] over the tokens of `pages` only (-inf elsewhere) -> [D]."""
+    allowed = np.zeros(len(keys), dtype=bool)
+    for p in pages:
+        allowed[p * size:(p + 1) * size] = True
+    logits = np.where(allowed, keys @ query / math.sqrt(len(query)), -np.inf)
+    weights = np.exp(logits - logits.max())
+    return (weights / weights.sum()) @ values
+
+
+# ---- MiniCache (../shared/NEXT_METHODS.md section 4.9), float64 ----------------------------------------
+def minicache_merge(lower: np.ndarray, upper: np.ndarray, t: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """lower, upper [n, D] -> (unit direction [n, D], norms [n, 2], angular distance [n] = Omega / pi), token by
+    token with the SLERP formula (the lerp limit when the vectors are parallel)."""
+    directions, norms, distances = [], [], []
+    for a, b in zip(lower, upper):
+        na, nb = np.linalg.norm(a), np.linalg.norm(b)
+        ua, ub = a / na, b / nb
+        omega = math.acos(min(1.0, max(-1.0, float(ua @ ub))))
+        if math.sin(omega) < 1e-6:
+            e = (1 - t) * ua + t * ub
+        else:
+            e = math.sin((1 - t) * omega) / math.sin(omega) * ua + math.sin(t * omega) / math.sin(omega) * ub
+        directions.append(e / np.linalg.norm(e))
+        norms.append([na, nb])
+        distances.append(omega / math.pi)
+    return np.array(directions), np.array(norms), np.array(distances)
+
+
+def minicache_restore(lower: np.ndarray, upper: np.ndarray, t: float, retain: float) -> tuple[np.ndarray, np.ndarray]:
+    """What each layer reads back: norm x direction, the ceil(retain n) pairs of largest distance (ties: the
+    later token) as they were."""
+    directions, norms, distances = minicache_merge(lower, upper, t)
+    restored_lower, restored_upper = directions * norms[:, :1], directions * norms[:, 1:]
+    count = math.ceil(retain * len(lower) - 1e-9) if retain > 0 else 0
+    for j in top_positions(distances, count):
+        restored_lower[j], restored_upper[j] = lower[j], upper[j]
+    return restored_lower, restored_upper
+
+
+# ---- MInference (../shared/NEXT_METHODS.md section 6.9), float64, one head -----------------------------
+def minference_last_rows(queries: np.ndarray, keys: np.ndarray, last_q: int) -> np.ndarray:
+    """Causal softmax [r, n] of the last r = min(last_q, n) queries over all keys."""
+    n, dim = keys.shape
+    r = min(last_q, n)
+    logits = queries[n - r:] @ keys.T / math.sqrt(dim)
+    for row in range(r):
+        logits[row, n - r + row + 1:] = -np.inf
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def minference_vertical_slash(probs: np.ndarray, vertical: int, slash: int, forced=(30, 100),
+                              minimum=(30, 50)) -> tuple[set[int], set[int]]:
+    """(columns, diagonal offsets): the forced ones first, then the best sums; ties to the later column and
+    the more recent (smaller) offset."""
+    r, n = probs.shape
+    column_scores = probs.sum(axis=0)
+    diagonal_scores = np.zeros(n)
+    for row in range(r):
+        i = n - r + row
+        for j in range(i + 1):
+            diagonal_scores[i - j] += probs[row, j]
+    columns = sorted(range(n), key=lambda j: (j >= forced[0], -column_scores[j], -j))
+    offsets = sorted(range(n), key=lambda d: (d >= forced[1], -diagonal_scores[d], d))
+    return set(columns[:min(n, max(vertical, minimum[0]))]), set(offsets[:min(n, max(slash, minimum[1]))])
+
+
+def minference_kernel_columns(offsets: set[int], n: int, block: int) -> list[set[int]]:
+    """Per row block, the columns the official CUDA index builder gives its diagonals (a line-by-line
+    reading of `convert_vertical_slash_indexes_kernel`: ranges of `block` columns ending at end - d)."""
+    out = []
+    for start_m in range(0, n, block):
+        end_m = start_m + block
+        ordered = [d for d in sorted(offsets, reverse=True) if d < end_m]
+        ranges = []
+        range_start = range_end = None
+        for d in ordered:
+            s = max(end_m - d, block)
+            if range_end is None:
+                range_start, range_end = s - block, s
+            elif s > range_end + block:
+                ranges.append((range_start, range_end))
+                range_start, range_end = s - block, s
+            elif s > range_end:
+                range_end += block
+        if range_end is not None:
+            ranges.append((range_start, range_end))
+        out.append({j for a, b in ranges for j in range(a, b) if j < n})
+    return out
+
+
+def minference_block_sparse(queries: np.ndarray, keys: np.ndarray, block: int, top_k: int) -> list[set[int]]:
+    """Per query block, the key blocks it reads: zero-padded mean pooling, causal block scores, the top
+    max(1, min(top_k, n // block)) (all causal blocks when there are no more); ties to the later block."""
+    n, dim = keys.shape
+    count = -(-n // block)
+
+    def pool(x):
+        padded = np.zeros((count * block, dim))
+        padded[:n] = x
+        return padded.reshape(count, block, dim).mean(axis=1)
+
+    scores = pool(queries) @ pool(keys).T
+    k = max(1, min(top_k, n // block))
+    return [set(range(m + 1)) if m + 1 <= k else set(sorted(range(m + 1), key=lambda c: (-scores[m, c], -c))[:k])
+            for m in range(count)]
+
+
+def masked_causal_attention(queries: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                            mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax attention over the entries of mask [n, n] (causal applied too) -> (output [n, D], probs [n, n])."""
+    n, dim = keys.shape
+    allowed = mask & np.tril(np.ones((n, n), dtype=bool))
+    logits = np.where(allowed, queries @ keys.T / math.sqrt(dim), -np.inf)
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs = e / e.sum(axis=1, keepdims=True)
+    return probs @ values, probs

@@ -3,7 +3,8 @@ gives each prompt the greedy tokens, kept positions (every layer and head), held
 bytes it gets when run by itself.
 
 The matrix is scorer x head allocation x layer allocation x merge rule x quantizer x decode budget x key
-channels (ThinK) x sinks and random share (NACL). Its combinations are covered pairwise: every pair of values of two axes that some valid combination
+channels (ThinK) x sinks and random share (NACL) x Quest pages x cross-layer merging (MiniCache) x sparse
+prefill (MInference). Its combinations are covered pairwise: every pair of values of two axes that some valid combination
 has appears in at least one case below (about 30 cases; combinations refused at build time, such as
 headkv with a pyramid, are not cases). Logits may differ in the last bits (the model's own batched
 matmuls round differently), so tokens, not logits, are compared.
@@ -27,6 +28,9 @@ AXES = {
     "decode": [None, 40],
     "key_channels": [0.0, 0.4],
     "sinks_and_random": [False, True],
+    "pages": [None, 32],
+    "cross_layer": [False, True],
+    "prefill": [None, "minference"],
 }
 # Small groups so that quantization happens at prefill and while decoding on these short prompts.
 QUANTIZERS = {
@@ -52,6 +56,12 @@ def build(case: dict):
         settings.update(QUANTIZERS[case["quant"]])
     if case["decode"] is not None:
         settings.update(decode_budget=case["decode"], decode_interval=8)
+    if case["pages"] is not None:
+        settings.update(page_budget=case["pages"], page_size=8)
+    if case["cross_layer"]:
+        settings.update(cross_layer_merge=True, cross_layer_start=20)
+    if case["prefill"] is not None:
+        settings.update(prefill_attention=case["prefill"])
     return make_method(case["scorer"], **settings)
 
 

@@ -60,3 +60,49 @@ def test_use_cache_false_runs_the_unpatched_attention(smollm2_path, model_class)
             got_logits = model(ids, use_cache=False).logits
     assert torch.equal(got, expected)
     assert torch.equal(got_logits, expected_logits)
+
+
+def _split_passkey(tokenizer, key: int, fillers: int):
+    from pyramidkv.generation import split_prompt
+
+    prompt = passkey_prompt(key, fillers)
+    return prompt, split_prompt(tokenizer, prompt, prompt.index("\nWhat is the pass key?"))
+
+
+def test_split_prompt_cuts_the_whole_prompt_tokens(tokenizer):
+    prompt, (context, question) = _split_passkey(tokenizer, 31415, 6)
+    assert context + question == tokenizer(prompt, add_special_tokens=False).input_ids
+    assert tokenizer.decode(question).startswith("\nWhat is the pass key?")
+
+
+def test_question_fed_as_decode_steps_equals_the_whole_prompt_under_fullkv(smollm2):
+    """Without compression, feeding the question token by token attends over exactly what prefilling it
+    does: the same answer, prompt length and bytes (the question's tokens held either way)."""
+    model, tokenizer = smollm2
+    prompt, (context, question) = _split_passkey(tokenizer, 31415, 12)
+    whole = generate(model, tokenizer, [prompt], make_method("fullkv"), 12)[0]
+    fed = generate(model, tokenizer, [context], make_method("fullkv"), 12, questions=[question])[0]
+    assert (fed.text, fed.new_tokens, fed.prompt_tokens) == (whole.text, whole.new_tokens, whole.prompt_tokens)
+    assert fed.kv_bytes_per_prompt == whole.kv_bytes_per_prompt
+    assert "31415" in fed.text
+
+
+def test_questions_of_different_lengths_in_a_batch_equal_single_runs(smollm2):
+    """Each row is forced through its own question (its own length) and then answers; rows that finish
+    early keep decoding for the batch without it counting."""
+    model, tokenizer = smollm2
+    (_, first), (_, second) = _split_passkey(tokenizer, 27182, 20), _split_passkey(tokenizer, 16180, 8)
+    contexts = [first[0], second[0]]
+    questions = [first[1], second[1] + tokenizer(" Answer with the number only.", add_special_tokens=False).input_ids]
+    method = make_method("quest", budget=48, page_size=8)
+    single = [generate(model, tokenizer, [c], method, 16, questions=[q])[0] for c, q in zip(contexts, questions)]
+    batch = generate(model, tokenizer, contexts, method, 16, questions=questions)
+    cfg = model.config
+    per_token = cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2 * 4
+    for s, b, c, q in zip(single, batch, contexts, questions):
+        assert (b.text, b.new_tokens, b.kv_bytes_per_prompt) == (s.text, s.new_tokens, s.kv_bytes_per_prompt)
+        fed_back = s.new_tokens if s.new_tokens < 16 else 15
+        held = len(c) + len(q) + fed_back
+        pages = -(-held // 8)
+        metadata = (cfg.num_hidden_layers - 2) * cfg.num_key_value_heads * pages * 2 * 64 * 4
+        assert b.kv_bytes_per_prompt == per_token * held + metadata

@@ -20,6 +20,7 @@ FLOORS = {
     "pyramidkv.allocation": 1,      # the units of a method, one folder per axis
     "pyramidkv.merging": 1,
     "pyramidkv.quantization": 1,
+    "pyramidkv.sparse_prefill": 1,
     "pyramidkv.core": 2,            # the engine: context, scoring, selection, prefill, stores, decoding, cache
     "pyramidkv.methods": 3,
     "pyramidkv.models": 4,          # attention glue, patching, loading

@@ -15,20 +15,7 @@ from typing import ClassVar, Optional, Sequence
 
 import torch
 
-from pyramidkv.components import Component
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What an allocator may need to know about the model being compressed."""
-
-    num_layers: int
-    num_query_heads: int
-    num_kv_heads: int
-    name: str = ""            # model path or hub id (HeadKV looks up its packaged head table by it)
-    head_dim: int = 0         # 0: unknown (the checks that need it are skipped)
-    dtype_bytes: int = 0      # bytes per value of the unquantized cache (the model dtype); 0: unknown
-    context_window: int = 0   # max_position_embeddings; 0: unknown
+from pyramidkv.components import Component, ModelShape
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,11 @@ from pyramidkv.allocation.base import ModelShape
 from pyramidkv.core.context import CompressionMethod
 from pyramidkv.core.decoding import DecodeCompressor
 from pyramidkv.core.full_precision import FullPrecisionStore
+from pyramidkv.core.cross_layer import layer_pairs
 from pyramidkv.core.kept import KeptKV
+from pyramidkv.core.merged_pair import MergedPair, PairedLayerStore
+from pyramidkv.core.paged import PagedStore
+from pyramidkv.core.pages import PageSettings
 from pyramidkv.core.prefill import PromptCompressor
 from pyramidkv.core.quantized import QuantizedStore
 from pyramidkv.core.rotary import RotaryTable
@@ -71,6 +75,8 @@ class CompressedCache(Cache):
         self.layers: list[Optional[LayerStore]] = [None] * num_layers
         self.prompt: Optional[PromptCompressor] = None
         self.peak_prefill_kv_bytes = 0   # most K/V bytes held at once during prefill (stored + waiting layers)
+        self.prefill_density: list[Optional[list[float]]] = [None] * num_layers  # sparse prefill: per prompt the
+        # fraction of its causal attention entries computed at each layer (None: dense)
         quantizer = method.quant_method
         if quantizer is not None and quantizer.keys_before_rope and rotary_emb is None:
             raise ValueError(f"{quantizer.name} stores keys before RoPE: the cache needs the model's rotary module")
@@ -78,6 +84,9 @@ class CompressedCache(Cache):
         self.scratch = None if quantizer is None else Scratch()  # dequantization buffers shared by the layers
         self.decoding = None if method.decode_budget is None else \
             DecodeCompressor(method, self.layers, num_query_heads, self.stored_heads)
+        self.pairs = layer_pairs(method.cross_layer_start, num_layers) if method.cross_layer_merge else {}
+        self.pages = PageSettings(method.page_size, method.page_min_count, method.page_keep_last,
+                                  method.page_selection) if method.selects_pages else None
 
     # ---- transformers Cache API -------------------------------------------------------------
     def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
@@ -104,29 +113,38 @@ class CompressedCache(Cache):
 
     @torch.no_grad()
     def prefill(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                position_ids: Optional[torch.Tensor] = None) -> None:
+                position_ids: Optional[torch.Tensor] = None, pattern=None) -> None:
         """The prompt's queries [B, Hq, n, D], keys and values [B, Hkv, n, D] (after RoPE; position_ids
-        [B or 1, n] their RoPE positions), once the model's own attention over them has run."""
+        [B or 1, n] their RoPE positions), once the model's own attention over them has run; pattern: the
+        sparse prefill pattern that attention followed (None: dense), which the scorers' statistics follow."""
         bsz, _, n, _ = keys.shape
         if self.pad_lens is None:
             self.pad_lens = [0] * bsz
         if self.prompt is None:
             self.prompt = PromptCompressor(self.method, self.model_shape, self.pad_lens, n)
         self.prompt_len = n
-        scored = self.prompt.score(layer_idx, queries, keys, values)
+        scored = self.prompt.score(layer_idx, queries, keys, values, pattern)
         if self.decoding is not None:
-            self.decoding.observe_prefill(layer_idx, queries, keys, scored.raw_scores, self.pad_lens)
+            self.decoding.observe_prefill(layer_idx, queries, keys, scored.raw_scores, self.pad_lens, pattern)
         ready = self.prompt.keep(layer_idx, scored)
         for layer, kept in ready.items():
-            self.layers[layer] = self._new_store(kept, position_ids)
+            if layer in self.pairs:  # a merged pair: one storage, a store per layer reading it
+                pair = MergedPair(kept, ready[layer + 1], self.prompt.real_lens, self.method.cross_layer_t,
+                                  self.method.cross_layer_retain)
+                self.layers[layer], self.layers[layer + 1] = PairedLayerStore(pair, 0), PairedLayerStore(pair, 1)
+            elif layer - 1 not in self.pairs:
+                self.layers[layer] = self._new_store(layer, kept, position_ids)
         held = self.kv_bytes() + self.prompt.waiting_bytes()
         self.peak_prefill_kv_bytes = max(self.peak_prefill_kv_bytes, held, self.prompt.peak_waiting_bytes)
         if self.decoding is not None:
             for layer in ready:
                 self.decoding.after_prefill(layer)
 
-    def _new_store(self, kept: list[KeptKV], position_ids: Optional[torch.Tensor]) -> LayerStore:
+    def _new_store(self, layer_idx: int, kept: list[KeptKV], position_ids: Optional[torch.Tensor]) -> LayerStore:
         quantizer = self.method.quant_method
+        if self.pages is not None and layer_idx >= self.method.page_dense_layers:
+            budgets = [self.method.decode_page_budget(n) for n in self.prompt.real_lens]
+            return PagedStore(kept, self.prompt.real_lens, self.pages, budgets)
         if quantizer is None:
             return FullPrecisionStore(kept, self.prompt.real_lens)
         quantizer.check_head_dim(kept[0].keys.shape[-1])
@@ -199,6 +217,11 @@ class CompressedCache(Cache):
     def kv_bytes(self, batch_idx: Optional[int] = None, tail_tokens: Optional[int] = None) -> int:
         """Bytes of stored keys and values (see kv_bytes_breakdown)."""
         return sum(self.kv_bytes_breakdown(batch_idx, tail_tokens).values())
+
+    def decode_read_bytes(self, batch_idx: Optional[int] = None) -> int:
+        """K/V bytes the last decode step's attention read, all layers, of all prompts or one: everything
+        held, except where Quest read only its chosen pages (their K/V plus the page metadata)."""
+        return sum(store.read_bytes(batch_idx) for store in self.layers if store is not None)
 
     def tail_capacity_bytes(self) -> int:
         """Bytes allocated for appended tokens, all layers, including unused capacity (kv_bytes counts only

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from pyramidkv.allocation.base import ModelShape
     from pyramidkv.merging.base import MergeRule
     from pyramidkv.quantization.base import Quantizer
+    from pyramidkv.sparse_prefill.base import PrefillPattern, SparsePrefill
 
 
 @dataclass
@@ -25,6 +26,8 @@ class ScoreContext:
 
     queries: [B, Hq, n, D] and keys/values: [B, Hkv, n, D], after RoPE.
     real: [B, n] bool, False at left padding.
+    pattern: the layer's sparse prefill pattern (MInference; its `mask(start, stop, n)` gives the entries the
+    model computed), None for dense prefill: attention statistics pass it to the scoring helpers.
     """
 
     layer_idx: int
@@ -33,6 +36,7 @@ class ScoreContext:
     keys: torch.Tensor
     values: torch.Tensor
     real: torch.Tensor
+    pattern: Optional["PrefillPattern"] = None
 
 
 @dataclass
@@ -78,6 +82,24 @@ class CompressionMethod(Protocol):
     key_channel_ratio: float                # ThinK: share of key channels pruned (0: none)
     key_recent_size: int                    # most recent kept tokens whose keys stay full width
     key_query_window: int                   # prompt queries that score the key channels
+    page_size: int                          # Quest: tokens per page
+    page_min_count: int                     # Quest: pages attended at least
+    page_keep_last: bool                    # Quest: the newest token's page is always attended
+    page_dense_layers: int                  # Quest: the first layers attend densely
+    page_selection: str                     # Quest: "query_head" | "group_max" | "group_mean"
+    cross_layer_merge: bool                 # MiniCache: adjacent layer pairs share their K/V directions
+    cross_layer_start: Optional[int]        # MiniCache: first layer of the first pair (None: the middle)
+    cross_layer_t: float                    # MiniCache: SLERP weight of the upper layer
+    cross_layer_retain: float               # MiniCache: share of token pairs kept unmerged
+    prefill_attention: Optional["SparsePrefill"]  # sparse prefill attention (MInference); None: the model's own
+
+    @property
+    def selects_pages(self) -> bool:
+        """True: decode attention reads only the top pages of each segment (Quest)."""
+
+    def decode_page_budget(self, real_len: int) -> Optional[int]:
+        """Quest: the tokens of the pages attended per stored head and decode step, for a prompt of
+        real_len tokens (None: attention reads everything held)."""
 
     @property
     def layer_budgets_need_scores(self) -> bool:

@@ -60,10 +60,14 @@ class FullPrecisionStore(LayerStore):
         for i in range(1, q_len + 1):
             self._history.append([k.nbytes() + (t + i) * row for k in self.kept])
 
-    def attend(self, queries: torch.Tensor) -> torch.Tensor:
+    def layout(self) -> DecodeLayout:
+        """How the kept rows are read (built at the first attend, after each re-selection)."""
         if self._layout is None:
             self._layout = DecodeLayout(self.kept)
-        return self._layout.attend(queries, *self.tail())
+        return self._layout
+
+    def attend(self, queries: torch.Tensor) -> torch.Tensor:
+        return self.layout().attend(queries, *self.tail())
 
     def _attention(self, queries: torch.Tensor):
         """For every prompt b and group of its heads (all of them when they keep the same count, else one

@@ -17,6 +17,9 @@ are still pruned, as ThinK's code does). Every step after
 `score` runs prompt by prompt on the prompt's own rows, so a prompt keeps what it keeps alone.
 Layer budgets are fixed when the first layer is scored, or, for layer allocations that need every
 layer's scores (ZigZagKV), when the last layer is: until then each layer waits with its full K/V.
+With cross-layer merging (MiniCache) the lower layer of each merged pair waits for the upper one; the
+pair then selects once, on the sum of its two layers' scores (same budget, same seeds), so both keep the
+same tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from pyramidkv.allocation.base import ModelShape
 from pyramidkv.core.channels import prune_key_channels
 from pyramidkv.core.context import CompressionMethod, ScoreContext
+from pyramidkv.core.cross_layer import layer_pairs
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.scoring import scores_per_stored_head, window_attention
 from pyramidkv.core.selection import select_kept_positions
@@ -70,6 +74,7 @@ class PromptCompressor:
         self.layer_budgets: Optional[list[list[int]]] = None      # per prompt, per layer
         self.waiting: dict[int, ScoredLayer] = {}                  # layers scored, not yet kept
         self.peak_waiting_bytes = 0
+        self.pairs = layer_pairs(method.cross_layer_start, model.num_layers) if method.cross_layer_merge else {}
 
     def nominal_budget(self, real_len: int) -> int:
         return self.method.prompt_budget(real_len) if self.method.needs_budget else real_len
@@ -77,8 +82,10 @@ class PromptCompressor:
     def compressed(self, b: int) -> bool:
         return self.real_lens[b] > self.nominal_budget(self.real_lens[b])
 
-    def score(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> ScoredLayer:
-        """queries: [B, Hq, n, D]; keys, values: [B, Hkv, n, D] after RoPE."""
+    def score(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              pattern=None) -> ScoredLayer:
+        """queries: [B, Hq, n, D]; keys, values: [B, Hkv, n, D] after RoPE; pattern: the layer's sparse prefill
+        pattern (None: dense), what the attention statistics count."""
         method, model = self.method, self.model
         if self.stored_heads != keys.shape[1]:  # query_head: K/V repeated to the query heads before compression
             group = self.stored_heads // keys.shape[1]
@@ -90,10 +97,10 @@ class PromptCompressor:
             n = keys.shape[2]
             pads = torch.tensor(self.pad_lens, device=keys.device)
             real = torch.arange(n, device=keys.device)[None, :] >= pads[:, None]
-            raw = method.score(ScoreContext(layer_idx, model.num_layers, queries, keys, values, real))
+            raw = method.score(ScoreContext(layer_idx, model.num_layers, queries, keys, values, real, pattern))
             scores = scores_per_stored_head(raw, method, model.num_kv_heads, model.num_query_heads)
             if method.merge is not None and method.merge.needs_attention:
-                attention = window_attention(queries, keys, real, method.window_size).mean(dim=2)  # [B, Hq, n]
+                attention = window_attention(queries, keys, real, method.window_size, pattern).mean(dim=2)  # [B, Hq, n]
                 merge_attention = scores_per_stored_head(attention, method, model.num_kv_heads, model.num_query_heads)
         last_queries = queries[:, :, -method.key_query_window:] if method.key_channel_ratio > 0 else None
         return ScoredLayer(stored_keys, stored_values, scores, raw, merge_attention, last_queries)
@@ -103,13 +110,24 @@ class PromptCompressor:
         the last layer when the budgets need every layer's scores (then all of them)."""
         if not self.method.layer_budgets_need_scores:
             self._fix_layer_budgets()
+            if layer_idx in self.pairs:  # the lower layer of a merged pair waits for the upper one
+                self._wait(layer_idx, scored)
+                return {}
+            if layer_idx - 1 in self.pairs:
+                lower = self.waiting.pop(layer_idx - 1)
+                both = None if scored.scores is None else lower.scores + scored.scores
+                return {layer_idx - 1: self._keep_layer(layer_idx - 1, lower, both, layer_idx - 1),
+                        layer_idx: self._keep_layer(layer_idx, scored, both, layer_idx - 1)}
             return {layer_idx: self._keep_layer(layer_idx, scored)}
-        self.waiting[layer_idx] = scored
-        self.peak_waiting_bytes = max(self.peak_waiting_bytes, sum(s.nbytes() for s in self.waiting.values()))
+        self._wait(layer_idx, scored)
         if layer_idx < self.model.num_layers - 1:
             return {}
         self._fix_layer_budgets(self._candidate_scores())
         return {layer: self._keep_layer(layer, self.waiting.pop(layer)) for layer in range(self.model.num_layers)}
+
+    def _wait(self, layer_idx: int, scored: ScoredLayer) -> None:
+        self.waiting[layer_idx] = scored
+        self.peak_waiting_bytes = max(self.peak_waiting_bytes, sum(s.nbytes() for s in self.waiting.values()))
 
     def candidates(self, b: int, n: int) -> tuple[int, int]:
         """[first, stop) of prompt b's selectable positions (padded coordinates): not the sinks, not the window."""
@@ -146,10 +164,14 @@ class PromptCompressor:
                 scores = None if layer_scores is None else layer_scores[b]
                 self.layer_budgets.append(self.method.layer_budgets(budget, self.model.num_layers, n, scores))
 
-    def _keep_layer(self, layer_idx: int, scored: ScoredLayer) -> list[KeptKV]:
-        """Per prompt: split its layer budget over the heads, select, merge, gather."""
+    def _keep_layer(self, layer_idx: int, scored: ScoredLayer, scores: Optional[torch.Tensor] = None,
+                    selecting_layer: Optional[int] = None) -> list[KeptKV]:
+        """Per prompt: split its layer budget over the heads, select, merge, gather. scores [B, H, n] and
+        selecting_layer (its seeds): what selects, when not the layer's own (a merged pair's sum)."""
         method = self.method
         keys, values = scored.keys, scored.values
+        scores = scored.scores if scores is None else scores
+        selecting = layer_idx if selecting_layer is None else selecting_layer
         n = keys.shape[2]
         kept = []
         for b, pad in enumerate(self.pad_lens):
@@ -159,10 +181,10 @@ class PromptCompressor:
                 kept.append(KeptKV.gather(keys[b], values[b], whole, pad))
                 continue
             first, stop = self.candidates(b, n)
-            head_budgets = method.head_budgets(scored.scores[b, :, first:stop], budget, layer_idx, self.model)
+            head_budgets = method.head_budgets(scores[b, :, first:stop], budget, selecting, self.model)
             positions = select_kept_positions(
-                scored.scores[b], pad, head_budgets, method.window_size, method.num_sinks, method.random_fraction,
-                lambda head: sampling_generator(method, layer_idx, head))
+                scores[b], pad, head_budgets, method.window_size, method.num_sinks, method.random_fraction,
+                lambda head: sampling_generator(method, selecting, head))
             merged = None
             if method.merge is not None:
                 seed = method.merge.seed_for(layer_idx)  # one generator per prompt and layer

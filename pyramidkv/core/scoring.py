@@ -2,7 +2,9 @@
 
 Shapes: B batch, Hq query heads, Hkv key/value heads, g = Hq // Hkv,
 n prompt length, w window, D head dim. `real` is a [B, n] bool mask of
-non-padding positions. Softmax is taken in float32 as in the papers' code.
+non-padding positions. Softmax is taken in float32 as in the papers' code. With a sparse prefill
+pattern (MInference) the statistics are those of the attention the model ran: only the pattern's
+entries (`pattern.mask`), renormalised over them.
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(probs, nan=0.0)
 
 
-def window_attention(queries: torch.Tensor, keys: torch.Tensor, real: torch.Tensor, window_size: int) -> torch.Tensor:
+def window_attention(queries: torch.Tensor, keys: torch.Tensor, real: torch.Tensor, window_size: int,
+                     pattern=None) -> torch.Tensor:
     """Attention of the last `window_size` queries to all keys, causal inside the window.
 
     queries: [B, Hq, n, D] (all prompt queries; only the last w are used);
-    keys: [B, Hkv, n, D]; real: [B, n]. Returns [B, Hq, w, n] float32.
+    keys: [B, Hkv, n, D]; real: [B, n]; pattern: the layer's sparse prefill pattern or None.
+    Returns [B, Hq, w, n] float32.
     """
     n = keys.shape[2]
     w = min(window_size, n)
@@ -43,11 +47,13 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, real: torch.Tens
     query_pos = torch.arange(n - w, n, device=keys.device)[:, None]
     key_pos = torch.arange(n, device=keys.device)[None, :]
     allowed = (key_pos <= query_pos)[None, None] & real[:, None, None, :]
+    if pattern is not None:
+        allowed = allowed & pattern.mask(n - w, n, n, keys.device)
     return masked_softmax(s, allowed)
 
 
 def attention_column_sums(
-    queries: torch.Tensor, keys: torch.Tensor, real: torch.Tensor, max_chunk_elements: int = 1 << 24
+    queries: torch.Tensor, keys: torch.Tensor, real: torch.Tensor, max_chunk_elements: int = 1 << 24, pattern=None
 ) -> torch.Tensor:
     """Sum over all real prompt queries of their causal attention to each key (H2O's score).
 
@@ -64,6 +70,8 @@ def attention_column_sums(
         query_pos = torch.arange(start, stop, device=keys.device)
         allowed = (key_pos[None, :] <= query_pos[:, None])[None, None] & real[:, None, None, :]
         allowed = allowed & real[:, None, start:stop, None]  # padding queries contribute nothing
+        if pattern is not None:
+            allowed = allowed & pattern.mask(start, stop, n, keys.device)
         totals += masked_softmax(s, allowed).sum(dim=2)
     return totals
 

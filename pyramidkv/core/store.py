@@ -82,6 +82,11 @@ class LayerStore(ABC):
     def nbytes(self, b: Optional[int] = None, appended: Optional[int] = None) -> int:
         return sum(self.bytes_by_part(b, appended).values())
 
+    def read_bytes(self, b: Optional[int] = None) -> int:
+        """Bytes the last attend read, of all prompts or prompt b: everything held, for a store that attends
+        over all it holds (a paged store reads less)."""
+        return self.nbytes(b)
+
     @abstractmethod
     def capacity_bytes(self) -> int:
         """Bytes allocated for appended tokens, unused capacity included."""

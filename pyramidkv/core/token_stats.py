@@ -48,9 +48,10 @@ class AccumulatedAttention(TokenRows):
         self.kept: list[Optional[list[torch.Tensor]]] = [None] * num_layers  # per prompt [T, g]
         self.tail: list[Optional[torch.Tensor]] = [None] * num_layers  # [B, H, t, g]
 
-    def observe_prefill(self, layer_idx, queries, keys, raw_scores, pad_lens) -> None:
+    def observe_prefill(self, layer_idx, queries, keys, raw_scores, pad_lens, pattern=None) -> None:
         if raw_scores is None:  # every prompt kept whole: the column sums are still the starting totals
-            raw_scores = attention_column_sums(queries, keys, _real(pad_lens, keys.shape[2], keys.device))
+            raw_scores = attention_column_sums(queries, keys, _real(pad_lens, keys.shape[2], keys.device),
+                                               pattern=pattern)
         heads = raw_scores.shape[1]
         if heads != self.num_query_heads:
             raw_scores = raw_scores.repeat_interleave(self.num_query_heads // heads, dim=1)
@@ -88,11 +89,11 @@ class AttentionHistory(TokenRows):
         self.tail: list[Optional[torch.Tensor]] = [None] * num_layers         # [B, H, t, g, w]
         self.levels: list[Optional[torch.Tensor]] = [None] * num_layers       # [B, H, w]
 
-    def observe_prefill(self, layer_idx, queries, keys, raw_scores, pad_lens) -> None:
+    def observe_prefill(self, layer_idx, queries, keys, raw_scores, pad_lens, pattern=None) -> None:
         """The last w prompt rows: attention [B, Hq, w', n] (NaN where not visible) and levels [B, w']."""
         n = keys.shape[2]
         real = _real(pad_lens, n, keys.device)
-        rows = window_attention(queries, keys, real, self.window)               # [B, Hq, w', n]
+        rows = window_attention(queries, keys, real, self.window, pattern)      # [B, Hq, w', n]
         w = rows.shape[2]
         query_pos = torch.arange(n - w, n, device=keys.device)
         causal = torch.arange(n, device=keys.device)[None, :] <= query_pos[:, None]      # [w', n]

@@ -13,8 +13,11 @@ from pyramidkv.methods.fullkv import FullKV
 from pyramidkv.methods.h2o import H2O
 from pyramidkv.methods.headkv import HeadKV
 from pyramidkv.methods.l2norm import L2Norm
+from pyramidkv.methods.minference import MInferenceMethod
+from pyramidkv.methods.minicache import MiniCache
 from pyramidkv.methods.nacl import NACL
 from pyramidkv.methods.pyramidkv import PyramidKV
+from pyramidkv.methods.quest import Quest
 from pyramidkv.methods.scissorhands import Scissorhands
 from pyramidkv.methods.settings import build_method, method_from_spec, method_spec, split_spec
 from pyramidkv.methods.snapkv import SnapKV
@@ -24,7 +27,7 @@ from pyramidkv.methods.zigzagkv import ZigZagKV
 
 METHODS: dict[str, type[Method]] = {
     cls.name: cls for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, L2Norm, AdaKV, AdaPyramidKV, HeadKV,
-                              ZigZagKV, CAM, ThinK, NACL, Scissorhands)
+                              ZigZagKV, CAM, ThinK, NACL, Scissorhands, Quest, MiniCache, MInferenceMethod)
 }
 
 

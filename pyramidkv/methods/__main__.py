@@ -7,7 +7,9 @@ from pyramidkv.methods import METHODS, Method
 
 # Settings every method shares, listed under the table (a method's row shows one only where its default differs).
 COMMON = {"budget", "budget_ratio", "gqa_layout", "gqa_reduce", "decode_budget", "decode_interval", "num_sinks",
-          "random_fraction", "random_seed", "key_channel_ratio", "key_recent_size", "key_query_window"}
+          "random_fraction", "random_seed", "key_channel_ratio", "key_recent_size", "key_query_window", "page_budget",
+          "page_size", "page_min_count", "page_keep_last", "page_dense_layers", "page_selection", "cross_layer_merge",
+          "cross_layer_start", "cross_layer_t", "cross_layer_retain", "prefill_attention"}
 
 
 def method_table() -> str:

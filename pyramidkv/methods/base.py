@@ -25,10 +25,13 @@ from pyramidkv.allocation.base import HeadAllocation, LayerAllocation, ModelShap
 from pyramidkv.allocation.uniform import UniformHeads, UniformLayers
 from pyramidkv.components import Component
 from pyramidkv.core.context import DecodeScoreContext, ScoreContext
+from pyramidkv.core.pages import PAGE_SELECTIONS
 from pyramidkv.merging import make_merge_rule
 from pyramidkv.merging.base import MergeRule
 from pyramidkv.quantization import make_quantizer
 from pyramidkv.quantization.base import Quantizer
+from pyramidkv.sparse_prefill import make_sparse_prefill
+from pyramidkv.sparse_prefill.base import SparsePrefill
 
 GQA_LAYOUTS = ("kv_head", "query_head")
 GQA_REDUCTIONS = ("mean", "max", "sum")
@@ -76,6 +79,27 @@ class Method(Component):
         tokens never pruned (docs/methods.md).
     key_recent_size: ThinK: the most recent kept tokens of each head whose keys stay full width.
     key_query_window: ThinK: the prompt's last queries that score the key channels (Q_w).
+    page_budget: Quest's decode-time page retrieval (none: off): per stored head and decode step, attention
+        reads only the tokens of the pages with the highest criticality U_p = sum_c max(q_c m_c, q_c M_c)
+        (m, M: the element-wise min and max key of a page of page_size held tokens), K = min(max(
+        page_min_count, floor(page_budget / page_size)), pages) of them. Nothing is evicted.
+    page_size: Quest: held tokens per page.
+    page_min_count: Quest: the fewest pages attended per step.
+    page_keep_last: Quest: the newest token's page is always attended.
+    page_dense_layers: Quest: the first layers, which attend densely (the official code: 2).
+    page_selection: Quest: query_head (each query head its own pages, as the official code), group_max or
+        group_mean (U reduced over the GQA group: one page set per stored head).
+    cross_layer_merge: MiniCache's cross-layer merging: from cross_layer_start upward, each pair of adjacent
+        layers (l - 1, l) stores per token and stored head one shared direction for its keys and one for its
+        values (SLERP of the two unit vectors at cross_layer_t) and the four magnitudes; with eviction the
+        pair selects once, on the sum of its two layers' scores.
+    cross_layer_start: MiniCache: the first layer merged (none: the middle layer).
+    cross_layer_t: MiniCache: the SLERP interpolation t between the two layers' directions.
+    cross_layer_retain: MiniCache: the share of token pairs with the largest angular distance (keys and
+        values separately) that keep their original vectors in both layers.
+    prefill_attention: how the prompt's attention is computed (none: the model's own dense attention); a
+        sparse prefill (pyramidkv.sparse_prefill: minference) computes only its pattern's entries, and the
+        scorers' attention statistics count those entries only.
     """
 
     kind_key = "method"
@@ -109,11 +133,23 @@ class Method(Component):
     key_channel_ratio: float = 0.0
     key_recent_size: int = 32
     key_query_window: int = 32
+    page_budget: Optional[int] = None
+    page_size: int = 16
+    page_min_count: int = 3
+    page_keep_last: bool = False
+    page_dense_layers: int = 2
+    page_selection: str = "query_head"
+    cross_layer_merge: bool = False
+    cross_layer_start: Optional[int] = None
+    cross_layer_t: float = 0.6
+    cross_layer_retain: float = 0.05
+    prefill_attention: Optional[SparsePrefill] = None
 
     def __post_init__(self) -> None:
         # A unit may be given by name ("adakv"): it gets that unit with its defaults.
         for setting, make in (("head_allocation", make_head_allocation), ("layer_allocation", make_layer_allocation),
-                              ("merge", make_merge_rule), ("quant_method", make_quantizer)):
+                              ("merge", make_merge_rule), ("quant_method", make_quantizer),
+                              ("prefill_attention", make_sparse_prefill)):
             if isinstance(getattr(self, setting), str):
                 object.__setattr__(self, setting, make(getattr(self, setting)))
         super().__post_init__()
@@ -129,6 +165,14 @@ class Method(Component):
         buffered recent queries as the observation window); methods that need something else
         override it (H2O: the attention each token has accumulated)."""
         return self.score(ctx)
+
+    @property
+    def selects_pages(self) -> bool:
+        return self.page_budget is not None
+
+    def decode_page_budget(self, real_len: int) -> Optional[int]:
+        """Quest: tokens of the pages attended per stored head and decode step (None: everything held)."""
+        return self.page_budget
 
     @property
     def layer_budgets_need_scores(self) -> bool:
@@ -175,6 +219,15 @@ class Method(Component):
         self.layer_allocation.check_model(model)
         if self.quant_method is not None:
             self.quant_method.check_model(model.head_dim, model.dtype_bytes, model.context_window)
+        layers = model.num_layers
+        if self.cross_layer_merge and self.cross_layer_start is not None and self.cross_layer_start >= layers - 1:
+            raise ValueError(f"cross_layer_start {self.cross_layer_start} leaves no layer pair to merge in this "
+                             f"{layers}-layer model (layers 0..{layers - 1}); use at most {layers - 2}")
+        if self.selects_pages and self.page_dense_layers >= layers:
+            raise ValueError(f"page_dense_layers {self.page_dense_layers} leaves no layer of this {layers}-layer "
+                             f"model to Quest; use at most {layers - 1}")
+        if self.prefill_attention is not None:  # e.g. a pattern table of another model
+            self.prefill_attention.check_model(model)
 
     def check_prompt(self, prompt_len: int) -> None:
         """ValueError if on a prompt of `prompt_len` tokens the method would not do what its settings say
@@ -196,6 +249,9 @@ class Method(Component):
         if self.window_size < 0:
             raise ValueError(f"window_size must be an integer >= 0, got {self.window_size!r}")
         self._validate_selection_settings()
+        self._validate_page_settings()
+        self._validate_cross_layer_settings()
+        self._validate_prefill_attention()
         if self.head_allocation.global_over_layers and not isinstance(self.layer_allocation, UniformLayers):
             raise ValueError(f"head_allocation={self.head_allocation.name!r} splits the budget over all layers and "
                              f"heads at once; it cannot be combined with layer_allocation="
@@ -283,3 +339,69 @@ class Method(Component):
         if not self.needs_budget and (self.num_sinks or self.random_fraction):
             raise ValueError(f"{self.name} keeps every token; it takes no num_sinks or random_fraction "
                              f"(got num_sinks={self.num_sinks}, random_fraction={self.random_fraction:g})")
+
+    def _unused(self, settings: tuple[str, ...], needs: str) -> None:
+        """One line naming the first of `settings` changed from its default while the axis is off."""
+        fields = type(self).__dataclass_fields__
+        for setting in settings:
+            if getattr(self, setting) != fields[setting].default:
+                raise ValueError(f"{setting}={getattr(self, setting)!r} only applies with {needs}; set it too, or "
+                                 f"leave {setting} out")
+
+    def _validate_page_settings(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be an integer >= 1 (tokens per Quest page), got {self.page_size!r}")
+        if self.page_min_count < 1:
+            raise ValueError(f"page_min_count must be an integer >= 1, got {self.page_min_count!r}")
+        if self.page_dense_layers < 0:
+            raise ValueError(f"page_dense_layers must be an integer >= 0, got {self.page_dense_layers!r}")
+        if self.page_selection not in PAGE_SELECTIONS:
+            raise ValueError(f"page_selection must be one of {'|'.join(PAGE_SELECTIONS)}, got {self.page_selection!r}")
+        if not self.selects_pages:
+            self._unused(("page_size", "page_min_count", "page_keep_last", "page_dense_layers", "page_selection"),
+                         "page_budget (Quest)")
+            return
+        if self.page_budget is not None and self.page_budget < self.page_size:
+            raise ValueError(f"page_budget {self.page_budget} is smaller than one page (page_size {self.page_size}); "
+                             f"the budget counts the tokens of the attended pages")
+        for setting, value, why in (
+                ("quant_method", self.quant_method, "Quest pages a full-precision cache"),
+                ("key_channel_ratio", self.key_channel_ratio or None, "Quest pages full-width keys"),
+                ("cross_layer_merge", self.cross_layer_merge or None, "Quest pages one layer's own keys")):
+            if value is not None:
+                raise ValueError(f"Quest page selection does not combine with {setting}={value!r} ({why}); use one "
+                                 f"of them")
+        if self.decode_budget is not None and (self.accumulates_attention or self.history_window is not None):
+            raise ValueError(f"Quest page selection does not combine with {self.name}'s decode-time attention "
+                             f"statistics (decode_budget): they would count attention Quest never computed")
+
+    def _validate_prefill_attention(self) -> None:
+        if self.prefill_attention is not None and self.history_window is not None:
+            raise ValueError(f"prefill_attention={self.prefill_attention.name!r} does not combine with {self.name}: its "
+                             f"uniform level counts every key a prompt row attends, not a sparse head's")
+
+    def _validate_cross_layer_settings(self) -> None:
+        if not 0.0 <= self.cross_layer_t <= 1.0:
+            raise ValueError(f"cross_layer_t must be in [0, 1] (SLERP weight of the upper layer), "
+                             f"got {self.cross_layer_t!r}")
+        if not 0.0 <= self.cross_layer_retain <= 1.0:
+            raise ValueError(f"cross_layer_retain must be in [0, 1] (share of token pairs kept unmerged), "
+                             f"got {self.cross_layer_retain!r}")
+        if self.cross_layer_start is not None and self.cross_layer_start < 0:
+            raise ValueError(f"cross_layer_start must be a layer index >= 0 (or None: the middle layer), "
+                             f"got {self.cross_layer_start!r}")
+        if not self.cross_layer_merge:
+            self._unused(("cross_layer_start", "cross_layer_t", "cross_layer_retain"), "cross_layer_merge (MiniCache)")
+            return
+        refused = [("quant_method", self.quant_method is not None, "the merged directions are not quantized"),
+                   ("decode_budget", self.decode_budget is not None, "decode-time re-selection is per layer"),
+                   ("key_channel_ratio", self.key_channel_ratio > 0, "thin keys are per layer"),
+                   ("layer_allocation", not isinstance(self.layer_allocation, UniformLayers),
+                    "a merged pair keeps one token set, so its two layers need the same budget"),
+                   ("head_allocation", self.head_allocation.global_over_layers,
+                    "its per-layer head table would split a merged pair")]
+        for setting, bad, why in refused:
+            if bad:
+                value = getattr(self, setting)
+                raise ValueError(f"cross-layer merging (MiniCache) does not combine with {setting}="
+                                 f"{getattr(value, 'name', value)!r}: {why}")

@@ -25,7 +25,7 @@ class H2O(Method):
     accumulates_attention = True
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
-        return attention_column_sums(ctx.queries, ctx.keys, ctx.real)
+        return attention_column_sums(ctx.queries, ctx.keys, ctx.real, pattern=ctx.pattern)
 
     def decode_score(self, ctx) -> torch.Tensor:
         return ctx.accumulated

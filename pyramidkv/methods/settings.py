@@ -28,6 +28,7 @@ from pyramidkv.components import parse_setting, setting_text
 from pyramidkv.merging import MERGE_RULES, make_merge_rule
 from pyramidkv.methods.base import Method
 from pyramidkv.quantization import QUANTIZERS, make_quantizer
+from pyramidkv.sparse_prefill import SPARSE_PREFILLS, make_sparse_prefill
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ AXES = (
     Axis("layer_allocation", LAYER_ALLOCATIONS, "layer_", "layer allocation", make_layer_allocation),
     Axis("merge", MERGE_RULES, "merge_", "merge rule", make_merge_rule),
     Axis("quant_method", QUANTIZERS, "quant_", "quantizer", make_quantizer),
+    Axis("prefill_attention", SPARSE_PREFILLS, "prefill_", "prefill attention", make_sparse_prefill),
 )
 AXIS_BY_FIELD = {axis.field: axis for axis in AXES}
 

@@ -2,9 +2,10 @@
 
 Prefill (the first forward of a `generate()`): attention over the whole prompt
 is computed exactly as the model's own implementation does it (eager, sdpa or
-flash_attention_2), so the prompt's logits are unchanged; then the cache keeps
-the tokens the method selects. Later forwards append their K/V to the cache
-and attend over what it stores.
+flash_attention_2), so the prompt's logits are unchanged, unless the method has a
+sparse prefill attention (MInference), which computes only its pattern's entries
+(pyramidkv/sparse_prefill/); then the cache keeps the tokens the method selects.
+Later forwards append their K/V to the cache and attend over what it stores.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pyramidkv.core.cache import CompressedCache
+from pyramidkv.sparse_prefill.attention import sparse_prefill_attention
 
 # (q, k, cos, sin) -> (q, k) with RoPE applied: the model file's apply_rotary_pos_emb
 RotaryFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -105,9 +107,17 @@ def compressed_attention_forward(
 
     weights = None
     if not cache.is_prefilled(module.layer_idx):
-        out, weights = full_attention(module, implementation, queries, keys, values, attention_mask,
-                                      position_ids, output_attentions)
-        cache.prefill(module.layer_idx, queries, keys, values, position_ids)
+        sparse = cache.method.prefill_attention
+        pads = cache.pad_lens or [0] * bsz
+        pattern = None if sparse is None else sparse.pattern(module.layer_idx, queries, keys, pads,
+                                                             cache.model_shape.name)
+        if pattern is None:
+            out, weights = full_attention(module, implementation, queries, keys, values, attention_mask,
+                                          position_ids, output_attentions)
+        else:
+            out, weights, density = sparse_prefill_attention(queries, keys, values, pattern, output_attentions)
+            cache.prefill_density[module.layer_idx] = density
+        cache.prefill(module.layer_idx, queries, keys, values, position_ids, pattern)
     else:
         out = cache.decode_step(module.layer_idx, queries, keys, values, position_ids).transpose(1, 2)
     out = out.reshape(bsz, q_len, -1).contiguous()

@@ -1,0 +1,119 @@
+"""The paged layer store: Quest's decode attention over the top pages of a full-precision store.
+
+It holds exactly what a `FullPrecisionStore` holds (kept rows + tail; nothing is evicted) plus a
+`PageTable` (pages.py) over each segment's held tokens, updated on every append and rebuilt after a
+decode-time re-selection. Each decode step, per segment and query head (or per stored head with a
+group-reduced selection), the K best pages by U_p are chosen and the new query attends exactly over
+their tokens, gathered from the kept rows and the tail ([S, rows, K * S, D]); when every segment would
+take all its pages the step is the full-precision store's own dense attention (the same bits).
+
+Bytes: held = K/V rows + page metadata (`bytes_by_part` adds "page_metadata"); read per step
+(`read_bytes`) = the K/V of the union of the chosen pages' tokens + all page metadata (read to score
+the pages), or the K/V held when the step attended densely.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pyramidkv.core.full_precision import FullPrecisionStore
+from pyramidkv.core.kept import KeptKV
+from pyramidkv.core.pages import (PageSettings, PageTable, choose_pages, page_tokens, pages_to_attend,
+                                  tokens_read)
+
+
+class PagedStore(FullPrecisionStore):
+    def __init__(self, kept: list[KeptKV], real_lens: list[int], settings: PageSettings, budgets: list[int]):
+        """budgets: per prompt, the tokens of the pages each of its segments attends per step."""
+        super().__init__(kept, real_lens)
+        self.settings = settings
+        self.budgets = torch.tensor(budgets, device=kept[0].keys.device).repeat_interleave(self.heads)  # [S]
+        self.table = self._table()
+        self.metadata_history = [self._metadata_per_prompt()]   # per appended count, per prompt
+        self.last_read: Optional[list[int]] = None                # per prompt, bytes the last attend read
+        self.chosen_pages: Optional[torch.Tensor] = None          # [S, r, K] pages of the last attend (-1: none)
+
+    def _table(self) -> PageTable:
+        tail_keys = self.tail()[0]
+        keys = [torch.cat([k, tail_keys[b, h]]) for b, kept in enumerate(self.kept)
+                for h, (k, _) in enumerate(kept.per_head())]
+        return PageTable(self.settings.size, keys)
+
+    def _metadata_per_prompt(self) -> list[int]:
+        return self.table.segment_bytes().view(len(self.kept), self.heads).sum(dim=1).tolist()
+
+    # ---- growing -------------------------------------------------------------------------------
+    def append(self, keys: torch.Tensor, values: torch.Tensor, rope_positions: torch.Tensor) -> None:
+        bsz, heads, q_len, dim = keys.shape
+        if q_len != 1:
+            raise NotImplementedError("a paged (Quest) cache decodes one token per step (got q_len > 1)")
+        super().append(keys, values, rope_positions)
+        self.table.append(keys.reshape(bsz * heads, dim))
+        self.metadata_history.append(self._metadata_per_prompt())
+
+    def replace(self, kept: list[KeptKV], max_tail: Optional[int] = None) -> None:
+        super().replace(kept, max_tail)
+        self.table = self._table()
+        self.metadata_history[-1] = self._metadata_per_prompt()
+
+    # ---- attention -----------------------------------------------------------------------------
+    def attend(self, queries: torch.Tensor) -> torch.Tensor:
+        bsz, num_q_heads, _, dim = queries.shape
+        segments = bsz * self.heads
+        g = num_q_heads // self.heads
+        pages = self.table.pages()
+        count = pages_to_attend(pages, self.budgets, self.settings)
+        held_bytes = self.table.counts * 2 * dim * queries.element_size()
+        if bool((count >= pages).all()):  # every page of every segment: plain dense attention
+            self.chosen_pages = None
+            self.last_read = held_bytes.view(bsz, self.heads).sum(dim=1).tolist()
+            return super().attend(queries)
+        grouped = queries.reshape(segments, g, dim)
+        scores = self.table.criticality(grouped)                               # [S, g, P]
+        if self.settings.selection == "group_max":
+            scores = scores.amax(dim=1, keepdim=True)
+        elif self.settings.selection == "group_mean":
+            scores = scores.mean(dim=1, keepdim=True)
+        chosen, valid = choose_pages(scores, pages, count, self.settings.keep_last)
+        self.chosen_pages = chosen.masked_fill(~valid, -1)
+        tokens, visible = page_tokens(chosen, valid, self.table.counts, self.settings.size)
+        keys, values = self._gather(tokens)                                    # [S, r, T, D]
+        logits = torch.einsum("sgd,srtd->sgt" if keys.shape[1] == 1 else "sgd,sgtd->sgt", grouped * dim ** -0.5, keys)
+        logits = logits.masked_fill(~visible.expand_as(logits), float("-inf"))
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(queries.dtype)
+        out = torch.einsum("sgt,srtd->sgd" if values.shape[1] == 1 else "sgt,sgtd->sgd", probs, values)
+        read = tokens_read(chosen, valid, self.table.counts, self.settings.size) * 2 * dim * queries.element_size()
+        read = read + self.table.segment_bytes()
+        self.last_read = read.view(bsz, self.heads).sum(dim=1).tolist()
+        return out.reshape(bsz, num_q_heads, 1, dim)
+
+    def _gather(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [S, r, T, D] of held indices tokens [S, r, T] (kept rows first, then the tail)."""
+        part = self.layout().parts[-1]
+        kept_len = torch.tensor(part.lengths, device=tokens.device)[:, None, None]
+        starts = torch.tensor(part.offsets[:-1], device=tokens.device)[:, None, None]
+        tail_keys, tail_values = self.tail()
+        segments, t = tokens.shape[0], tail_keys.shape[2]
+        tail_keys = tail_keys.reshape(segments, t, -1)
+        tail_values = tail_values.reshape(segments, t, -1)
+        in_kept = (tokens < kept_len)[..., None]
+        rows = (starts + tokens).clamp(max=part.keys.shape[0] - 1)
+        seg = torch.arange(segments, device=tokens.device)[:, None, None]
+        tail_rows = (tokens - kept_len).clamp(0, max(t - 1, 0))
+        keys = torch.where(in_kept, part.keys[rows], tail_keys[seg, tail_rows])
+        values = torch.where(in_kept, part.values[rows], tail_values[seg, tail_rows])
+        return keys, values
+
+    # ---- inspection ----------------------------------------------------------------------------
+    def bytes_by_part(self, b: Optional[int] = None, appended: Optional[int] = None) -> dict[str, int]:
+        parts = super().bytes_by_part(b, appended)
+        metadata = self.metadata_history[self.appended if appended is None else appended]
+        parts["page_metadata"] = sum(metadata) if b is None else metadata[b]
+        return parts
+
+    def read_bytes(self, b: Optional[int] = None) -> int:
+        if self.last_read is None:
+            return super().bytes_by_part(b)["residual"]
+        return sum(self.last_read) if b is None else self.last_read[b]

@@ -1,0 +1,154 @@
+"""Search MInference's per-head prefill patterns for any supported model, on CPU; write MInference's JSON layout.
+
+    python scripts/minference_patterns.py --model_path M --out FILE [--context_length 4096]
+        [--selection official|cheapest] [--min_recall 0.95] [--rows_from R] [--threads N]
+
+One calibration prompt (a RULER niah_multikey_1 sample: an essay haystack with needles, built offline) is
+run once; per layer and query head the dense causal attention P of its rows >= R (default min(2500, n / 2),
+the official search scores rows from 2500) is compared with each candidate pattern's mask, built by the
+same code the runtime uses (pyramidkv.sparse_prefill). recall = mean over those rows of the attention mass
+inside the mask; density = computed entries / causal entries over all rows.
+
+Candidates (the official search's list): A-shape (100, 800); vertical-slash (30, 800), (100, 750),
+(500, 700), (3500, 100); block-sparse (top-100 blocks of 64).
+  official  the candidate of highest recall, then the official remapping: an A-shape winner is written as
+            vertical_and_slash with the same sizes, a block-sparse winner as (vertical_and_slash, 1000, 6096),
+            as MInference's `search_pattern` does (so every head is vertical-slash, like its shipped tables);
+  cheapest  the lowest-density candidate with recall >= --min_recall (else the highest recall), its own type.
+The score written in each entry is the chosen candidate's recall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+CANDIDATES = [("stream_llm", 100, 800), ("vertical_and_slash", 30, 800), ("vertical_and_slash", 100, 750),
+              ("vertical_and_slash", 500, 700), ("vertical_and_slash", 3500, 100), ("block_sparse", 0, 0)]
+
+
+def calibration_ids(tokenizer, length: int) -> list[int]:
+    from pyramidkv.benchmarks.ruler.generate import PromptFormatter, generate_sample
+
+    row = generate_sample("niah_multikey_1", length, 0, PromptFormatter(tokenizer))
+    return tokenizer(row["input"], add_special_tokens=False).input_ids
+
+
+def layer_qk(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer the post-RoPE queries [Hq, n, D] and keys [Hkv, n, D] of one plain forward of ids [1, n]."""
+    from pyramidkv.models.attention import project_qkv
+    from pyramidkv.models.patch import MODEL_GLUE
+
+    glue = MODEL_GLUE[model.config.model_type]
+    queries, keys = {}, {}
+
+    def grab(module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        q, k, _ = project_qkv(module, hidden, kwargs.get("position_ids"), kwargs.get("position_embeddings"),
+                              glue.apply_rotary_pos_emb)
+        queries[module.layer_idx], keys[module.layer_idx] = q[0], k[0]
+
+    hooks = [layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True) for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [queries[i] for i in range(len(queries))], [keys[i] for i in range(len(keys))]
+
+
+def measure(unit, candidate, queries: torch.Tensor, keys: torch.Tensor, probs: torch.Tensor,
+            rows_from: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(recall [Hq], density [Hq]) of one candidate for every head of a layer; probs [Hq, n - rows_from, n]."""
+    heads, n, _ = queries.shape
+    masks = unit.head_masks([candidate] * heads, queries, keys)
+    computed = torch.zeros(heads, dtype=torch.float64)
+    step = max(1, (1 << 24) // (heads * n))
+    for start in range(0, n, step):
+        computed += masks.allowed(start, min(n, start + step)).sum(dim=(1, 2)).double()
+    recall = torch.zeros(heads, dtype=torch.float64)
+    for start in range(rows_from, n, step):
+        stop = min(n, start + step)
+        inside = probs[:, start - rows_from:stop - rows_from] * masks.allowed(start, stop)
+        recall += inside.sum(dim=(1, 2)).double()
+    return recall / (n - rows_from), computed / (n * (n + 1) / 2)
+
+
+def choose(results: list[tuple[float, float]], selection: str, min_recall: float) -> int:
+    """Index of the chosen candidate given its (recall, density) list."""
+    if selection == "cheapest":
+        good = [i for i, (recall, _) in enumerate(results) if recall >= min_recall]
+        if good:
+            return min(good, key=lambda i: (results[i][1], i))
+    return max(range(len(results)), key=lambda i: (results[i][0], -i))   # the first of the highest recall
+
+
+def official_entry(kind: str, vertical: int, slash: int) -> tuple[str, int, int]:
+    if kind == "stream_llm":
+        return "vertical_and_slash", vertical, slash
+    if kind == "block_sparse":
+        return "vertical_and_slash", 1000, 6096
+    return kind, vertical, slash
+
+
+def main(argv=None) -> None:
+    from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--context_length", type=int, default=4096)
+    parser.add_argument("--selection", choices=("official", "cheapest"), default="official")
+    parser.add_argument("--min_recall", type=float, default=0.95)
+    parser.add_argument("--rows_from", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from pyramidkv.models.loading import load_model
+    from pyramidkv.sparse_prefill.minference import MInference
+
+    model, tokenizer = load_model(args.model_path, attn_implementation="sdpa", device="cpu")
+    ids = torch.tensor([calibration_ids(tokenizer, args.context_length)])
+    n = ids.shape[1]
+    rows_from = args.rows_from if args.rows_from is not None else min(2500, n // 2)
+    if not 0 <= rows_from < n:
+        parser.error(f"--rows_from {rows_from} must be in [0, {n})")
+    started = time.time()
+    queries, keys = layer_qk(model, ids)
+    unit = MInference()
+    table, chosen_density = [], []
+    for layer, (q, k) in enumerate(zip(queries, keys)):
+        q, k = q.float(), k.float()
+        group = q.shape[0] // k.shape[0]
+        k_rep = k.repeat_interleave(group, dim=0)
+        logits = q[:, rows_from:] @ k_rep.transpose(1, 2) / q.shape[-1] ** 0.5
+        causal = torch.arange(n)[None, :] <= torch.arange(rows_from, n)[:, None]
+        probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+        measured = [measure(unit, c, q, k, probs, rows_from) for c in CANDIDATES]
+        row = {}
+        for h in range(q.shape[0]):
+            results = [(float(r[h]), float(d[h])) for r, d in measured]
+            best = choose(results, args.selection, args.min_recall)
+            kind, vertical, slash = CANDIDATES[best]
+            if args.selection == "official":
+                kind, vertical, slash = official_entry(kind, vertical, slash)
+            row[str(h)] = [kind, vertical, slash, round(results[best][0], 6)]
+            chosen_density.append(results[best][1])
+        table.append(row)
+        print(f"layer {layer}: " + ", ".join(f"{h}:{v[0][:6]}({v[1]},{v[2]}) r={v[3]:.3f}" for h, v in row.items()),
+              flush=True)
+    Path(args.out).write_text(json.dumps(table) + "\n", encoding="utf-8")
+    print(f"wrote {args.out}: {len(table)} layers x {len(table[0])} heads, calibration {n} tokens, rows from "
+          f"{rows_from}, selection {args.selection}, mean density of the chosen candidates (before any remapping) "
+          f"{sum(chosen_density) / len(chosen_density):.3f}, {time.time() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
