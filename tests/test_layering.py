@@ -175,3 +175,29 @@ def test_checker_reports_the_removed_circles(edges):
         graph.setdefault(source, set()).add(target)
     members = {source for source, _ in edges}
     assert any(members <= set(circle) for circle in circles(graph))
+
+
+# Private attributes of objects we do not own, read because their libraries offer no public name for them.
+FOREIGN_PRIVATE = {"_flash_attn_uses_top_left_mask",   # transformers' flash attention modules
+                   "_attn_implementation",             # transformers' PretrainedConfig
+                   "_option_string_actions", "_actions",  # argparse's parser (flag aliases, help texts)
+                   "_pyramidkv_patch"}                 # our marker on the patched model object
+
+
+def test_no_module_reads_another_objects_private_state():
+    """Stores, the cache and the pipeline talk through public methods: `x._name` only on self or cls."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                    and node.attr not in FOREIGN_PRIVATE):
+                bad.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {ast.unparse(node)}")
+    assert not bad, "private state read across objects:\n  " + "\n  ".join(bad)
+
+
+def test_engine_files_stay_short():
+    """Each file of the engine reads in one sitting: at most 300 lines."""
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in sorted((PACKAGE / "core").glob("*.py"))
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 300}
+    assert not long, f"files of pyramidkv/core over 300 lines: {long}"
