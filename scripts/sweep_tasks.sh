@@ -8,7 +8,8 @@
 #     is); e.g. FULLKV_VARIANTS="-|--quant_method kivi --nbits 2" adds the quantized full cache,
 #   PUBLIC_HARNESS_SETTINGS=1 to run every method with the public harness's settings (window 8,
 #   kernel 7, max pooling where the method has them; default 0: this package's defaults).
-# Output: the array SWEEP_TASKS of "method budget|variant" entries ("fullkv -|-" for the full cache).
+# Output: the array SWEEP_TASKS of "method budget|variant" entries ("fullkv -|-" for the full cache; a method
+# that takes no budget, e.g. minicache, gets "-" as its budget and runs once per variant).
 METHODS=${METHODS:-"snapkv pyramidkv h2o streamingllm l2norm"}
 BUDGETS=${BUDGETS:-"64 128 256"}
 VARIANTS=${VARIANTS:-"-"}
@@ -20,8 +21,15 @@ if [ "$FULLKV" = "1" ]; then
   for variant in "${_fullkv_variants[@]}"; do SWEEP_TASKS+=("fullkv -|$variant"); done
 fi
 IFS='|' read -r -a _sweep_variants <<< "$VARIANTS"
+# Methods that take no budget (fullkv, minicache, minference: read from the registry) run once per variant.
+_no_budget=$("${PYTHON:-python}" -c 'from pyramidkv.methods import METHODS
+print(" ".join(n for n, c in METHODS.items() if not c.needs_budget))')
 for method in $METHODS; do
   if [ "$method" = "fullkv" ]; then continue; fi
+  if [[ " $_no_budget " == *" $method "* ]]; then
+    for variant in "${_sweep_variants[@]}"; do SWEEP_TASKS+=("$method -|$variant"); done
+    continue
+  fi
   for budget in $BUDGETS; do
     for variant in "${_sweep_variants[@]}"; do SWEEP_TASKS+=("$method $budget|$variant"); done
   done
