@@ -25,6 +25,13 @@ def test_sweep_grid_has_fullkv_once_plus_methods_times_budgets():
                                        "h2o 64|-", "h2o 128|-", "h2o 256|-"]
 
 
+def test_sweep_runs_a_method_without_a_budget_once():
+    """minicache and minference keep every token (no budget): one run each, like fullkv, never one per budget."""
+    out = bash('source scripts/sweep_tasks.sh; printf "%s\\n" "${SWEEP_TASKS[@]}"', PYTHON=sys.executable,
+               METHODS="minicache quest minference", BUDGETS="64 128", FULLKV="0")
+    assert out.stdout.splitlines() == ["minicache -|-", "quest 64|-", "quest 128|-", "minference -|-"], out.stderr
+
+
 def test_sweep_variants_run_each_method_and_budget_with_each_flag_set():
     env = dict(METHODS="snapkv", BUDGETS="64", VARIANTS="-|--merge mergingpress --merge_fraction 0.5|--merge pivot",
                PYTHON="echo", FULLKV="1")
