@@ -232,7 +232,7 @@ def check_samples(files: list[SampleFile], method, config, model_path: str,
                 start = sample.question_start
                 if start is None or not 0 < start < len(sample.prompt):
                     where = "no question part" if start is None else (
-                        f"its question part starts at token {start} of {len(sample.prompt)}, leaving "
+                        f"its question part at token {start} of {len(sample.prompt)}, which leaves "
                         f"{'no context' if start <= 0 else 'no question'}")
                     raise ValueError(f"--question_as_decode: {name} has {where}; run it without "
                                      f"--question_as_decode")
