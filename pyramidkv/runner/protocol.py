@@ -76,7 +76,8 @@ class Benchmark:
         return model_label(args.model_path)
 
     def prepare(self, args, tokenizer, config, out_dir: Path) -> list[SampleFile]:
-        """Every sample of the run, tokenized, before any weights load (ValueError for bad data)."""
+        """Every sample of the run, tokenized, before any weights load (ValueError for bad data); with
+        args.question_as_decode each sample's question_start (the first token after its context)."""
         raise NotImplementedError
 
     def check_resume(self, path: Path, sample_file: SampleFile) -> None:
