@@ -189,7 +189,9 @@ def test_longbench_question_start_through_middle_truncation(tokenizer):
         _closing(tokenizer, "hotpotqa")
     # A question longer than the kept end half: the cut falls inside it, the question is the kept tail (the
     # 200 last tokens) and the context the kept head (the 200 first).
-    before = len(builder._frame("hotpotqa")[0])
+    from pyramidkv.benchmarks.prompting import chat_frame
+
+    before = len(tokenizer(chat_frame(tokenizer)[0], add_special_tokens=False).input_ids)
     long_row = {"context": "Some facts about the matter. " * 50 + "The end.", "input": "Which fact came first? " * 150}
     text = LB.dataset2prompt()["hotpotqa"].format(**long_row)
     whole = len(tokenizer(text, add_special_tokens=False).input_ids)
