@@ -53,7 +53,7 @@ def test_same_seed_same_rows_other_seed_other_rows(task, formatter):
     assert [r["input"] for r in a] != [r["input"] for r in c]
     assert [r["outputs"] for r in a] != [r["outputs"] for r in c]
     assert a[0]["input"] != a[1]["input"]           # samples differ from each other
-    assert set(a[0]) == {"index", "input", "outputs", "length", "task", "max_new_tokens"}
+    assert set(a[0]) == {"index", "input", "outputs", "length", "task", "max_new_tokens", "question_start"}
 
 
 @pytest.mark.parametrize("length,index", [(1024, 0), (2048, 1), (4096, 2)])

@@ -248,11 +248,17 @@ def model_label(model_path: str) -> str:
     return Path(model_path.rstrip("/")).name
 
 
-def run_dir(save_dir: str, model_path: str, method: Method) -> Path:
+# The method folder's suffix of a run with the question fed as decode steps (--question_as_decode).
+QUESTION_AS_DECODE_SUFFIX = "_question_as_decode"
+
+
+def run_dir(save_dir: str, model_path: str, method: Method, question_as_decode: bool = False) -> Path:
     """{save_dir}/{model}_{budget}/{method.label()}: the public harness's layout for a method at its
     defaults; settings other than the defaults are appended to the method folder (Component.label:
-    snapkv_window_size=8_pooling=avg, adakv_floor_ratio=0.5, snapkv_head_allocation=adakv-floor_ratio=0.3)."""
-    return Path(save_dir) / f"{model_label(model_path)}_{budget_label(method)}" / method.label()
+    snapkv_window_size=8_pooling=avg, adakv_floor_ratio=0.5, snapkv_head_allocation=adakv-floor_ratio=0.3),
+    and QUESTION_AS_DECODE_SUFFIX when the question is fed as decode steps."""
+    folder = method.label() + (QUESTION_AS_DECODE_SUFFIX if question_as_decode else "")
+    return Path(save_dir) / f"{model_label(model_path)}_{budget_label(method)}" / folder
 
 
 def check_model_args(args: argparse.Namespace, method: Method | None = None):

@@ -7,6 +7,10 @@ its samples and its scorer (CONTRIBUTING.md, "a benchmark").
     sample is pending -> batches -> generate -> one appended row per sample -> scoring -> results.json /
     results.csv and the printed table.
 
+`--question_as_decode` (Quest's evaluation protocol): each sample's tokens are cut where its question part
+begins (`Sample.question_start`, set by the adapter); the context is prefilled (and compressed) and the
+question is fed token by token as decode steps before the answer (`generate(..., questions=...)`).
+
 A bad input ends the run with one line (`<prog>: error: ...`, exit status 2) before anything is written.
 """
 
@@ -21,8 +25,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from pyramidkv.runner.cli import (
-    INPUT_ERRORS, add_model_and_method_args, apply_num_threads, check_model_args, check_run_args, fail,
-    method_from_args, model_label, run_dir, run_fingerprint,
+    INPUT_ERRORS, QUESTION_AS_DECODE_SUFFIX, add_model_and_method_args, apply_num_threads, check_model_args,
+    check_run_args, fail, method_from_args, model_label, run_dir, run_fingerprint,
 )
 
 
@@ -37,6 +41,9 @@ class Sample:
     row: Optional[dict] = None            # fields the prediction row carries besides the output
     label: str = ""                       # how errors name the sample ("sample 3 of niah_single_1_4096.jsonl")
     batch_group: object = None            # samples are batched only with others of the same group
+    question_start: Optional[int] = None  # index in `prompt` of the question part's first token (everything
+                                          # after the context: question, instruction, chat framing, answer
+                                          # prefix); set by the adapter under --question_as_decode
 
 
 @dataclass
@@ -69,7 +76,8 @@ class Benchmark:
         return model_label(args.model_path)
 
     def prepare(self, args, tokenizer, config, out_dir: Path) -> list[SampleFile]:
-        """Every sample of the run, tokenized, before any weights load (ValueError for bad data)."""
+        """Every sample of the run, tokenized, before any weights load (ValueError for bad data); with
+        args.question_as_decode each sample's question_start (the first token after its context)."""
         raise NotImplementedError
 
     def check_resume(self, path: Path, sample_file: SampleFile) -> None:
@@ -117,6 +125,12 @@ def build_parser(benchmark: Benchmark) -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     benchmark.add_arguments(parser)
     add_model_and_method_args(parser)
+    p = parser.add_argument_group("protocol")
+    p.add_argument("--question_as_decode", action="store_true",
+                   help="prefill only each prompt's context and feed its question part (everything after the "
+                        "context, chat framing and answer prefix included) token by token as decode steps, as "
+                        "Quest's paper measures; when not given: the whole prompt is prefilled. The run folder "
+                        f"gets the suffix {QUESTION_AS_DECODE_SUFFIX}")
     if "--print_run_dir" not in parser._option_string_actions:
         parser.add_argument("--print_run_dir", action="store_true",
                             help="print the run folder these arguments write to and exit (used by eval.sh)")
@@ -131,7 +145,7 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
         check_run_args(parser, args)
         benchmark.check_arguments(args)
         method = method_from_args(args, parser)
-        out_dir = run_dir(args.save_dir, benchmark.model_label(args), method)
+        out_dir = run_dir(args.save_dir, benchmark.model_label(args), method, args.question_as_decode)
     except (ValueError, TypeError) as e:
         fail(parser, e)
     if args.print_run_dir:
@@ -151,7 +165,7 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
         config = model_check[1]
         tokenizer = AutoTokenizer.from_pretrained(model_check[0])
         files = benchmark.prepare(args, tokenizer, config, out_dir)
-        check_samples(files, method, config, args.model_path)
+        check_samples(files, method, config, args.model_path, args.question_as_decode)
         for sample_file in files:
             if (out_dir / sample_file.file_name).is_file():
                 benchmark.check_resume(out_dir / sample_file.file_name, sample_file)
@@ -201,9 +215,12 @@ def _recorded_arguments(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if not k.startswith("_")}
 
 
-def check_samples(files: list[SampleFile], method, config, model_path: str) -> None:
+def check_samples(files: list[SampleFile], method, config, model_path: str,
+                  question_as_decode: bool = False) -> None:
     """Each sample fits the model's window with its new tokens, and the method can do what its settings
-    say on it (Method.check_prompt: a ratio budget below the window, a pooling kernel wider than the prompt)."""
+    say on what it prefills (Method.check_prompt: a ratio budget below the window, a pooling kernel wider
+    than the prompt): the whole prompt, or with question_as_decode its context, which must leave a question
+    part of at least one token."""
     window = getattr(config, "max_position_embeddings", None)
     for sample_file in files:
         for sample in sample_file.samples:
@@ -211,10 +228,21 @@ def check_samples(files: list[SampleFile], method, config, model_path: str) -> N
             if window and len(sample.prompt) + sample.max_new_tokens > window:
                 raise ValueError(f"{name} needs {len(sample.prompt)} prompt + {sample.max_new_tokens} new tokens, "
                                  f"above the model's window: {model_path} has max_position_embeddings = {window}")
+            prefilled = len(sample.prompt)
+            if question_as_decode:
+                start = sample.question_start
+                if start is None or not 0 < start < len(sample.prompt):
+                    where = "no question part" if start is None else (
+                        f"its question part at token {start} of {len(sample.prompt)}, which leaves "
+                        f"{'no context' if start <= 0 else 'no question'}")
+                    raise ValueError(f"--question_as_decode: {name} has {where}; run it without "
+                                     f"--question_as_decode")
+                prefilled = start
             try:
-                method.check_prompt(len(sample.prompt))
+                method.check_prompt(prefilled)
             except ValueError as e:
-                raise ValueError(f"{name} ({len(sample.prompt)} tokens): {e}") from None
+                what = f"{prefilled} context tokens" if question_as_decode else f"{prefilled} tokens"
+                raise ValueError(f"{name} ({what}): {e}") from None
 
 
 def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], out_dir: Path) -> None:
@@ -245,9 +273,13 @@ def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], 
                 for batch in _batches(pending, args.eval_batch_size):
                     from pyramidkv.generation import generate
 
-                    outputs = generate(model, tokenizer, [s.prompt for s in batch], method,
-                                       max_new_tokens=batch[0].max_new_tokens, stop_token_ids=stops,
-                                       min_new_tokens=sample_file.min_new_tokens)
+                    prompts, questions = [s.prompt for s in batch], None
+                    if args.question_as_decode:
+                        prompts = [s.prompt[:s.question_start] for s in batch]
+                        questions = [s.prompt[s.question_start:] for s in batch]
+                    outputs = generate(model, tokenizer, prompts, method, max_new_tokens=batch[0].max_new_tokens,
+                                       stop_token_ids=stops, min_new_tokens=sample_file.min_new_tokens,
+                                       questions=questions)
                     for sample, output in zip(batch, outputs):
                         writer.append(benchmark.prediction_row(sample, output))
                     bar.update(len(batch))

@@ -10,6 +10,9 @@
    (samsum also stops at a newline and generates at least one token, as the official harness does);
 6. one JSONL row per sample in `{save_dir}/{model}_{budget}/{method}/{dataset}.jsonl`,
    flushed as soon as written; a rerun skips the `_id`s already there.
+
+With --question_as_decode the question part (`question_part`: the template's text after {context}, filled in,
+then the chat template's closing) is fed as decode steps after the rest is prefilled.
 """
 
 from __future__ import annotations
@@ -159,6 +162,27 @@ def load_rows(dataset: str, data_dir: Optional[Path], longbench_e: bool = False)
     return [row for _, row in numbered]
 
 
+def question_part(dataset: str, row: dict) -> tuple[str, Optional[int]]:
+    """(the official prompt, the character offset where its question part begins): everything the template
+    puts after {context} (the question, the instruction after the material, "Answer:"; for the few-shot
+    tasks the sample's own passage or dialogue). None when the template has nothing but whitespace there."""
+    template = dataset2prompt()[dataset]
+    text = template.format(**row)
+    _, found, tail = template.partition("{context}")
+    if not found or not tail.strip():
+        return text, None
+    return text, len(text) - len(tail.format(**row))
+
+
+def check_question_parts(datasets: Sequence[str]) -> None:
+    """--question_as_decode: every dataset's template must have a question part after its context."""
+    without = [d for d in datasets if question_part(d, {f: "x" for f in _template_fields(d)})[1] is None]
+    if without:
+        raise ValueError(f"--question_as_decode: the prompt template of {', '.join(without)} has nothing after "
+                         f"its context to feed as the question; run {'it' if len(without) == 1 else 'them'} "
+                         f"without --question_as_decode")
+
+
 def _template_fields(dataset: str) -> set:
     import string
 
@@ -231,11 +255,32 @@ class PromptBuilder:
         """(token ids, truncated?) of the row's full prompt."""
         text = dataset2prompt()[dataset].format(**row)
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        kept = middle_truncate(ids, max_length)
+        before, after = self._frame(dataset)
+        return before + middle_truncate(ids, max_length) + after, len(ids) > max_length
+
+    def build_with_question(self, dataset: str, row: dict, max_length: int) -> tuple[list[int], Optional[int]]:
+        """(the token ids `build` gives, the index of the question part's first token; None when the
+        template has none): the kept tokens from the template's text after {context} (`question_part`)
+        and the chat template's closing. When middle truncation cuts into the question part, the question
+        is the kept tail (everything after the cut)."""
+        from pyramidkv.generation import split_prompt
+
+        text, start = question_part(dataset, row)
+        if start is None:
+            return self.build(dataset, row, max_length)[0], None
+        context, question = split_prompt(self.tokenizer, text, start)
+        ids, cut = context + question, len(context)
+        if len(ids) > max_length:                # kept: ids[:half] + ids[-half:]
+            half = max_length // 2
+            cut = cut if cut <= half else max(half, cut - (len(ids) - 2 * half))
+        before, after = self._frame(dataset)
+        return before + middle_truncate(ids, max_length) + after, len(before) + cut
+
+    def _frame(self, dataset: str) -> tuple[list[int], list[int]]:
+        """(token ids before, after) the prompt: the chat template's, or a raw prompt's leading specials."""
         if dataset not in NO_CHAT_TEMPLATE and self._chat is not None:
-            before, after = self._chat
-            return before + kept + after, len(kept) < len(ids)
-        return self.leading_specials + kept, len(kept) < len(ids)
+            return self._chat
+        return self.leading_specials, []
 
 
 def resolve_max_length(model_path: str, config, dataset: str, max_new_tokens: int, template_overhead: int,
@@ -307,6 +352,8 @@ class LongBench(Benchmark):
         if args.max_length is not None and args.max_length < 2:
             raise ValueError(f"--max_length must be >= 2, got {args.max_length}")
         self.datasets = resolve_datasets(args.datasets, args.e)
+        if args.question_as_decode:
+            check_question_parts(self.datasets)
 
     def prepare(self, args, tokenizer, config, out_dir):
         suffix = "_e" if args.e else ""
@@ -325,10 +372,14 @@ class LongBench(Benchmark):
             rows = load_rows(dataset, Path(args.data_dir) if args.data_dir is not None else None, args.e)
             samples = []
             for row in select_rows(rows, args.max_num_examples, args.sample_method, args.seed):
-                ids, _ = builder.build(dataset, row, self.max_len[dataset])
+                if args.question_as_decode:
+                    ids, question_start = builder.build_with_question(dataset, row, self.max_len[dataset])
+                else:
+                    (ids, _), question_start = builder.build(dataset, row, self.max_len[dataset]), None
                 samples.append(Sample(row["_id"], array("l", ids), self.max_new[dataset],
                                       {"answers": row["answers"], "all_classes": row.get("all_classes"),
-                                       "length": row["length"]}, f"{dataset}: sample {row['_id']}"))
+                                       "length": row["length"]}, f"{dataset}: sample {row['_id']}",
+                                      question_start=question_start))
             files.append(SampleFile(dataset, f"{dataset}{suffix}.jsonl", samples, dataset,
                                     min_new_tokens=1 if dataset == "samsum" else 0))
         return files

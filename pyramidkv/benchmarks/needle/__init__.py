@@ -184,6 +184,11 @@ class NeedleSample:
         return len(self.input_ids)
 
     @property
+    def question_start(self) -> int:
+        """The index of the first token after the document: the question part (template suffix, answer prefix)."""
+        return self.prefix_tokens + self.context_tokens
+
+    @property
     def actual_depth_percent(self) -> float:
         """Where the needle really starts, as a percent of the haystack tokens."""
         return 100.0 * self.needle_start / self.haystack_tokens if self.haystack_tokens else 0.0

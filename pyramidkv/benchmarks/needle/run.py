@@ -5,7 +5,9 @@ Writes {save_dir}/{model_version}_{budget}/{method}/:
     needle.jsonl   one row per (context length, depth) cell, appended as it finishes (resumable)
     results.json   mean scores x100 in the project's common results schema (+ results.csv)
     run_meta.json  the full configuration
-Then draw the heatmap with scripts/scripts_needle/visualize.py RUN_DIR.
+Then draw the heatmap with scripts/scripts_needle/visualize.py RUN_DIR. With --question_as_decode the part of
+each prompt after the document (the retrieval question, the chat template's closing, the answer prefix) is fed
+as decode steps (NeedleSample.question_start).
 """
 
 from __future__ import annotations
@@ -129,7 +131,8 @@ class Needle(Benchmark):
                 samples.append(Sample(f"{length}_{depth}", cell.input_ids, args.max_new_tokens, {
                     "context_length": length, "depth_percent": depth,
                     "needle_depth_actual": round(cell.actual_depth_percent, 2)},
-                    f"needle cell {length} tokens at {depth}%", batch_group=length))
+                    f"needle cell {length} tokens at {depth}%", batch_group=length,
+                    question_start=cell.question_start if args.question_as_decode else None))
         return [SampleFile("needle", RESULTS_FILE, samples, "needle")]
 
     def fingerprint_extra(self, args, tokenizer) -> dict:

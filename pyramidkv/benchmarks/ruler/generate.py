@@ -8,7 +8,9 @@ less than one haystack unit (a word, a sentence, a needle, a document).
 
 Rows are the RULER format: {"index", "input", "outputs", "length", "task", "max_new_tokens"},
 where "input" is the complete prompt (chat template and answer prefix included)
-and "length" = prompt tokens + max_new_tokens.
+and "length" = prompt tokens + max_new_tokens, plus "question_start": the character
+offset in "input" where the sample's haystack (`Rendered.context`) ends and its question
+part begins (what --question_as_decode feeds as decode steps).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from typing import Callable, Optional, Sequence
 from pyramidkv.benchmarks.prompting import chat_frame
 from pyramidkv.benchmarks.ruler.tasks import TASKS, Builder, Rendered, get_task, make_builder
 
-# Bump whenever a sample's text can change: cached samples of another version are regenerated.
-GENERATOR_VERSION = 3
+# Bump whenever a sample's text or fields can change: cached samples of another version are regenerated.
+# 4: rows record "question_start" (the text is that of version 3).
+GENERATOR_VERSION = 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,6 +71,10 @@ class PromptFormatter:
         if self.use_chat_template:
             return self._head + body + self._tail + answer_prefix
         return self._bos + body + answer_prefix
+
+    def body_offset(self) -> int:
+        """Where the body starts in a prompt (characters): after the chat template's head or the BOS."""
+        return len(self._head if self.use_chat_template else self._bos)
 
     def count(self, text: str) -> int:
         """Tokens of a full prompt, exactly as generation tokenizes it (no added special tokens)."""
@@ -165,7 +172,17 @@ def generate_sample(task: str, length: int, index: int, formatter: PromptFormatt
         "length": best.prompt_tokens + max_new,
         "task": task,
         "max_new_tokens": max_new,
+        "question_start": formatter.body_offset() + context_end(best.rendered),
     }
+
+
+def context_end(rendered: Rendered) -> int:
+    """The character offset in `rendered.body` where its haystack ends (the question part begins there). The
+    haystack's last occurrence: a worked example (vt, cwe) comes before the sample and has its own haystack."""
+    start = rendered.body.rfind(rendered.context)
+    if start < 0:
+        raise ValueError("the rendered body does not hold its context verbatim")
+    return start + len(rendered.context)
 
 
 def generate_rows(task: str, length: int, num_samples: int, formatter: PromptFormatter, seed: int = 42,
@@ -244,7 +261,8 @@ def read_data_file(path: Path, task: Optional[str] = None) -> list[dict]:
 
     "index" defaults to the row's position; an "answer_prefix" field (RULER keeps it apart from "input"
     in some versions) is appended to the input when the input does not already end with it;
-    "max_new_tokens" defaults to the task's.
+    "max_new_tokens" defaults to the task's. "question_start" (rows written by this generator; RULER's own
+    files have none) is kept when it is a character offset inside the input, else None.
     """
     from pyramidkv.runner.results import read_jsonl
 
@@ -278,8 +296,12 @@ def read_data_file(path: Path, task: Optional[str] = None) -> list[dict]:
             max_new = TASKS[row_task].max_new_tokens
         if not isinstance(max_new, int) or max_new < 1:
             raise ValueError(f"{where}: \"max_new_tokens\" must be a positive integer, got {max_new!r}")
+        question_start = row.get("question_start")
+        if question_start is not None and (type(question_start) is not int or not 0 < question_start < len(text)):
+            raise ValueError(f"{where}: \"question_start\" must be a character offset inside \"input\" "
+                             f"(1..{len(text) - 1}), got {question_start!r}")
         checked.append({"index": index, "input": text, "outputs": outputs, "length": row.get("length"),
-                        "task": row_task, "max_new_tokens": max_new})
+                        "task": row_task, "max_new_tokens": max_new, "question_start": question_start})
     return checked
 
 

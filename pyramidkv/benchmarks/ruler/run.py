@@ -7,7 +7,8 @@
 2. greedy decoding (batches of --eval_batch_size, left padding) under the method;
 3. one prediction row per sample in `{save_dir}/{model}_{budget}/{method}/{task}_{length}.jsonl`
    ({"index", "pred", "outputs", "length", "prompt_tokens", "kv_bytes"}), flushed and fsynced as written;
-   a rerun skips the indices already there (kill -9 safe);
+   a rerun skips the indices already there (kill -9 safe); with --question_as_decode the part of each
+   prompt after its haystack is fed as decode steps (the folder `{method}_question_as_decode`);
 4. scores (string_match_all / string_match_part, x100) -> results.json + results.csv in the run folder.
 """
 
@@ -103,9 +104,15 @@ class Ruler(Benchmark):
         self.sets = collect_sample_sets(args, self.tasks, lengths, tokenizer, self.model_label(args), window)
         files = []
         for s in self.sets:
-            samples = [Sample(row["index"], tokenizer(row["input"], add_special_tokens=False).input_ids,
-                              row["max_new_tokens"], {"outputs": row["outputs"], "length": row["length"]},
-                              f"{s.source}: sample {row['index']}") for row in s.rows]
+            samples = []
+            for row in s.rows:
+                label = f"{s.source}: sample {row['index']}"
+                prompt, question_start = tokenizer(row["input"], add_special_tokens=False).input_ids, None
+                if args.question_as_decode:
+                    prompt, question_start = split_at_question(tokenizer, row, label)
+                samples.append(Sample(row["index"], prompt, row["max_new_tokens"],
+                                      {"outputs": row["outputs"], "length": row["length"]}, label,
+                                      question_start=question_start))
             files.append(SampleFile(s.key, s.file_name, samples, s.source))
         return files
 
@@ -124,6 +131,19 @@ class Ruler(Benchmark):
 
     def format(self, result: dict) -> str:
         return format_scores(result)
+
+
+def split_at_question(tokenizer, row: dict, label: str) -> tuple[list[int], int]:
+    """(the prompt's token ids, the index of its question part's first token): the part from the row's
+    "question_start" (the character offset where the haystack ends, generate.context_end) on."""
+    from pyramidkv.generation import split_prompt
+
+    if row.get("question_start") is None:
+        raise ValueError(f"--question_as_decode: {label} records no \"question_start\" (where its question part "
+                         f"begins; RULER's own files do not), so its question cannot be split off; let this "
+                         f"runner generate the samples (no --data_file / --data_dir)")
+    context, question = split_prompt(tokenizer, row["input"], row["question_start"])
+    return context + question, len(context)
 
 
 def resolve_tasks(names: Sequence[str]) -> list[str]:
