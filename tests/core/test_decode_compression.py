@@ -16,8 +16,7 @@ from pyramidkv import compress, load_model, make_method
 from pyramidkv.generation import generate
 from pyramidkv.methods.base import Method, ScoreContext
 from tests.prompts import STORY, passkey_prompt
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 
 class StepObserver:
