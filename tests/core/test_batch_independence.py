@@ -180,8 +180,8 @@ def test_the_cases_cover_every_pair(monkeypatch):
         build(case)
     valid_pairs = set().union(*(pairs(c) for c in every_combination() if valid(c)))
     missing = valid_pairs - set().union(*(pairs(c) for c in CASES))
-    assert not missing, (f"{len(missing)} pairs of a valid combination are in no case, e.g. {sorted(missing, key=str)[:3]}; "
-                         f"print a new table with python -m tests.core.test_batch_independence")
+    assert not missing, (f"{len(missing)} pairs of a valid combination are in no case, e.g. "
+                         f"{sorted(missing, key=str)[:3]}; print a new table: python -m tests.core.test_batch_independence")
     for axis, values in AXES.items():
         assert {c[axis] for c in CASES} == set(values), axis
 
