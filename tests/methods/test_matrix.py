@@ -35,11 +35,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pyramidkv.allocation import HEAD_ALLOCATIONS, LAYER_ALLOCATIONS
+from pyramidkv.components import setting_help
 from pyramidkv.generation import generate
 from pyramidkv.merging import MERGE_RULES
 from pyramidkv.methods import METHODS, make_method
 from pyramidkv.models.patch import model_shape
 from pyramidkv.quantization import QUANTIZERS
+from pyramidkv.sparse_prefill import SPARSE_PREFILLS
 
 LAYERS, QUERY_HEADS, KV_HEADS = 3, 4, 2     # 3 layers: Quest attends densely in its first 2
 PROMPT_LEN = 64
@@ -263,6 +265,17 @@ def test_every_method_and_unit_runs_in_some_combination(tmp_path):
                 continue
             wanted -= values
     assert not wanted, f"refused in every combination: {sorted(wanted, key=str)}"
+
+
+@pytest.mark.parametrize("registry", ["METHODS", "HEAD_ALLOCATIONS", "LAYER_ALLOCATIONS", "MERGE_RULES", "QUANTIZERS",
+                                      "SPARSE_PREFILLS"])
+def test_every_setting_has_its_help_entry(registry):
+    """--help and the docs tables show a setting's entry in its class docstring (CONTRIBUTING.md)."""
+    table = {"METHODS": METHODS, "HEAD_ALLOCATIONS": HEAD_ALLOCATIONS, "LAYER_ALLOCATIONS": LAYER_ALLOCATIONS,
+             "MERGE_RULES": MERGE_RULES, "QUANTIZERS": QUANTIZERS, "SPARSE_PREFILLS": SPARSE_PREFILLS}[registry]
+    missing = {name: [f.name for f in dataclasses.fields(cls) if not setting_help(cls).get(f.name)]
+               for name, cls in table.items()}
+    assert not {name: fields for name, fields in missing.items() if fields}
 
 
 if __name__ == "__main__":
