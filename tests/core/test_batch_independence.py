@@ -49,9 +49,8 @@ QUANTIZERS = {
 NEW_TOKENS = 10
 
 
-def build(case: dict, tables: dict = {"head_scores": "head_scores.json", "pattern_table": "patterns.json"}):
-    """The case's method; `tables`: the random Llama's HeadKV and MInference tables (a name is enough to
-    build; the checks that read them run when the model is patched)."""
+def build(case: dict, tables: dict):
+    """The case's method; `tables`: the random Llama's HeadKV and MInference tables (conftest.py)."""
     settings = {"budget": 64, "head_allocation": case["head_allocation"], "layer_allocation": case["layer_allocation"]}
     if case["head_allocation"] == "headkv":
         settings["head_scores"] = tables["head_scores"]
@@ -76,9 +75,9 @@ def build(case: dict, tables: dict = {"head_scores": "head_scores.json", "patter
     return make_method(case["scorer"], **settings)
 
 
-def valid(case: dict) -> bool:
+def valid(case: dict, tables: dict) -> bool:
     try:
-        build(case)
+        build(case, tables)
     except ValueError:
         return False
     return True
@@ -92,10 +91,10 @@ def pairs(case: dict) -> set:
     return {((a, case[a]), (b, case[b])) for a, b in itertools.combinations(AXES, 2)}
 
 
-def pairwise_cases() -> list[dict]:
+def pairwise_cases(tables: dict) -> list[dict]:
     """A small set of valid combinations covering every pair of axis values that a valid combination has
     (greedy: each step takes the combination covering the most pairs not yet covered)."""
-    combos = [c for c in every_combination() if valid(c)]
+    combos = [c for c in every_combination() if valid(c, tables)]
     uncovered = set().union(*(pairs(c) for c in combos))
     chosen = []
     while uncovered:
@@ -180,11 +179,12 @@ def three_prompts(random_llama):
             chat("The secret harbour is Bodo. Which harbour is secret?")]
 
 
-def test_the_cases_cover_every_pair(monkeypatch):
+def test_the_cases_cover_every_pair(random_llama, monkeypatch):
+    tables = random_llama[2]
     monkeypatch.setattr(typing, "get_type_hints", cached_type_hints())
     for case in CASES:
-        build(case)
-    valid_pairs = set().union(*(pairs(c) for c in every_combination() if valid(c)))
+        build(case, tables)
+    valid_pairs = set().union(*(pairs(c) for c in every_combination() if valid(c, tables)))
     missing = valid_pairs - set().union(*(pairs(c) for c in CASES))
     assert not missing, (f"{len(missing)} pairs of a valid combination are in no case, e.g. "
                          f"{sorted(missing, key=str)[:3]}; print a new table: python -m tests.core.test_batch_independence")
@@ -211,6 +211,13 @@ def test_batch_of_three_equals_each_prompt_alone(random_llama, three_prompts, ca
 
 
 if __name__ == "__main__":
+    import tempfile
+    from pathlib import Path
+
     typing.get_type_hints = cached_type_hints()
-    for case in pairwise_cases():
-        print(f"    {tuple(case.values())!r},")
+    with tempfile.TemporaryDirectory() as folder:  # building only checks that the tables are files
+        tables = {"head_scores": str(Path(folder) / "head_scores.json"), "pattern_table": str(Path(folder) / "p.json")}
+        for path in tables.values():
+            Path(path).write_text("{}")
+        for case in pairwise_cases(tables):
+            print(f"    {tuple(case.values())!r},")
