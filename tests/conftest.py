@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from pyramidkv.models.default_model import default_model_path
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`make test`: -n auto) each worker computes on one thread, and so do the runners it
+    starts: one thread per core, where torch's default (every core, in every worker) makes them wait."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(scope="session")
