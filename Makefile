@@ -21,7 +21,7 @@ quickstart: setup
 	$(PY) scripts/quickstart.py
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto tests
 
 benchmark: setup
 	$(PY) scripts/benchmark_latency_memory.py

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from pyramidkv.models.default_model import default_model_path
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`make test`: -n auto) each worker computes on one thread, and so do the runners it
+    starts: one thread per core, where torch's default (every core, in every worker) makes them wait."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(scope="session")
@@ -77,3 +87,36 @@ def eager_setup(smollm2_path):
     attentions = [a[0].double().numpy() for a in out.attentions]
     keys = [out.past_key_values[l][0][0].double().numpy() for l in range(len(attentions))]
     return model, ids, attentions, keys
+
+
+@pytest.fixture(scope="session")
+def random_llama(tokenizer, tmp_path_factory):
+    """(model, tokenizer, tables): a 4-layer random Llama in memory (GQA 4 query / 2 KV heads, head_dim 16) with
+    SmolLM2's tokenizer, and for it the tables the units that need one read: `head_scores` (HeadKV) and
+    `pattern_table` (MInference, every pattern kind on some head).
+
+    For properties that hold whatever the weights (a batch computes each prompt alone): a generate() takes
+    milliseconds where SmolLM2's takes a second, and every code path is the same.
+    """
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    layers, heads = 4, 4
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=8192, rope_theta=100000.0,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2, attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    folder = tmp_path_factory.mktemp("random-llama-tables")
+    generator = torch.Generator().manual_seed(1)
+    head_scores = folder / "head_scores.json"
+    head_scores.write_text(json.dumps({f"{layer}-{head}": [float(torch.rand(1, generator=generator))]
+                                       for layer in range(layers) for head in range(heads)}))
+    kinds = [["vertical_and_slash", 8, 16, 0.9], ["stream_llm", 4, 16, 0.9], ["block_sparse", 0, 0, 1.0]]
+    patterns = folder / "patterns.json"
+    patterns.write_text(json.dumps([{str(head): kinds[(layer + head) % 3] for head in range(heads)}
+                                    for layer in range(layers)]))
+    return model, tokenizer, {"head_scores": str(head_scores), "pattern_table": str(patterns)}

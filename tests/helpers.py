@@ -9,7 +9,9 @@ import torch
 
 from pyramidkv import compress
 
-_SHARED_CANDIDATES = (Path(__file__).resolve().parents[1].parent / "shared", Path("/work/shared"))
+# The repository root, for tests in any subfolder of tests/.
+ROOT = Path(__file__).resolve().parents[1]
+_SHARED_CANDIDATES = (ROOT.parent / "shared", Path("/work/shared"))
 
 
 def longbench_data_dir() -> Path:

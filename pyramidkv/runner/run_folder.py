@@ -31,7 +31,7 @@ NON_GENERATING_ARGS = {
     "eval": "score afterwards",
     "print_run_dir": "prints the folder and exits",
     "eval_batch_size": "left-padded batches are built to give each prompt's own output "
-                       "(tested in tests/test_memory_and_batch.py); a resumed run may use another size",
+                       "(tested in tests/core/test_memory_and_batch.py); a resumed run may use another size",
     "num_samples": "how many samples run; each prediction row is keyed and checked on its own",
     "max_num_examples": "how many samples run (same reason)",
     "tasks": "which task files run (one predictions file per task and length)",

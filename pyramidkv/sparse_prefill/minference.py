@@ -32,8 +32,8 @@ def _table(path: Optional[str], model_name: str):
 class MInference(SparsePrefill):
     """pattern_table: a table in MInference's JSON layout (None: the one packaged for the model).
     last_q: queries whose attention estimates the vertical-slash index (official 64).
-    block_size, block_top_k: block-sparse heads' block and blocks read per query block (official 64, 100); the
-        block also of the kernel's diagonal coverage.
+    block_size: block-sparse heads' block (official 64), also the block of the kernel's diagonal coverage.
+    block_top_k: blocks a block-sparse head reads per query block (official 100).
     slash_coverage: "kernel" computes what the official CUDA kernel computes for a diagonal (the 64-column
         blocks around it, per 64-row block); "lines" only the diagonal's own entries (the paper's mask).
     start_layer: layers below it prefill densely (official `starting_layer`, 0)."""

@@ -15,9 +15,9 @@ from pyramidkv.benchmarks.longbench import run as LB
 from pyramidkv.benchmarks.ruler import run as RU
 from pyramidkv.benchmarks.ruler.generate import PromptFormatter, generate_sample
 from pyramidkv.benchmarks.ruler.tasks import OFFLINE_TASKS
-from tests.helpers import load_script, longbench_data_dir
+from tests.helpers import ROOT, load_script, longbench_data_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+
 needle_runner = load_script("run_needle_in_haystack", ROOT / "run_needle_in_haystack.py")
 
 # The text each RULER task family puts right after its haystack (RULER's templates, read off

@@ -20,6 +20,7 @@ from pyramidkv import compress, make_method
 from pyramidkv.core.quantized import QuantizedStore
 from pyramidkv.generation import generate
 from pyramidkv.quantization import KIVIQuantizer
+from tests.helpers import ROOT
 from tests.prompts import STORY, passkey_prompt
 
 HEAD_DIM = 64          # SmolLM2-135M
@@ -320,12 +321,11 @@ def test_cli_quantization_flags_reach_the_method_and_get_their_own_folder(tiny_m
 def test_sweep_runs_quantized_variants_and_the_quantized_full_cache():
     import os
     import subprocess
-    from pathlib import Path
 
     env = {**os.environ, "METHODS": "snapkv", "BUDGETS": "256", "VARIANTS": "-|--quant_method kivi --nbits 2",
            "FULLKV_VARIANTS": "-|--quant_method kivi --nbits 2", "PYTHON": "echo"}
     got = subprocess.run(["bash", "-c", 'source scripts/sweep_tasks.sh; for t in "${SWEEP_TASKS[@]}"; do '
-                          'run_sweep_task ruler "$t" --save_dir out; done'], cwd=Path(__file__).resolve().parents[1],
+                          'run_sweep_task ruler "$t" --save_dir out; done'], cwd=ROOT,
                          capture_output=True, text=True, env=env)
     assert got.returncode == 0, got.stderr
     assert got.stdout.splitlines() == [
@@ -339,9 +339,8 @@ def test_benchmark_reports_bytes_by_part_and_the_fp16_ratio(tiny_model_dir, tmp_
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     out = tmp_path / "bench.json"
     quantized = "fullkv:quant_method=kivi,group_size=16,residual_length=32"
     subprocess.run([sys.executable, str(root / "scripts" / "benchmark_latency_memory.py"), "--model_path", tiny_model_dir,

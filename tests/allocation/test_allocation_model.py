@@ -1,5 +1,5 @@
 """Adaptive allocation on SmolLM2: kept positions per layer and head against a reference computed
-in numpy from the model's own eager attention weights (tests/reference.py, tests/test_allocation.py);
+in numpy from the model's own eager attention weights (tests/reference.py, tests/allocation/test_allocation.py);
 ragged counts, exact totals, stored bytes; batches."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pyramidkv import make_method
 from pyramidkv.generation import generate
 from tests import reference as ref
 from tests.prompts import STORY, passkey_prompt
-from tests.test_allocation import adakv_reference, largest_remainder, lmba_reference
+from tests.allocation.test_allocation import adakv_reference, largest_remainder, lmba_reference
 from tests.helpers import prefill
 
 BUDGET, WINDOW, KERNEL = 64, 16, 5

@@ -17,9 +17,8 @@ import torch
 
 from pyramidkv.benchmarks.longbench import run as longbench
 from pyramidkv.benchmarks.ruler.run import main as ruler_main
-from tests.helpers import load_script, longbench_data_dir
+from tests.helpers import ROOT, load_script, longbench_data_dir
 
-ROOT = Path(__file__).resolve().parents[1]
 MULTI_NEWS = longbench_data_dir() / "multi_news.jsonl"
 
 
@@ -198,7 +197,7 @@ def _gpt2_dir(tmp_path) -> Path:
 
     folder = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50)).save_pretrained(folder)
-    shutil.copy(Path(__file__).parent / "prompts.py", folder / "unused.txt")
+    shutil.copy(ROOT / "tests" / "prompts.py", folder / "unused.txt")
     return folder
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from pyramidkv.benchmarks.longbench import evaluate as E
 from pyramidkv.benchmarks.longbench import run as R
-from tests.helpers import longbench_data_dir
+from tests.helpers import ROOT, longbench_data_dir
 
 MULTI_NEWS = longbench_data_dir() / "multi_news.jsonl"
 ROW_KEYS = {"_id", "pred", "answers", "all_classes", "length", "prompt_tokens", "kv_bytes"}
@@ -226,8 +226,6 @@ def test_eval_names_the_run_from_folders_without_run_meta(tmp_path):
 
 # --- results integrity and the official layouts --------------------------------------------------
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def _write_rows(path: Path, rows: list) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -237,8 +235,8 @@ def _write_rows(path: Path, rows: list) -> None:
 def _eval_cli(*args: str):
     import subprocess
 
-    return subprocess.run([sys.executable, str(REPO / "eval.py"), *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=120)
+    return subprocess.run([sys.executable, str(ROOT / "eval.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
 
 
 def test_eval_cli_refuses_a_repeated_id(tmp_path):
@@ -325,7 +323,7 @@ def test_longbench_eval_sh_joins_source_path_and_uses_public_harness_settings(tm
                          "H2O": "--window_sizes 8", "StreamingLLM": "", "l2norm": "", "FullKV": ""}
     for method, settings in expected_settings.items():
         log.unlink(missing_ok=True)
-        subprocess.run(["bash", str(REPO / "scripts/scripts_longBench/eval.sh"), "", method, "128", "sdpa",
+        subprocess.run(["bash", str(ROOT / "scripts/scripts_longBench/eval.sh"), "", method, "128", "sdpa",
                         f"{source}{source_suffix}", "some-model", "--datasets", "trec"],
                        check=True, env=env, cwd=tmp_path, timeout=60)
         run_call, eval_call = log.read_text().splitlines()
@@ -342,12 +340,12 @@ def test_ruler_and_needle_eval_sh_use_public_harness_settings(tmp_path):
 
     fake, log = _fake_python(tmp_path)
     env = {**os.environ, "PYTHON": str(fake)}
-    subprocess.run(["bash", str(REPO / "scripts/scripts_ruler/eval.sh"), "", "snapkv", "128", "sdpa",
+    subprocess.run(["bash", str(ROOT / "scripts/scripts_ruler/eval.sh"), "", "snapkv", "128", "sdpa",
                     str(tmp_path / "src"), "m"], check=True, env=env, cwd=tmp_path, timeout=60)
     call = log.read_text().splitlines()[-1]
     assert f"--save_dir {tmp_path}/src/results_ruler" in call
     assert "--window_sizes 8 --kernel_sizes 7 --pooling max" in call
-    subprocess.run(["bash", str(REPO / "scripts/scripts_needle/eval.sh"), "", "h2o", "128", "sdpa", "m"],
+    subprocess.run(["bash", str(ROOT / "scripts/scripts_needle/eval.sh"), "", "h2o", "128", "sdpa", "m"],
                    check=True, env=env, cwd=tmp_path, timeout=60)
     assert all("--window_sizes 8 " in c and "--kernel_sizes" not in c for c in log.read_text().splitlines()[1:3])
 
@@ -356,5 +354,5 @@ def test_default_results_folders_are_git_ignored():
     import subprocess
 
     for folder in ("results_long_bench", "results_ruler", "results"):
-        done = subprocess.run(["git", "check-ignore", "-q", f"{folder}/x/y.jsonl"], cwd=REPO, timeout=30)
+        done = subprocess.run(["git", "check-ignore", "-q", f"{folder}/x/y.jsonl"], cwd=ROOT, timeout=30)
         assert done.returncode == 0, f"{folder}/ is not git-ignored"

@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.helpers import load_script
 
 from pyramidkv.viz import needle as visualize  # the module scripts/scripts_needle/visualize.py runs
+from tests.helpers import ROOT, load_script
 
-ROOT = Path(__file__).resolve().parents[1]
 SCORE_KEYS = {"rouge1_f", "recall", "harness_rouge1_x10", "harness_word_recall"}
 ROW_KEYS = {"key", "context_length", "depth_percent", "pred", "prompt_tokens", "kv_bytes", *SCORE_KEYS}
 

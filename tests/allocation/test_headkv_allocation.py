@@ -14,10 +14,10 @@ import torch
 from pyramidkv import compress, load_model, make_method
 from pyramidkv.allocation import ModelShape
 from tests import reference as ref
-from tests.test_allocation import largest_remainder
-from tests.helpers import prefill
+from tests.allocation.test_allocation import largest_remainder
+from tests.helpers import ROOT, prefill
 
-PACKAGED = Path(__file__).resolve().parents[1] / "pyramidkv/allocation/data/head_scores/smollm2-135m_reasoning.json"
+PACKAGED = ROOT / "pyramidkv/allocation/data/head_scores/smollm2-135m_reasoning.json"
 
 
 def write_table(path: Path, scores: dict) -> str:

@@ -15,8 +15,7 @@ import torch
 
 from pyramidkv.benchmarks.head_scoring import reasoning_step_scores, retrieval_step_scores
 from pyramidkv.allocation.head_tables import check_head_scores, default_head_scores_path, load_head_scores
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 
 def write(tmp_path, first_line: str, name="scores.json") -> Path:

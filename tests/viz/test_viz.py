@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import matplotlib
 
@@ -25,11 +24,10 @@ from pyramidkv import load_model, make_method  # noqa: E402
 from pyramidkv.viz import (  # noqa: E402
     describe_figure, plot_attention_map, plot_budget_maps, plot_kept_tokens, plot_needle_heatmap, plot_score_curve,
 )
-from tests.helpers import load_script, prefill  # noqa: E402
+from tests.helpers import ROOT, load_script, prefill  # noqa: E402
 from tests.prompts import passkey_prompt  # noqa: E402
 from tests.reference import assert_same_selection, pyramid_counts, snapkv_scores_reduce_then_pool  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 PASS_KEY = 73691
 PROMPT = passkey_prompt(PASS_KEY, 12)

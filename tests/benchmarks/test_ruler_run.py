@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from pyramidkv.benchmarks.ruler.run import main
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 
 def _args(model_dir, save_dir, *extra, method=("--method", "snapkv", "--max_capacity_prompts", "64")):
@@ -75,11 +74,11 @@ def test_end_to_end_outputs_and_rescore(tiny_model_dir, tmp_path, monkeypatch):
 
 def test_resume_after_kill_9(tiny_model_dir, tmp_path):
     num = 16
-    cmd = [sys.executable, str(REPO / "run_ruler.py"),
+    cmd = [sys.executable, str(ROOT / "run_ruler.py"),
            *_args(tiny_model_dir, tmp_path, "--tasks", "niah_single_1", "--context_lengths", "512",
                   "--num_samples", str(num))]
     out = tmp_path / f"{Path(tiny_model_dir).name}_64" / "snapkv" / "niah_single_1_512.jsonl"
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:
@@ -98,7 +97,7 @@ def test_resume_after_kill_9(tiny_model_dir, tmp_path):
     # As if the kill had landed mid-write: a torn last line.
     with open(out, "ab") as f:
         f.write(b'{"index": 7, "pred": "tor')
-    rerun = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     rows = _lines(out)                                       # every line parses
     indices = [r["index"] for r in rows]
@@ -139,7 +138,7 @@ def test_eval_sh(tiny_model_dir, tmp_path):
     source = f"{tmp_path}/"
     env = {**os.environ, "PYTHON": sys.executable}
     done = subprocess.run(
-        ["bash", str(REPO / "scripts" / "scripts_ruler" / "eval.sh"), "0", "fullkv", "128", "sdpa", source,
+        ["bash", str(ROOT / "scripts" / "scripts_ruler" / "eval.sh"), "0", "fullkv", "128", "sdpa", source,
          tiny_model_dir, "--tasks", "niah_single_1", "--context_lengths", "512", "--num_samples", "1",
          "--num_threads", "1"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -147,7 +146,7 @@ def test_eval_sh(tiny_model_dir, tmp_path):
     assert "fullkv keeps every token" in done.stderr
     result = tmp_path / "results_ruler" / f"{Path(tiny_model_dir).name}_full" / "fullkv" / "results.json"
     assert json.loads(result.read_text())["scores"].keys() == {"niah_single_1@512"}
-    usage = subprocess.run(["bash", str(REPO / "scripts" / "scripts_ruler" / "eval.sh"), "0"],
+    usage = subprocess.run(["bash", str(ROOT / "scripts" / "scripts_ruler" / "eval.sh"), "0"],
                            capture_output=True, text=True)
     assert usage.returncode == 2 and "usage" in usage.stderr
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from pathlib import Path
-
 import pytest
 
 from pyramidkv.benchmarks.ruler.generate import PromptFormatter, generate_rows, generate_sample
 from pyramidkv.benchmarks.ruler.tasks import OFFLINE_TASKS, TASKS, make_builder
+from tests.helpers import ROOT
 
 # --- official text (RULER scripts/data/synthetic/constants.py, niah.py, variable_tracking.py) -------------
 NIAH_TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize "
@@ -308,7 +307,7 @@ def test_item10_system_prompt_option(tokenizer):
 
 
 def test_item11_docs_list_the_deliberate_differences():
-    text = (Path(__file__).resolve().parents[1] / "docs" / "ruler.md").read_text()
+    text = (ROOT / "docs" / "ruler.md").read_text()
     section = text[text.index("## Differences from the official RULER"):]
     for point in ("unique", "word lists", "1418-2048", "sentence", "assigned", "system", "example"):
         assert point in section, point

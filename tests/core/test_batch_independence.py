@@ -1,0 +1,223 @@
+"""Every prompt of a batch is computed alone: a left-padded batch of 3 prompts of different lengths
+gives each prompt the greedy tokens, kept positions (every layer and head), held positions and stored
+bytes it gets when run by itself. The model is a 4-layer random Llama with SmolLM2's tokenizer
+(conftest.py's random_llama): the property holds whatever the weights, and a case takes a fraction of a
+second instead of seven on SmolLM2.
+
+The matrix is scorer x head allocation x layer allocation x merge rule x quantizer x decode budget x key
+channels (ThinK) x sinks and random share (NACL) x Quest pages x cross-layer merging (MiniCache) x sparse
+prefill (MInference). Its combinations are covered pairwise: every pair of values of two axes that some
+valid combination has appears in at least one case of CASES (42 cases; combinations refused at build time,
+such as headkv with a pyramid, are not cases). CASES is a table, so that collecting this file costs
+nothing; test_the_cases_cover_every_pair builds all 86,400 combinations to check it, and
+`python -m tests.core.test_batch_independence` prints a new table when the refusals change. Logits may
+differ in the last bits (the model's own batched matmuls round differently), so tokens, not logits, are
+compared.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import typing
+
+import pytest
+
+from pyramidkv import make_method
+from tests.engine_snapshot import record
+
+AXES = {
+    "scorer": ["streamingllm", "h2o", "snapkv", "l2norm", "nacl", "scissorhands"],
+    "head_allocation": ["uniform", "adakv", "headkv"],
+    "layer_allocation": ["uniform", "pyramid", "zigzag"],
+    "merge": [None, "pivot", "weighted", "mergingpress", "cam"],
+    "quant": [None, "kivi", "kvquant", "kvquant-nuq", "gear"],
+    "decode": [None, 40],
+    "key_channels": [0.0, 0.4],
+    "sinks_and_random": [False, True],
+    "pages": [None, 32],
+    "cross_layer": [False, True],
+    "prefill": [None, "minference"],
+}
+# Small groups so that quantization happens at prefill and while decoding on these short prompts.
+QUANTIZERS = {
+    "kivi": dict(quant_method="kivi", nbits=2, group_size=8, residual_length=8),
+    "kvquant": dict(quant_method="kvquant", group_size=8),
+    "kvquant-nuq": dict(quant_method="kvquant", group_size=8, datatype="nuq"),
+    "gear": dict(quant_method="gear", group_size=8, residual_length=8, rank=2, decode_rank=1),
+}
+NEW_TOKENS = 10
+
+
+def build(case: dict, tables: dict):
+    """The case's method; `tables`: the random Llama's HeadKV and MInference tables (conftest.py)."""
+    settings = {"budget": 64, "head_allocation": case["head_allocation"], "layer_allocation": case["layer_allocation"]}
+    if case["head_allocation"] == "headkv":
+        settings["head_scores"] = tables["head_scores"]
+    if case["scorer"] in ("h2o", "snapkv", "nacl", "scissorhands"):
+        settings["window_size"] = 16
+    if case["key_channels"]:
+        settings.update(key_channel_ratio=case["key_channels"], key_recent_size=8)
+    if case["sinks_and_random"]:
+        settings.update(num_sinks=2, random_fraction=0.3, random_seed=5)
+    if case["merge"] is not None:
+        settings["merge"] = case["merge"]
+    if case["quant"] is not None:
+        settings.update(QUANTIZERS[case["quant"]])
+    if case["decode"] is not None:
+        settings.update(decode_budget=case["decode"], decode_interval=8)
+    if case["pages"] is not None:
+        settings.update(page_budget=case["pages"], page_size=8)
+    if case["cross_layer"]:
+        settings.update(cross_layer_merge=True, cross_layer_start=2)
+    if case["prefill"] is not None:
+        settings.update(prefill_attention=case["prefill"], pattern_table=tables["pattern_table"])
+    return make_method(case["scorer"], **settings)
+
+
+def valid(case: dict, tables: dict) -> bool:
+    try:
+        build(case, tables)
+    except ValueError:
+        return False
+    return True
+
+
+def every_combination() -> list[dict]:
+    return [dict(zip(AXES, values)) for values in itertools.product(*AXES.values())]
+
+
+def pairs(case: dict) -> set:
+    return {((a, case[a]), (b, case[b])) for a, b in itertools.combinations(AXES, 2)}
+
+
+def pairwise_cases(tables: dict) -> list[dict]:
+    """A small set of valid combinations covering every pair of axis values that a valid combination has
+    (greedy: each step takes the combination covering the most pairs not yet covered)."""
+    combos = [c for c in every_combination() if valid(c, tables)]
+    uncovered = set().union(*(pairs(c) for c in combos))
+    chosen = []
+    while uncovered:
+        best = max(combos, key=lambda c: len(pairs(c) & uncovered))
+        chosen.append(best)
+        uncovered -= pairs(best)
+    return chosen
+
+
+def cached_type_hints():
+    """typing.get_type_hints with a cache. Every construction of a method or unit checks its settings
+    against the type hints of its class, re-read each time (about 1 ms per make_method, 90 s for the
+    86,400 combinations); a class's hints never change, so the cache changes no decision, only the time."""
+    return functools.cache(typing.get_type_hints)
+
+
+# pairwise_cases() as of the merge of issue 18, in the order of AXES.
+CASES = [dict(zip(AXES, row)) for row in [
+    ('streamingllm', 'uniform', 'uniform', None, None, None, 0.0, False, None, False, None),
+    ('h2o', 'adakv', 'pyramid', 'pivot', 'kivi', None, 0.4, True, None, False, 'minference'),
+    ('snapkv', 'uniform', 'zigzag', 'weighted', None, 40, 0.0, True, 32, False, 'minference'),
+    ('l2norm', 'headkv', 'uniform', 'mergingpress', 'gear', None, 0.4, False, None, False, 'minference'),
+    ('nacl', 'adakv', 'pyramid', 'cam', None, 40, 0.0, False, 32, False, None),
+    ('snapkv', 'headkv', 'uniform', 'cam', 'kvquant', None, 0.0, True, None, False, None),
+    ('h2o', 'adakv', 'zigzag', 'weighted', 'kvquant-nuq', None, 0.0, False, None, False, None),
+    ('l2norm', 'uniform', 'uniform', 'pivot', None, None, 0.0, False, None, True, None),
+    ('nacl', 'uniform', 'zigzag', None, 'gear', None, 0.4, True, None, False, None),
+    ('scissorhands', 'uniform', 'pyramid', 'mergingpress', None, 40, 0.0, True, None, False, None),
+    ('streamingllm', 'headkv', 'uniform', None, None, 40, 0.0, True, 32, False, 'minference'),
+    ('nacl', 'headkv', 'uniform', 'weighted', 'kivi', None, 0.0, False, None, False, None),
+    ('streamingllm', 'adakv', 'zigzag', 'mergingpress', 'kvquant', None, 0.0, False, None, False, 'minference'),
+    ('l2norm', 'adakv', 'pyramid', None, 'kvquant-nuq', None, 0.0, True, None, False, 'minference'),
+    ('h2o', 'uniform', 'uniform', 'cam', None, None, 0.0, True, None, True, 'minference'),
+    ('snapkv', 'adakv', 'pyramid', 'weighted', 'gear', None, 0.4, False, None, False, None),
+    ('nacl', 'headkv', 'uniform', 'pivot', 'kvquant-nuq', None, 0.0, False, None, False, 'minference'),
+    ('streamingllm', 'uniform', 'zigzag', 'pivot', 'kivi', None, 0.4, False, None, False, None),
+    ('scissorhands', 'adakv', 'uniform', 'pivot', None, 40, 0.0, False, None, False, None),
+    ('streamingllm', 'uniform', 'pyramid', 'weighted', 'kvquant', None, 0.0, False, None, False, None),
+    ('h2o', 'headkv', 'uniform', 'mergingpress', None, None, 0.0, False, 32, False, None),
+    ('h2o', 'uniform', 'zigzag', 'cam', 'gear', None, 0.0, False, None, False, None),
+    ('snapkv', 'uniform', 'uniform', 'mergingpress', 'kvquant-nuq', None, 0.0, False, None, False, None),
+    ('snapkv', 'adakv', 'uniform', None, None, None, 0.0, False, None, True, None),
+    ('l2norm', 'uniform', 'zigzag', 'pivot', None, 40, 0.0, False, 32, False, None),
+    ('h2o', 'uniform', 'uniform', None, 'kvquant', None, 0.0, False, None, False, None),
+    ('snapkv', 'uniform', 'uniform', 'cam', 'kivi', None, 0.4, False, None, False, None),
+    ('nacl', 'uniform', 'uniform', 'mergingpress', None, None, 0.0, False, None, True, None),
+    ('streamingllm', 'uniform', 'uniform', 'pivot', 'gear', None, 0.0, False, None, False, None),
+    ('streamingllm', 'uniform', 'uniform', 'weighted', None, None, 0.0, False, None, True, None),
+    ('snapkv', 'uniform', 'uniform', 'pivot', None, None, 0.4, False, None, False, None),
+    ('l2norm', 'uniform', 'uniform', None, 'kivi', None, 0.0, False, None, False, None),
+    ('l2norm', 'uniform', 'uniform', 'pivot', 'kvquant', None, 0.0, False, None, False, None),
+    ('scissorhands', 'uniform', 'zigzag', None, None, 40, 0.0, False, None, False, None),
+    ('scissorhands', 'headkv', 'uniform', 'weighted', None, 40, 0.0, False, None, False, None),
+    ('streamingllm', 'uniform', 'uniform', None, 'kvquant-nuq', None, 0.0, False, None, False, None),
+    ('streamingllm', 'uniform', 'uniform', 'mergingpress', 'kivi', None, 0.0, False, None, False, None),
+    ('h2o', 'uniform', 'uniform', None, None, 40, 0.0, False, None, False, None),
+    ('h2o', 'uniform', 'uniform', 'cam', 'kvquant-nuq', None, 0.0, False, None, False, None),
+    ('l2norm', 'uniform', 'uniform', 'weighted', None, None, 0.0, False, None, False, None),
+    ('nacl', 'uniform', 'uniform', None, 'kvquant', None, 0.0, False, None, False, None),
+    ('scissorhands', 'uniform', 'uniform', 'cam', None, 40, 0.0, False, None, False, None),
+]]
+
+
+def label(case: dict) -> str:
+    return "-".join(f"{v}" for v in case.values())
+
+
+@pytest.fixture(scope="module")
+def three_prompts(random_llama):
+    """Three chat prompts of about 200, 130 and 60 tokens (the last one shorter than the budget)."""
+    _, tokenizer, _ = random_llama
+    text = ("A lighthouse keeper logged every passing ship in a ledger with a green cover. The ledger noted the "
+            "weather, the ship's flag and the hour. ")
+
+    def chat(body: str) -> list[int]:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": body}], tokenize=False,
+                                                 add_generation_prompt=True)
+        return tokenizer(rendered, add_special_tokens=False).input_ids
+
+    return [chat(text * 5 + "The secret harbour is Vardo. " + text * 2 + "Which harbour is secret?"),
+            chat(text * 3 + "The secret harbour is Tromso. Which harbour is secret?"),
+            chat("The secret harbour is Bodo. Which harbour is secret?")]
+
+
+def test_the_cases_cover_every_pair(random_llama, monkeypatch):
+    tables = random_llama[2]
+    monkeypatch.setattr(typing, "get_type_hints", cached_type_hints())
+    for case in CASES:
+        build(case, tables)
+    valid_pairs = set().union(*(pairs(c) for c in every_combination() if valid(c, tables)))
+    missing = valid_pairs - set().union(*(pairs(c) for c in CASES))
+    assert not missing, (f"{len(missing)} pairs of a valid combination are in no case, e.g. "
+                         f"{sorted(missing, key=str)[:3]}; print a new table: python -m tests.core.test_batch_independence")
+    for axis, values in AXES.items():
+        assert {c[axis] for c in CASES} == set(values), axis
+
+
+@pytest.mark.parametrize("case", CASES, ids=[label(c) for c in CASES])
+def test_batch_of_three_equals_each_prompt_alone(random_llama, three_prompts, case):
+    model, tokenizer, tables = random_llama
+    method = build(case, tables)
+    batch = record(model, tokenizer, method, three_prompts, NEW_TOKENS)
+    for b, prompt in enumerate(three_prompts):
+        alone = record(model, tokenizer, method, [prompt], NEW_TOKENS)
+        assert batch["tokens"][b] == alone["tokens"][0], f"prompt {b}: predictions differ"
+        for layer, (in_batch, by_itself) in enumerate(zip(batch["prefill"]["layers"], alone["prefill"]["layers"])):
+            assert in_batch[b]["positions"] == by_itself[0]["positions"], f"prompt {b}, layer {layer}: kept sets"
+            assert in_batch[b]["counts"] == by_itself[0]["counts"]
+        assert [held[b] for held in batch["held_positions"]] == [held[0] for held in alone["held_positions"]]
+        assert batch["prefill"]["kv_bytes"][b] == alone["prefill"]["kv_bytes"][0]
+        assert batch["kv_bytes_after"][b] == alone["kv_bytes_after"][0]
+        if "kv_bytes_breakdown" in alone:
+            assert batch["kv_bytes_breakdown"][b] == alone["kv_bytes_breakdown"][0]
+
+
+if __name__ == "__main__":
+    import tempfile
+    from pathlib import Path
+
+    typing.get_type_hints = cached_type_hints()
+    with tempfile.TemporaryDirectory() as folder:  # building only checks that the tables are files
+        tables = {"head_scores": str(Path(folder) / "head_scores.json"), "pattern_table": str(Path(folder) / "p.json")}
+        for path in tables.values():
+            Path(path).write_text("{}")
+        for case in pairwise_cases(tables):
+            print(f"    {tuple(case.values())!r},")
