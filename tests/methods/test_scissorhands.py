@@ -75,10 +75,10 @@ def test_held_tokens_follow_a_float64_simulation_step_by_step(smollm2, monkeypat
     seen = {layer: [] for layer in layers}  # the (queries, keys) the model handed the cache, float64
     real_prefill, real_step = CompressedCache.prefill, CompressedCache.decode_step
 
-    def spy_prefill(self, layer, queries, keys, values, position_ids=None):
+    def spy_prefill(self, layer, queries, keys, values, *rest):
         if layer in seen:
             seen[layer].append((queries[0].double().numpy(), keys[0].double().numpy()))
-        return real_prefill(self, layer, queries, keys, values, position_ids)
+        return real_prefill(self, layer, queries, keys, values, *rest)
 
     def spy_step(self, layer, queries, keys, values, position_ids=None):
         if layer in seen:

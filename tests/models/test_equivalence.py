@@ -52,22 +52,24 @@ def test_fullkv_logits_equal_unpatched(models, attn, model_class):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
 
 
-# Settings that make a method lossless once the token budget covers the prompt: ThinK's channel axis
+# The settings that make a method lossless once its token budget covers the prompt: ThinK's channel axis
 # prunes keys at any token budget (tested in test_think.py), so here it is off; Scissorhands only
-# compresses while decoding, and a decode budget above prompt + new tokens never triggers.
-LOSSLESS_EXTRA = {"think": lambda budget: {"key_channel_ratio": 0.0},
-                  "scissorhands": lambda budget: {"decode_budget": budget + 50}}
+# compresses while decoding, and a decode budget above prompt + new tokens never triggers; Quest's budget
+# counts the tokens of the pages it reads per step, so it must cover the prompt, the 20 new tokens and a
+# partial page. Methods without a budget (fullkv, minicache, minference) have their own exactness tests.
+LOSSLESS = {"think": lambda budget: {"budget": budget, "key_channel_ratio": 0.0},
+            "scissorhands": lambda budget: {"budget": budget, "decode_budget": budget + 50},
+            "quest": lambda budget: {"budget": budget + 20 + 16}}
 
 
-@pytest.mark.parametrize("name", [m for m in METHODS if m != "fullkv"])
+@pytest.mark.parametrize("name", [m for m, cls in METHODS.items() if cls.needs_budget])
 def test_budget_at_least_prompt_generates_like_full_cache(models, name):
     model, tokenizer = models("sdpa")
     ids = tokenizer(STORY, add_special_tokens=False).input_ids
     full = generate(model, tokenizer, [ids], make_method("fullkv"), 20, min_new_tokens=20)[0]
-    extra = LOSSLESS_EXTRA.get(name, lambda budget: {})
+    settings = LOSSLESS.get(name, lambda budget: {"budget": budget})
     for budget in (len(ids), len(ids) + 50):
-        got = generate(model, tokenizer, [ids], make_method(name, budget=budget, **extra(budget)), 20,
-                       min_new_tokens=20)[0]
+        got = generate(model, tokenizer, [ids], make_method(name, **settings(budget)), 20, min_new_tokens=20)[0]
         assert got.new_tokens == 20
         assert got.text == full.text, (name, budget)
 
