@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import time
 from dataclasses import dataclass
@@ -171,7 +172,8 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
                 benchmark.check_resume(out_dir / sample_file.file_name, sample_file)
         fingerprint = run_fingerprint(args, method, model_check, benchmark.fingerprint_extra(args, tokenizer))
         lock = open_run_folder(out_dir, fingerprint, args.overwrite,
-                               {action.dest: action.default for action in parser._actions})
+                               {action.dest: action.default for action in parser._actions},
+                               [f.name for f in dataclasses.fields(method) if getattr(method, f.name) == f.default])
     except INPUT_ERRORS as e:
         fail(parser, e)
 

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 # Arguments that cannot change a prediction, so a resumed run may differ in them. Everything else
 # a runner's parser defines (including flags added later) is part of the fingerprint.
@@ -197,19 +197,26 @@ def generation_fingerprint(args: dict, method, model_files: dict, resolved: dict
     return json.loads(json.dumps(fingerprint, default=str))   # the form it has once read back from disk
 
 
-def fingerprint_differences(old: dict, new: dict, argument_defaults: Optional[dict] = None) -> list[str]:
+def fingerprint_differences(old: dict, new: dict, argument_defaults: Optional[dict] = None,
+                            method_at_default: Iterable[str] = ()) -> list[str]:
     """Readable 'setting: old -> new' lines for each differing leaf (one level into each section).
 
     An argument the stored fingerprint lacks (a flag added since) counts as equal when the new run leaves it
-    at its default (`argument_defaults`); the method flags older fingerprints listed among the arguments are
-    compared through the method section instead (LEGACY_METHOD_ARGS)."""
+    at its default (`argument_defaults`), and one only the stored fingerprint has counts as equal when it was
+    not given (None: a flag since removed or folded into the method section); the method flags older
+    fingerprints listed among the arguments are compared through the method section instead
+    (LEGACY_METHOD_ARGS). A method setting the stored description lacks (a setting added since, whose
+    default changes nothing) counts as equal when the new run leaves it at its default (`method_at_default`)."""
     defaults = json.loads(json.dumps(argument_defaults or {}, default=str))
+    at_default = set(method_at_default)
     lines = []
     for section in sorted(set(old) | set(new)):
         a, b = old.get(section), new.get(section)
         if section == "arguments" and isinstance(a, dict) and isinstance(b, dict):
-            a = {k: v for k, v in a.items() if k not in LEGACY_METHOD_ARGS or k in b}
+            a = {k: v for k, v in a.items() if (k not in LEGACY_METHOD_ARGS or k in b) and (k in b or v is not None)}
             a.update({k: defaults[k] for k in b if k not in a and k in defaults and b[k] == defaults[k]})
+        if section == "method" and isinstance(a, dict) and isinstance(b, dict):
+            a = {**{k: b[k] for k in b if k not in a and k in at_default}, **a}
         if isinstance(a, dict) and isinstance(b, dict):
             for key in sorted(set(a) | set(b)):
                 if a.get(key, "<unset>") != b.get(key, "<unset>"):
@@ -225,7 +232,7 @@ def _result_files(folder: Path) -> list[Path]:
 
 
 def open_run_folder(folder: Path, fingerprint: dict, overwrite: bool = False,
-                    argument_defaults: Optional[dict] = None) -> RunLock:
+                    argument_defaults: Optional[dict] = None, method_at_default: Iterable[str] = ()) -> RunLock:
     """Create and lock the run folder; check that its results came from `fingerprint` (or clear them
     with `overwrite`). Returns the held lock. On refusal nothing is left behind: the lock is
     released and folders this call created are removed again."""
@@ -251,7 +258,7 @@ def open_run_folder(folder: Path, fingerprint: dict, overwrite: bool = False,
                     f"{folder} holds results ({results[0].name}, ...) but no configuration fingerprint in "
                     f"{RUN_META} (written by an older version or by hand), so resuming could mix "
                     f"configurations; rerun with --overwrite or use another --save_dir")
-            diffs = fingerprint_differences(stored, fingerprint, argument_defaults)
+            diffs = fingerprint_differences(stored, fingerprint, argument_defaults, method_at_default)
             if diffs:
                 raise RunFolderError(
                     f"{folder} holds results of another configuration ({'; '.join(diffs)}); rerun with "

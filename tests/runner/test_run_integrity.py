@@ -337,3 +337,21 @@ def test_binary_or_non_utf8_haystack_is_refused(content, message, tiny_model_dir
 def test_every_runner_has_num_threads_and_overwrite(script):
     out = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and "--num_threads" in out.stdout and "--overwrite" in out.stdout
+
+
+def test_a_fingerprint_from_before_new_settings_matches_when_they_stay_at_their_defaults():
+    """A folder written before settings were added resumes while the new run leaves them at their defaults
+    (checked by hand on results made by the previous command line); a changed one is still a difference."""
+    from pyramidkv.runner.run_folder import fingerprint_differences
+
+    stored = {"method": {"method": "think", "budget": 128, "key_channel_ratio": 0.4},
+              "arguments": {"context_lengths": [2048], "history_window": None}}
+    new = {"method": {"method": "think", "budget": 128, "key_channel_ratio": 0.4, "page_budget": None,
+                      "page_size": 16},
+           "arguments": {"context_lengths": [2048]}}
+    assert fingerprint_differences(stored, new, {}, ["page_budget", "page_size"]) == []
+    # The new setting away from its default, or a removed flag that was given, differ.
+    assert fingerprint_differences(stored, new, {}, ["page_budget"]) == ["method.page_size: '<unset>' -> 16"]
+    stored["arguments"]["history_window"] = 64
+    assert fingerprint_differences(stored, new, {}, ["page_budget", "page_size"]) == [
+        "arguments.history_window: 64 -> '<unset>'"]
