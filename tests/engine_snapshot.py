@@ -164,6 +164,26 @@ def record(model, tokenizer, method, token_lists: list[list[int]], new_tokens: i
     return result
 
 
+def assert_batch_equals_alone(model, tokenizer, method, token_lists: list[list[int]], new_tokens: int) -> list[dict]:
+    """A left-padded batch gives each prompt the predictions, kept sets, held tokens and bytes it gets alone.
+    Returns the single-prompt records (for checks of their own)."""
+    batch = record(model, tokenizer, method, token_lists, new_tokens)
+    alones = []
+    for b, prompt in enumerate(token_lists):
+        alone = record(model, tokenizer, method, [prompt], new_tokens)
+        assert batch["tokens"][b] == alone["tokens"][0], f"prompt {b}: predictions differ"
+        for layer, (in_batch, by_itself) in enumerate(zip(batch["prefill"]["layers"], alone["prefill"]["layers"])):
+            assert in_batch[b]["positions"] == by_itself[0]["positions"], f"prompt {b}, layer {layer}: kept sets"
+            assert in_batch[b]["counts"] == by_itself[0]["counts"]
+        assert [held[b] for held in batch["held_positions"]] == [held[0] for held in alone["held_positions"]]
+        assert batch["prefill"]["kv_bytes"][b] == alone["prefill"]["kv_bytes"][0]
+        assert batch["kv_bytes_after"][b] == alone["kv_bytes_after"][0]
+        if "kv_bytes_breakdown" in alone:
+            assert batch["kv_bytes_breakdown"][b] == alone["kv_bytes_breakdown"][0]
+        alones.append(alone)
+    return alones
+
+
 def platform_key() -> str:
     """Where bitwise float equality can be expected: same torch build and CPU kernel capability."""
     return f"{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}|{platform.machine()}"

@@ -24,7 +24,7 @@ import typing
 import pytest
 
 from pyramidkv import make_method
-from tests.engine_snapshot import record
+from tests.engine_snapshot import assert_batch_equals_alone
 
 AXES = {
     "scorer": ["streamingllm", "h2o", "snapkv", "l2norm", "nacl", "scissorhands"],
@@ -196,18 +196,7 @@ def test_the_cases_cover_every_pair(random_llama, monkeypatch):
 def test_batch_of_three_equals_each_prompt_alone(random_llama, three_prompts, case):
     model, tokenizer, tables = random_llama
     method = build(case, tables)
-    batch = record(model, tokenizer, method, three_prompts, NEW_TOKENS)
-    for b, prompt in enumerate(three_prompts):
-        alone = record(model, tokenizer, method, [prompt], NEW_TOKENS)
-        assert batch["tokens"][b] == alone["tokens"][0], f"prompt {b}: predictions differ"
-        for layer, (in_batch, by_itself) in enumerate(zip(batch["prefill"]["layers"], alone["prefill"]["layers"])):
-            assert in_batch[b]["positions"] == by_itself[0]["positions"], f"prompt {b}, layer {layer}: kept sets"
-            assert in_batch[b]["counts"] == by_itself[0]["counts"]
-        assert [held[b] for held in batch["held_positions"]] == [held[0] for held in alone["held_positions"]]
-        assert batch["prefill"]["kv_bytes"][b] == alone["prefill"]["kv_bytes"][0]
-        assert batch["kv_bytes_after"][b] == alone["kv_bytes_after"][0]
-        if "kv_bytes_breakdown" in alone:
-            assert batch["kv_bytes_breakdown"][b] == alone["kv_bytes_breakdown"][0]
+    assert_batch_equals_alone(model, tokenizer, method, three_prompts, NEW_TOKENS)
 
 
 if __name__ == "__main__":

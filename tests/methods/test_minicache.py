@@ -18,7 +18,7 @@ from pyramidkv.core.cross_layer import layer_pairs, merge_pair, retained_tokens
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.merged_pair import MergedPair, PairedLayerStore
 from pyramidkv.models.patch import model_shape
-from tests.engine_snapshot import record
+from tests.engine_snapshot import assert_batch_equals_alone, record
 from tests.helpers import prefill
 from tests.prompts import STORY, passkey_prompt
 from tests.reference import assert_same_selection, minicache_restore, snapkv_scores_reduce_then_pool
@@ -193,14 +193,7 @@ def test_batch_of_three_equals_single_runs(random_llama, name, settings):
     prompts = [tokenizer(p, add_special_tokens=False).input_ids
                for p in (passkey_prompt(52817, 12), STORY, "<|im_start|>user\nName a colour.<|im_end|>\n")]
     method = make_method(name, cross_layer_start=2, **settings)  # layers 2-3 of 4 merged
-    batch = record(model, tokenizer, method, prompts, 10)
-    for b, prompt in enumerate(prompts):
-        alone = record(model, tokenizer, method, [prompt], 10)
-        assert batch["tokens"][b] == alone["tokens"][0]
-        assert [layer[b]["positions"] for layer in batch["prefill"]["layers"]] == \
-            [layer[0]["positions"] for layer in alone["prefill"]["layers"]]
-        assert batch["prefill"]["kv_bytes"][b] == alone["prefill"]["kv_bytes"][0]
-        assert batch["kv_bytes_after"][b] == alone["kv_bytes_after"][0]
+    assert_batch_equals_alone(model, tokenizer, method, prompts, 10)
 
 
 @pytest.mark.parametrize("settings,message", [

@@ -13,7 +13,7 @@ import torch
 
 from pyramidkv import make_method
 from pyramidkv.core.selection import sample_without_replacement
-from tests.engine_snapshot import record
+from tests.engine_snapshot import assert_batch_equals_alone
 from tests.helpers import prefill
 from tests.prompts import STORY
 from tests.reference import top_positions
@@ -122,12 +122,7 @@ def test_a_batch_of_three_equals_single_runs(smollm2, tokenizer):
     prompts = [tokenizer(STORY * 2, add_special_tokens=False).input_ids, tokenizer(STORY, add_special_tokens=False).input_ids,
                tokenizer(STORY[:250], add_special_tokens=False).input_ids]
     method = nacl()
-    batch = record(model, tokenizer, method, prompts, 6)
-    for b, prompt in enumerate(prompts):
-        alone = record(model, tokenizer, method, [prompt], 6)
-        assert batch["tokens"][b] == alone["tokens"][0]
-        assert [layer[b]["positions"] for layer in batch["prefill"]["layers"]] == \
-            [layer[0]["positions"] for layer in alone["prefill"]["layers"]]
+    assert_batch_equals_alone(model, tokenizer, method, prompts, 6)
 
 
 @pytest.mark.parametrize("settings, message", [

@@ -15,7 +15,7 @@ from pyramidkv import make_method
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.paged import PagedStore
 from pyramidkv.core.pages import PageSettings, PageTable, choose_pages, pages_to_attend
-from tests.engine_snapshot import record
+from tests.engine_snapshot import assert_batch_equals_alone, record
 from tests.prompts import STORY, passkey_prompt
 from tests.reference import quest_attention, quest_criticality, quest_page_bounds, quest_pages
 
@@ -191,13 +191,7 @@ def test_composed_with_snapkv_a_batch_of_three_equals_single_runs(random_llama):
     prompts = [tokenizer(p, add_special_tokens=False).input_ids
                for p in (passkey_prompt(52817, 16), STORY, "<|im_start|>user\nName a colour.<|im_end|>\n")]
     method = make_method("snapkv", budget=128, window_size=16, page_budget=48, page_size=8)
-    batch = record(model, tokenizer, method, prompts, 12)
-    for b, prompt in enumerate(prompts):
-        alone = record(model, tokenizer, method, [prompt], 12)
-        assert batch["tokens"][b] == alone["tokens"][0]
-        assert [layer[b]["positions"] for layer in batch["prefill"]["layers"]] == \
-            [layer[0]["positions"] for layer in alone["prefill"]["layers"]]
-        assert batch["kv_bytes_after"][b] == alone["kv_bytes_after"][0]
+    assert_batch_equals_alone(model, tokenizer, method, prompts, 12)
 
 
 def test_held_and_read_bytes(smollm2):

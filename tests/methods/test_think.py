@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from pyramidkv import compress, make_method
-from tests.engine_snapshot import record
+from tests.engine_snapshot import assert_batch_equals_alone, record
 from tests.helpers import prefill
 from tests.prompts import STORY
 from tests.reference import prompt_queries_and_keys
@@ -120,13 +120,8 @@ def test_composed_with_adakv_merging_and_kivi_a_batch_equals_single_runs(random_
                          group_size=8, residual_length=32)
     prompts = [story_ids(tokenizer)[0].tolist(), tokenizer(STORY, add_special_tokens=False).input_ids,
                tokenizer(STORY[:300], add_special_tokens=False).input_ids]
-    batch = record(model, tokenizer, method, prompts, 8)
-    for b, prompt in enumerate(prompts):
-        alone = record(model, tokenizer, method, [prompt], 8)
-        assert batch["tokens"][b] == alone["tokens"][0]
-        assert [layer[b]["positions"] for layer in batch["prefill"]["layers"]] == \
-            [layer[0]["positions"] for layer in alone["prefill"]["layers"]]
-        assert batch["kv_bytes_breakdown"][b] == alone["kv_bytes_breakdown"][0]
+    alones = assert_batch_equals_alone(model, tokenizer, method, prompts, 8)
+    for b, alone in enumerate(alones):
         assert alone["kv_bytes_breakdown"][0]["channels"] > 0 or b == 2
 
 

@@ -20,7 +20,7 @@ from pyramidkv.sparse_prefill.attention import minference_kernels, sparse_prefil
 from pyramidkv.sparse_prefill.base import HeadMasks, PrefillPattern
 from pyramidkv.sparse_prefill.indices import block_sparse_blocks, diagonal_blocks, vertical_slash_sets
 from pyramidkv.sparse_prefill.tables import load_pattern_table
-from tests.engine_snapshot import record
+from tests.engine_snapshot import assert_batch_equals_alone
 from tests.helpers import prefill
 from tests.prompts import STORY
 from tests.reference import (assert_same_selection, masked_causal_attention, minference_block_sparse,
@@ -222,12 +222,7 @@ def test_batch_of_three_equals_single_runs(smollm2, tmp_path):
     prompts = [tokenizer(p, add_special_tokens=False).input_ids for p in (STORY * 2, STORY, "<|im_start|>user\nHi")]
     method = make_method("snapkv", budget=96, window_size=16, prefill_attention="minference", pattern_table=table,
                          block_size=16, block_top_k=4)
-    batch = record(model, tokenizer, method, prompts, 8)
-    for b, prompt in enumerate(prompts):
-        alone = record(model, tokenizer, method, [prompt], 8)
-        assert batch["tokens"][b] == alone["tokens"][0]
-        assert [layer[b]["positions"] for layer in batch["prefill"]["layers"]] == \
-            [layer[0]["positions"] for layer in alone["prefill"]["layers"]]
+    assert_batch_equals_alone(model, tokenizer, method, prompts, 8)
 
 
 def test_the_packaged_table_fits_the_default_model(smollm2_path):
