@@ -9,7 +9,11 @@ Bitwise equality holds where the record was made: the same torch build and CPU k
 one thread.
 Elsewhere float rounding differs in the last bits, so there the tokens, bytes and float summaries are
 compared (summaries to 1e-3), and a kept position may differ only where rounding can flip a near-tie:
-at most 2% of the (layer, prompt) kept sets.
+at most 2% of the (layer, prompt) kept sets, or one set.
+
+H2O's prefill attention is, since the record, one chunked pass that also returns the column sums it
+scores by (tests/core/test_column_sums_pass.py): its output equals the model's sdpa kernel to float
+rounding, not bitwise, so H2O's configurations are compared as on another platform everywhere.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import torch
 from tests.engine_snapshot import CONFIGS, REFERENCE, platform_key, run_config
 
 FOREIGN_POSITION_SHARE = 0.02
+# Methods whose prefill output changed by rounding since the record was made (see above).
+ROUNDING_SINCE_RECORD = {"h2o"}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +54,7 @@ def test_engine_matches_the_record(smollm2, reference, name):
     model, tokenizer = smollm2
     expected = reference["configs"][name]
     got = run_config(model, tokenizer, name)
-    if reference["platform"] == platform_key():
+    if reference["platform"] == platform_key() and CONFIGS[name][0] not in ROUNDING_SINCE_RECORD:
         for key in expected:
             if got[key] != expected[key]:
                 where = [i for i, (a, b) in enumerate(zip(got[key], expected[key])) if a != b] \
@@ -64,7 +70,7 @@ def test_engine_matches_the_record(smollm2, reference, name):
     layers_got, layers_expected = got["prefill"]["layers"], expected["prefill"]["layers"]
     sets = [(a, b) for la, lb in zip(layers_got, layers_expected) for a, b in zip(la, lb)]
     moved = sum(a["positions"] != b["positions"] for a, b in sets)
-    assert moved <= FOREIGN_POSITION_SHARE * len(sets), f"{name}: {moved} of {len(sets)} kept sets differ"
+    assert moved <= max(1, FOREIGN_POSITION_SHARE * len(sets)), f"{name}: {moved} of {len(sets)} kept sets differ"
     for a, b in sets:
         if a["positions"] == b["positions"]:
             assert _close(a["keys_sum"], b["keys_sum"]) and _close(a["values_sum"], b["values_sum"])

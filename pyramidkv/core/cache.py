@@ -111,21 +111,39 @@ class CompressedCache(Cache):
     def is_prefilled(self, layer_idx: int) -> bool:
         return self.layers[layer_idx] is not None
 
-    @torch.no_grad()
-    def prefill(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                position_ids: Optional[torch.Tensor] = None, pattern=None) -> None:
-        """The prompt's queries [B, Hq, n, D], keys and values [B, Hkv, n, D] (after RoPE; position_ids
-        [B or 1, n] their RoPE positions), once the model's own attention over them has run; pattern: the
-        sparse prefill pattern that attention followed (None: dense), which the scorers' statistics follow."""
-        bsz, _, n, _ = keys.shape
+    def real_positions(self, n: int, device) -> torch.Tensor:
+        """[B, n] bool: False at each prompt's left padding."""
+        pads = torch.tensor(self.pad_lens or [0], device=device)
+        return torch.arange(n, device=device)[None, :] >= pads[:, None]
+
+    def needs_column_sums(self, bsz: int, n: int) -> bool:
+        """True: the prefill attention over a [bsz, n] prompt batch should also return its column sums
+        (the method scores a compressed prompt by them, or decoding starts accumulating from them)."""
+        if self.method.accumulates_attention and self.decoding is not None:
+            return True
+        return self._compressor(bsz, n).needs_column_sums()
+
+    def _compressor(self, bsz: int, n: int) -> PromptCompressor:
         if self.pad_lens is None:
             self.pad_lens = [0] * bsz
         if self.prompt is None:
             self.prompt = PromptCompressor(self.method, self.model_shape, self.pad_lens, n)
+        return self.prompt
+
+    @torch.no_grad()
+    def prefill(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                position_ids: Optional[torch.Tensor] = None, pattern=None,
+                column_sums: Optional[torch.Tensor] = None) -> None:
+        """The prompt's queries [B, Hq, n, D], keys and values [B, Hkv, n, D] (after RoPE; position_ids
+        [B or 1, n] their RoPE positions), once the model's own attention over them has run; pattern: the
+        sparse prefill pattern that attention followed (None: dense), which the scorers' statistics follow;
+        column_sums: [B, Hq, n], that attention's column sums where `needs_column_sums` asked for them."""
+        bsz, _, n, _ = keys.shape
         self.prompt_len = n
-        scored = self.prompt.score(layer_idx, queries, keys, values, pattern)
+        scored = self._compressor(bsz, n).score(layer_idx, queries, keys, values, pattern, column_sums)
         if self.decoding is not None:
-            self.decoding.observe_prefill(layer_idx, queries, keys, scored.raw_scores, self.pad_lens, pattern)
+            self.decoding.observe_prefill(layer_idx, queries, keys, scored.raw_scores, self.pad_lens, pattern,
+                                          column_sums)
         ready = self.prompt.keep(layer_idx, scored)
         for layer, kept in ready.items():
             if layer in self.pairs:  # a merged pair: one storage, a store per layer reading it

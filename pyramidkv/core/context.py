@@ -28,6 +28,8 @@ class ScoreContext:
     real: [B, n] bool, False at left padding.
     pattern: the layer's sparse prefill pattern (MInference; its `mask(start, stop, n)` gives the entries the
     model computed), None for dense prefill: attention statistics pass it to the scoring helpers.
+    column_sums: [B, Hq, n] float32, each key's attention summed over the real prompt queries, computed by
+    the prefill attention pass itself for methods with `needs_column_sums` (None otherwise).
     """
 
     layer_idx: int
@@ -37,6 +39,7 @@ class ScoreContext:
     values: torch.Tensor
     real: torch.Tensor
     pattern: Optional["PrefillPattern"] = None
+    column_sums: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -68,6 +71,7 @@ class CompressionMethod(Protocol):
     name: ClassVar[str]
     needs_budget: ClassVar[bool]            # False: every token is kept (fullkv)
     accumulates_attention: ClassVar[bool]   # the cache accumulates received attention while decoding (H2O)
+    needs_column_sums: ClassVar[bool]       # the prefill attention pass returns its column sums (H2O's score)
     history_window: Optional[int]           # the cache keeps each token's last attention rows (Scissorhands)
     window_size: int
     gqa_layout: str                         # "kv_head" | "query_head"

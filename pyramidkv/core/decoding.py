@@ -82,14 +82,15 @@ class DecodeCompressor:
 
     # ---- hooks called by the cache ----------------------------------------------------------
     def observe_prefill(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor,
-                        raw_scores: Optional[torch.Tensor], pad_lens: list[int], pattern=None) -> None:
+                        raw_scores: Optional[torch.Tensor], pad_lens: list[int], pattern=None,
+                        column_sums: Optional[torch.Tensor] = None) -> None:
         """queries [B, Hq, n, D], keys [B, Hkv, n, D] of the prompt; raw_scores: the method's prefill
         score [B, Hq|Hkv, n] before the GQA reduction (None when no prompt was compressed); pattern: the
-        sparse prefill pattern (None: dense)."""
+        sparse prefill pattern (None: dense); column_sums: [B, Hq, n] from the attention pass, or None."""
         self.pad_lens = pad_lens
         self.queries[layer_idx] = queries[:, :, -self.buffer_size:].clone()
         if self.stats is not None:
-            self.stats.observe_prefill(layer_idx, queries, keys, raw_scores, pad_lens, pattern)
+            self.stats.observe_prefill(layer_idx, queries, keys, raw_scores, pad_lens, pattern, column_sums)
 
     def after_prefill(self, layer_idx: int) -> None:
         """The layer's prompt part is stored: if a head's kept prompt already reaches decode_budget +

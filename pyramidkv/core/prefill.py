@@ -82,10 +82,15 @@ class PromptCompressor:
     def compressed(self, b: int) -> bool:
         return self.real_lens[b] > self.nominal_budget(self.real_lens[b])
 
+    def needs_column_sums(self) -> bool:
+        """True: the method scores by the attention's column sums and some prompt is compressed."""
+        return self.method.needs_column_sums and any(self.compressed(b) for b in range(len(self.pad_lens)))
+
     def score(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              pattern=None) -> ScoredLayer:
+              pattern=None, column_sums: Optional[torch.Tensor] = None) -> ScoredLayer:
         """queries: [B, Hq, n, D]; keys, values: [B, Hkv, n, D] after RoPE; pattern: the layer's sparse prefill
-        pattern (None: dense), what the attention statistics count."""
+        pattern (None: dense), what the attention statistics count; column_sums: [B, Hq, n] from the
+        attention pass, for methods with `needs_column_sums`."""
         method, model = self.method, self.model
         if self.stored_heads != keys.shape[1]:  # query_head: K/V repeated to the query heads before compression
             group = self.stored_heads // keys.shape[1]
@@ -97,7 +102,8 @@ class PromptCompressor:
             n = keys.shape[2]
             pads = torch.tensor(self.pad_lens, device=keys.device)
             real = torch.arange(n, device=keys.device)[None, :] >= pads[:, None]
-            raw = method.score(ScoreContext(layer_idx, model.num_layers, queries, keys, values, real, pattern))
+            raw = method.score(ScoreContext(layer_idx, model.num_layers, queries, keys, values, real, pattern,
+                                            column_sums))
             scores = scores_per_stored_head(raw, method, model.num_kv_heads, model.num_query_heads)
             if method.merge is not None and method.merge.needs_attention:
                 attention = window_attention(queries, keys, real, method.window_size, pattern).mean(dim=2)  # [B, Hq, n]

@@ -76,6 +76,50 @@ def attention_column_sums(
     return totals
 
 
+def attention_with_column_sums(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor,
+    max_chunk_elements: int = 1 << 21,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt's causal attention and, from the same probabilities, each key's column sum (H2O's score).
+
+    One pass over chunks of queries: a chunk's rows see all the keys before them, so each softmax is
+    exact and no [n, n] matrix per head is built. Scores and softmax in float32 as in
+    `attention_column_sums`, which this equals to float rounding; the output is cast back to the
+    queries' dtype and differs from the model's own sdpa/flash kernel by rounding only. A real query
+    never sees padding; a padding query sees the padding before it (its output is never read) and adds
+    nothing to the sums.
+    queries: [B, Hq, n, D]; keys, values: [B, Hkv, n, D]; real: [B, n].
+    Returns (output [B, Hq, n, D], column sums [B, Hq, n] float32).
+    """
+    bsz, num_q_heads, n, dim = queries.shape
+    num_kv_heads = keys.shape[1]
+    group = num_q_heads // num_kv_heads
+    chunk = max(1, max_chunk_elements // max(1, bsz * num_q_heads * n))
+    scaled = (queries.float() / dim**0.5).reshape(bsz, num_kv_heads, group, n, dim)
+    keys_t, values = keys.float().transpose(-1, -2), values.float()   # [B, Hkv, D, n], [B, Hkv, n, D]
+    padding = ~real
+    pad_max = int(padding.sum(dim=1).max())  # left padding: keys [0, pad_max) are padding somewhere
+    future = torch.ones(chunk, chunk, dtype=torch.bool, device=keys.device).triu(1)
+    out = torch.empty(bsz, num_q_heads, n, dim, dtype=torch.float32, device=keys.device)
+    totals = torch.zeros(bsz, num_q_heads, n, dtype=torch.float32, device=keys.device)
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        rows = stop - start
+        q = scaled[:, :, :, start:stop].reshape(bsz, num_kv_heads, group * rows, dim)
+        s = torch.matmul(q, keys_t[..., :stop]).view(bsz, num_q_heads, rows, stop)
+        s[..., start:].masked_fill_(future[:rows, :rows], float("-inf"))
+        if pad_max > 0:
+            cut = min(pad_max, stop)
+            hidden = padding[:, None, :cut] & real[:, start:stop, None]   # [B, rows, cut]
+            s[..., :cut].masked_fill_(hidden[:, None], float("-inf"))
+        probs = torch.softmax(s, dim=-1)
+        counted = probs if start >= pad_max else probs * real[:, None, start:stop, None]
+        totals[..., :stop] += counted.sum(dim=2)
+        attended = torch.matmul(probs.view(bsz, num_kv_heads, group * rows, stop), values[:, :, :stop])
+        out[:, :, start:stop] = attended.view(bsz, num_q_heads, rows, dim)
+    return out.to(queries.dtype), totals
+
+
 def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
     """1-D pooling along positions, stride 1, padding kernel_size // 2 (SnapKV's smoothing).
 

@@ -48,8 +48,10 @@ class AccumulatedAttention(TokenRows):
         self.kept: list[Optional[list[torch.Tensor]]] = [None] * num_layers  # per prompt [T, g]
         self.tail: list[Optional[torch.Tensor]] = [None] * num_layers  # [B, H, t, g]
 
-    def observe_prefill(self, layer_idx, queries, keys, raw_scores, pad_lens, pattern=None) -> None:
-        if raw_scores is None:  # every prompt kept whole: the column sums are still the starting totals
+    def observe_prefill(self, layer_idx, queries, keys, raw_scores, pad_lens, pattern=None, column_sums=None) -> None:
+        if column_sums is not None:  # the attention pass computed them
+            raw_scores = column_sums
+        elif raw_scores is None:  # every prompt kept whole: the column sums are still the starting totals
             raw_scores = attention_column_sums(queries, keys, _real(pad_lens, keys.shape[2], keys.device),
                                                pattern=pattern)
         heads = raw_scores.shape[1]
@@ -89,7 +91,7 @@ class AttentionHistory(TokenRows):
         self.tail: list[Optional[torch.Tensor]] = [None] * num_layers         # [B, H, t, g, w]
         self.levels: list[Optional[torch.Tensor]] = [None] * num_layers       # [B, H, w]
 
-    def observe_prefill(self, layer_idx, queries, keys, raw_scores, pad_lens, pattern=None) -> None:
+    def observe_prefill(self, layer_idx, queries, keys, raw_scores, pad_lens, pattern=None, column_sums=None) -> None:
         """The last w prompt rows: attention [B, Hq, w', n] (NaN where not visible) and levels [B, w']."""
         n = keys.shape[2]
         real = _real(pad_lens, n, keys.device)

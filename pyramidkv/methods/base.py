@@ -112,6 +112,10 @@ class Method(Component):
     # During decoding the cache accumulates the attention every held token receives (H2O) and
     # passes it to decode_score as ctx.accumulated; costs one extra attention pass per step.
     accumulates_attention: ClassVar[bool] = False
+    # The score reads the column sums of the prompt's causal attention: the engine computes them in the
+    # prefill attention pass itself (pyramidkv.core.scoring.attention_with_column_sums) and passes them
+    # as ctx.column_sums, instead of the model's own kernel plus a second pass over the scores.
+    needs_column_sums: ClassVar[bool] = False
     # With a history window w, the cache keeps each held token's attention from the last w queries and
     # passes them to decode_score as ctx.history (Scissorhands); None: it keeps none.
     history_window: ClassVar[Optional[int]] = None

@@ -1,7 +1,8 @@
 """H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference").
 
 Score = accumulated attention each key receives from every prompt query
-(column sums of the causal attention matrix), computed in query chunks.
+(column sums of the causal attention matrix), computed by the prefill attention pass itself
+(query chunks, no [n, n] matrix per head; its output equals the model's kernel to float rounding).
 Keeps the top `budget - window_size` heavy hitters plus the recent window.
 
 With `decode_budget`, the paper's decoding-time eviction: the cache keeps adding the attention
@@ -23,8 +24,11 @@ from pyramidkv.methods.base import Method
 class H2O(Method):
     name = "h2o"
     accumulates_attention = True
+    needs_column_sums = True
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
+        if ctx.column_sums is not None:
+            return ctx.column_sums
         return attention_column_sums(ctx.queries, ctx.keys, ctx.real, pattern=ctx.pattern)
 
     def decode_score(self, ctx) -> torch.Tensor:

@@ -4,7 +4,9 @@ Prefill (the first forward of a `generate()`): attention over the whole prompt
 is computed exactly as the model's own implementation does it (eager, sdpa or
 flash_attention_2), so the prompt's logits are unchanged, unless the method has a
 sparse prefill attention (MInference), which computes only its pattern's entries
-(pyramidkv/sparse_prefill/); then the cache keeps the tokens the method selects.
+(pyramidkv/sparse_prefill/), or scores by the attention's column sums (H2O), which
+come out of one chunked pass with the output (equal to the model's kernel to float
+rounding); then the cache keeps the tokens the method selects.
 Later forwards append their K/V to the cache and attend over what it stores.
 """
 
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pyramidkv.core.cache import CompressedCache
+from pyramidkv.core.scoring import attention_with_column_sums
 from pyramidkv.sparse_prefill.attention import sparse_prefill_attention
 
 # (q, k, cos, sin) -> (q, k) with RoPE applied: the model file's apply_rotary_pos_emb
@@ -111,13 +114,18 @@ def compressed_attention_forward(
         pads = cache.pad_lens or [0] * bsz
         pattern = None if sparse is None else sparse.pattern(module.layer_idx, queries, keys, pads,
                                                              cache.model_shape.name)
-        if pattern is None:
-            out, weights = full_attention(module, implementation, queries, keys, values, attention_mask,
-                                          position_ids, output_attentions)
-        else:
+        column_sums = None
+        if pattern is not None:
             out, weights, density = sparse_prefill_attention(queries, keys, values, pattern, output_attentions)
             cache.prefill_density[module.layer_idx] = density
-        cache.prefill(module.layer_idx, queries, keys, values, position_ids, pattern)
+        elif not output_attentions and cache.needs_column_sums(bsz, q_len):
+            out, column_sums = attention_with_column_sums(queries, keys, values,
+                                                          cache.real_positions(q_len, keys.device))
+            out = out.transpose(1, 2)
+        else:
+            out, weights = full_attention(module, implementation, queries, keys, values, attention_mask,
+                                          position_ids, output_attentions)
+        cache.prefill(module.layer_idx, queries, keys, values, position_ids, pattern, column_sums)
     else:
         out = cache.decode_step(module.layer_idx, queries, keys, values, position_ids).transpose(1, 2)
     out = out.reshape(bsz, q_len, -1).contiguous()
