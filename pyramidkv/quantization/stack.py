@@ -1,11 +1,12 @@
-"""Quantized storage over time: the blocks a cache quantizes at prefill (`PrefillGroup`) and while
-decoding (`DecodeBlocks`), and the bytes each segment (one prompt's stored head) stores, by part,
-after every appended token (`ByteLedger`).
+"""Quantized storage over time: the blocks a cache quantizes at prefill (`PrefillGroup`), the stack of
+G-token groups attention reads in one pass (`DecodeBlocks`: the groups quantized while decoding, after the
+prefill blocks that split into groups), and the bytes each segment (one prompt's stored head) stores, by
+part, after every appended token (`ByteLedger`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -47,14 +48,36 @@ def per_row_bytes(block: QuantizedBlock) -> dict[str, int]:
             "outliers": size(block.outlier_index, block.outlier_value), "factors": size(block.left, block.right)}
 
 
+def splits(block: QuantizedBlock) -> bool:
+    """Whether the block splits into blocks of G tokens that store exactly its bytes: no outliers (chosen over
+    whole rows or heads), no low-rank term and no codebook (one per block), and key groups of whole bytes."""
+    whole_bytes = block.layout == "token" or block.group_size * block.nbits % 8 == 0
+    return block.outlier_index is None and block.left is None and block.codebook is None and whole_bytes
+
+
+def split_groups(block: QuantizedBlock) -> QuantizedBlock:
+    """[N, J * G, D] -> [N * J, G, D]: row n * J + j is tokens [j * G, (j + 1) * G) of head n (`splits` must hold)."""
+    n, tokens, dim = block.shape
+    groups = tokens // block.group_size
+    if groups == 1:
+        return block
+    if block.layout == "channel":          # codes [N, D, J * b] -> [N * J, D, b]; scale, zero [N, D, J] -> [N * J, D, 1]
+        codes = block.codes.unflatten(-1, (groups, -1)).transpose(1, 2).reshape(n * groups, dim, -1)
+        scale, zero = (t.transpose(1, 2).reshape(n * groups, dim, 1) for t in (block.scale, block.zero))
+    else:                                  # rows are tokens: a view
+        codes, scale, zero = (t.reshape(n * groups, block.group_size, -1) for t in (block.codes, block.scale, block.zero))
+    return replace(block, shape=(n * groups, block.group_size, dim), codes=codes, scale=scale, zero=zero)
+
+
 class BlockStack:
-    """Blocks of exactly G tokens, stacked along the leading axis in buffers that grow geometrically (a
-    pushed row is copied when the buffer grows, never changed). `block()` is the QuantizedBlock of all rows."""
+    """Blocks of exactly G tokens, stacked along the leading axis in buffers that grow by a quarter (a pushed
+    row is copied when the buffer grows, never changed). `block()` is the QuantizedBlock of all rows."""
 
     def __init__(self):
         self.rows = 0
         self._template: Optional[QuantizedBlock] = None
         self._buffers: dict[str, torch.Tensor] = {}
+        self._whole: Optional[tuple[QuantizedBlock, Optional[torch.Tensor]]] = None
 
     def push(self, block: QuantizedBlock) -> None:
         parts = {name: t for name, t in block.tensors().items() if t is not None and name != "codebook"}
@@ -64,18 +87,22 @@ class BlockStack:
         for name, t in parts.items():
             buffer = self._buffers.get(name)
             if buffer is None or self.rows + count > buffer.shape[0]:
-                grown = t.new_empty((max(self.rows + count, 2 * (0 if buffer is None else buffer.shape[0]), 8),
-                                     *t.shape[1:]))
+                held = 0 if buffer is None else buffer.shape[0]
+                grown = t.new_empty((max(self.rows + count, held + held // 4, 8), *t.shape[1:]))
                 if self.rows:
                     grown[:self.rows] = buffer[:self.rows]
                 self._buffers[name] = buffer = grown
             buffer[self.rows:self.rows + count] = t
         self._template = block
         self.rows += count
+        self._whole = None
 
     def block(self, start: int = 0, stop: Optional[int] = None) -> tuple[QuantizedBlock, Optional[torch.Tensor]]:
         """(rows [start, stop) as one block, their per-row codebooks or None)."""
         stop = self.rows if stop is None else stop
+        whole = start == 0 and stop == self.rows
+        if whole and self._whole is not None:
+            return self._whole
         t = {name: buffer[start:stop] for name, buffer in self._buffers.items()}
         _, tokens, dim = self._template.shape
         block = QuantizedBlock(shape=(stop - start, tokens, dim), layout=self._template.layout,
@@ -83,6 +110,8 @@ class BlockStack:
                                codes=t["codes"], scale=t["scale"], zero=t["zero"],
                                outlier_index=t.get("outlier_index"), outlier_value=t.get("outlier_value"),
                                outlier_layout=self._template.outlier_layout, left=t.get("left"), right=t.get("right"))
+        if whole:
+            self._whole = (block, t.get("codebook"))
         return block, t.get("codebook")
 
     def capacity_bytes(self) -> int:
@@ -91,29 +120,45 @@ class BlockStack:
 
 
 class DecodeBlocks:
-    """The blocks of G tokens quantized while decoding, one row per (segment, event): keys and values
-    stacked, with each row's segment, its slot (the segment's n-th block) and RoPE positions."""
+    """Quantized groups of exactly G tokens, one row per (segment, group): keys and values stacked, with each
+    row's segment, its slot (the segment's n-th group in time order) and RoPE positions, so that attention
+    reads every group of a layer in one pass. First the `prefill_rows` groups of the prefill blocks that split
+    (KIVI's; pushed at prefill), then the `rows` groups quantized while decoding; `stacked` = both."""
 
     def __init__(self, segments: int, device: torch.device):
         self.keys, self.values = BlockStack(), BlockStack()
         self.segment = torch.zeros(0, dtype=torch.long, device=device)
         self.slot = torch.zeros(0, dtype=torch.long, device=device)
-        self.positions: Optional[torch.Tensor] = None                   # int32 [rows, G] (keys before RoPE)
+        self.positions: Optional[torch.Tensor] = None                   # int32 [stacked, G] (keys before RoPE)
         self.count = torch.zeros(segments, dtype=torch.long, device=device)
+        self.most = 0                                                   # the most groups any segment holds
+        self.prefill_rows = 0
+
+    @property
+    def stacked(self) -> int:
+        return self.keys.rows
 
     @property
     def rows(self) -> int:
-        return self.keys.rows
+        """Groups quantized while decoding."""
+        return self.keys.rows - self.prefill_rows
 
     def push(self, segments: torch.Tensor, keys: QuantizedBlock, values: QuantizedBlock,
-             positions: Optional[torch.Tensor]) -> None:
-        self.keys.push(keys)
-        self.values.push(values)
-        self.segment = torch.cat([self.segment, segments])
-        self.slot = torch.cat([self.slot, self.count[segments]])
+             positions: Optional[torch.Tensor], prefill: bool = False) -> None:
+        """Blocks [n, J * G, D] of segments [n] -> n * J rows (J > 1: a prefill block; `splits` must hold)."""
+        groups = keys.shape[1] // keys.group_size
+        self.keys.push(split_groups(keys))
+        self.values.push(split_groups(values))
+        self.segment = torch.cat([self.segment, segments.repeat_interleave(groups)])
+        slots = self.count[segments].unsqueeze(1) + torch.arange(groups, device=segments.device)
+        self.slot = torch.cat([self.slot, slots.flatten()])
         if positions is not None:
+            positions = positions.reshape(-1, keys.group_size)
             self.positions = positions if self.positions is None else torch.cat([self.positions, positions])
-        self.count[segments] += 1
+        self.count[segments] += groups
+        self.most = int(self.count.max())
+        if prefill:
+            self.prefill_rows = self.keys.rows
 
     def capacity_bytes(self) -> int:
         return self.keys.capacity_bytes() + self.values.capacity_bytes()
