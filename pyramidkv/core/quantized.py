@@ -4,24 +4,22 @@ Per segment (one prompt's stored head), in time order, a layer stores
   * sink   : KVQuant's attention sink (its first `sink_tokens` prompt tokens, if kept), full precision;
   * prefill: the oldest kept prompt tokens, quantized at prefill in whole groups of G tokens (one
              block per prompt and count: the segments of a prompt that quantize the same number);
-  * decode : groups of G tokens that left the full-precision window while generating, one block of
-             exactly G tokens per segment and event;
+  * decode : groups of G tokens that left the full-precision window while generating, one per event;
   * window : the most recent tokens, full precision: R to R + G - 1 of them (R = residual_length) once
              a segment holds R tokens or more, fewer before.
 KIVI windowing: the append that brings a window to R + G quantizes its oldest G tokens (once: a block
 is never touched again) and the window drops to R. At prefill, of k kept tokens (sink excluded)
 G * floor((k - R) / G) are quantized. Every block holds the segments of ONE prompt, so codebooks,
 low-rank starts and outlier budgets never depend on which prompts share a batch. Prefill blocks that
-split into G-token groups storing the same bytes (no outliers, low-rank term or codebook: KIVI) are
-stacked, group by group, with the decode groups (`DecodeBlocks`); the others stay whole (`prefill`).
+split into G-token groups of the same bytes (no outliers, low-rank term or codebook: KIVI) are stacked
+group by group with the decode groups (`DecodeBlocks`); the others stay whole (`prefill`).
 
 Keys are stored after RoPE, except for quantizers with `keys_before_rope` (KVQuant): their quantized
 keys are un-rotated first (in float32, at the token's RoPE position, kept as int32) and rotated again
 when read. With ThinK the prefill-quantized keys are thin (after RoPE, which mixes channels c and
-c + D/2). Attention: scores per part, one joint softmax (float32), values per part. The quantized parts
-are never dequantized where scale and zero fold into the query and the probabilities
-(pyramidkv.quantization.kernels); the stacked groups are read in one pass whatever the number of prompts
-and heads. docs/quantization.md has more.
+c + D/2). Attention: scores per part, one joint softmax (float32), values per part; scale and zero fold
+into the query and the probabilities, so quantized parts are read as levels, never dequantized
+(pyramidkv.quantization.kernels), the whole stack in one pass. docs/quantization.md has more.
 """
 
 from __future__ import annotations
@@ -110,9 +108,8 @@ class QuantizedStore(LayerStore):
             self.fp_positions[s, :fp[s]] = rope[s][rows]
         self.fp_len = torch.tensor(fp, device=self.device)
         self.sink = torch.tensor(sink, device=self.device)
-        self.fp_mask = torch.full((self.segments, capacity), torch.finfo(self.dtype).min, dtype=self.dtype,
-                                  device=self.device)       # added to the window's scores: 0 on held rows
-        self.fp_mask[torch.arange(capacity, device=self.device) < self.fp_len.unsqueeze(1)] = 0
+        held = torch.arange(capacity, device=self.device) < self.fp_len.unsqueeze(1)
+        self.fp_mask = first.new_zeros(held.shape).masked_fill_(~held, torch.finfo(self.dtype).min)  # added to scores
         self.every_segment = torch.arange(self.segments, device=self.device)
         self._window_changed()
         self.ledger.snapshot(self.fp_len)
@@ -152,9 +149,8 @@ class QuantizedStore(LayerStore):
 
     def _window_changed(self) -> None:
         """Python counts the reads and the next append need: the widest window, the appends until one is full."""
-        q = self.quantizer
-        self.fp_width = int(self.fp_len.max())
-        self.steps_to_full = q.residual_length + q.group_size - int((self.fp_len - self.sink).max())
+        q, longest = self.quantizer, int((self.fp_len - self.sink).max())
+        self.fp_width, self.steps_to_full = int(self.fp_len.max()), q.residual_length + q.group_size - longest
 
     def _quantize_oldest(self, segs: torch.Tensor) -> None:
         """The oldest G window tokens of these segments (each holding R + G) -> one stacked block each."""
@@ -178,11 +174,6 @@ class QuantizedStore(LayerStore):
         """Tokens per span of a prefill block read for `rows` segments: a multiple of G and of 4 (whole bytes)."""
         step = self.quantizer.group_size * 4
         return max(step, CHUNK_ELEMENTS // max(1, rows * dim) // step * step)
-
-    def _stack_spans(self, dim: int) -> list[tuple[int, int]]:
-        """(row start, row stop) spans of the stacked groups, each a bounded amount to read at once."""
-        per, rows = max(1, CHUNK_ELEMENTS // (self.quantizer.group_size * dim)), self.decoded.stacked
-        return [(a, min(a + per, rows)) for a in range(0, rows, per)]
 
     def _key_scores(self, block, queries, start: int, stop: int, codebook, positions) -> torch.Tensor:
         """queries [n, rows, D'] . keys [start, stop) of a block: float32 [n, rows, stop - start]; positions (keys
@@ -208,28 +199,27 @@ class QuantizedStore(LayerStore):
                 q = group.queries(grouped if whole else grouped[group.segments])
                 scores = torch.cat([self._key_scores(group.keys, q, a, min(a + step, stop), None, group.positions)
                                     for a in range(0, stop, step)], dim=-1).to(dtype)
-                if whole:
-                    pre = scores
-                else:
+                if not whole:
                     pre[group.segments, :, :group.tokens] = scores
+                pre = scores if whole else pre
             parts.append(pre)
-        # Stacked groups: [S, rows, J * G], the group in slot j of segment s at [j * G, (j + 1) * G).
-        g, slots, stack = self.quantizer.group_size, self.decoded.most, self.decoded
-        spans = self._stack_spans(dim)
+        # Stacked groups: a grid [S * J, rows, G] (the group in slot j of segment s in cell s * J + j), read as
+        # [S, rows, J * G].
+        g, slots = self.quantizer.group_size, self.decoded.most
+        spans = self.decoded.spans(max(1, CHUNK_ELEMENTS // (g * dim)))
         if slots:
-            grid = grouped.new_full((segs, rows, slots, g), lowest)
-            for a, b in spans:
-                seg, slot = stack.segment[a:b], stack.slot[a:b]
-                block, codebook = stack.keys.block(a, b)
-                positions = None if self.rotary is None else stack.positions[a:b]
-                grid[seg, :, slot] = self._key_scores(block, grouped[seg], 0, g, codebook, positions).to(dtype)
-            parts.append(grid.view(segs, rows, slots * g))
+            grid = grouped.new_full((segs * slots, rows, g), lowest)
+            for span in spans:
+                queries_of_rows = grouped.index_select(0, span.segment)
+                scores = self._key_scores(span.keys, queries_of_rows, 0, g, span.key_codebooks, span.positions)
+                grid.index_copy_(0, span.cell, scores.to(dtype))
+            parts.append(grid.view(segs, slots, rows, g).transpose(1, 2).reshape(segs, rows, slots * g))
         # Full-precision window: [S, rows, F], rows not held masked.
         width = self.fp_width
         parts.append(torch.baddbmm(self.fp_mask[:, None, :width], grouped, self.fp_keys[:, :width].transpose(1, 2)))
 
-        probs = softmax(torch.cat(parts, dim=-1), dtype) if len(parts) > 1 else softmax(parts[0], dtype)
-        out = probs[..., probs.shape[-1] - width:] @ self.fp_values[:, :width]
+        probs = softmax(torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0], dtype)
+        out = torch.bmm(probs[..., probs.shape[-1] - width:], self.fp_values[:, :width])
         for group in self.prefill:
             step, stop = self._chunk(group.segments.numel(), dim), group.tokens
             p = probs if whole else probs[group.segments]
@@ -238,12 +228,11 @@ class QuantizedStore(LayerStore):
                                        scratch=self.scratch)
                 out = out + part if whole else out.index_add(0, group.segments, part)
         if slots:
-            grid_probs = probs[..., longest:longest + slots * g].view(segs, rows, slots, g)
-            for a, b in spans:
-                seg, slot = stack.segment[a:b], stack.slot[a:b]
-                block, codebook = stack.values.block(a, b)
-                out = out.index_add(0, seg, weighted_values(block, grid_probs[seg, :, slot], 0, g, dtype, codebook,
-                                                            self.scratch))
+            grid = probs[..., longest:longest + slots * g].unflatten(-1, (slots, g)).transpose(1, 2).reshape(-1, rows, g)
+            for span in spans:
+                part = weighted_values(span.values, grid.index_select(0, span.cell), 0, g, dtype, span.value_codebooks,
+                                       self.scratch)
+                out = out.index_add(0, span.segment, part)
         return out.reshape(bsz, num_q_heads, q_len, dim)
 
     # ---- inspection ----------------------------------------------------------------------------
@@ -256,9 +245,8 @@ class QuantizedStore(LayerStore):
             hit = (group.segments == s).nonzero()
             if hit.numel():
                 i = int(hit[0, 0])
-                k = dequantize_span(group.keys, 0, group.tokens, torch.float32, None)[i:i + 1]
-                if group.positions is not None:
-                    k = self.rotary.rotate(k, group.positions[i:i + 1])
+                k = group.keys.dequantize(torch.float32, heads=i)
+                k = k if group.positions is None else self.rotary.rotate(k, group.positions[i:i + 1])
                 k = k[0].to(self.dtype)
                 if group.channels is not None:
                     k = k.new_zeros(k.shape[0], self.fp_keys.shape[-1]).index_copy_(1, group.channels[i], k)
@@ -267,15 +255,10 @@ class QuantizedStore(LayerStore):
         rows = (self.decoded.segment == s).nonzero().squeeze(1)
         if rows.numel():
             rows = rows[self.decoded.slot[rows].argsort()]
-            (k_block, k_books), (v_block, v_books) = self.decoded.keys.block(), self.decoded.values.block()
-            k = k_block.select(rows).dequantize(torch.float32) if k_books is None else \
-                dequantize_span(k_block.select(rows), 0, k_block.shape[1], torch.float32, k_books[rows])
-            if self.rotary is not None:
-                k = self.rotary.rotate(k, self.decoded.positions[rows])
-            v = v_block.select(rows).dequantize(self.dtype) if v_books is None else \
-                dequantize_span(v_block.select(rows), 0, v_block.shape[1], self.dtype, v_books[rows])
+            k, v = self.decoded.dequantize(rows)                                   # [n, G, D] each
+            k = k if self.rotary is None else self.rotary.rotate(k, self.decoded.positions[rows])
             keys.append(k.to(self.dtype).flatten(0, 1))
-            values.append(v.flatten(0, 1))
+            values.append(v.to(self.dtype).flatten(0, 1))
         keys.append(self.fp_keys[s, sink:fp])
         values.append(self.fp_values[s, sink:fp])
         positions = [self.prompt_positions[s]] + [p[s // self.heads: s // self.heads + 1] for p in self.tail_positions]
@@ -311,5 +294,5 @@ class QuantizedStore(LayerStore):
         return self.ledger.parts(segments, -1 if appended is None else appended)
 
     def capacity_bytes(self) -> int:
-        return (sum(t.numel() * t.element_size() for t in (self.fp_keys, self.fp_values))
+        return (sum(t.numel() * t.element_size() for t in (self.fp_keys, self.fp_values, self.fp_mask))
                 + self.decoded.capacity_bytes())

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from pyramidkv.quantization.block import QuantizedBlock
+from pyramidkv.quantization.kernels import dequantize_span
 
 # The parts of quantized storage, in the order bytes are reported ("residual": full-precision rows;
 # "channels": ThinK's kept-channel index sets).
@@ -61,11 +62,12 @@ def split_groups(block: QuantizedBlock) -> QuantizedBlock:
     groups = tokens // block.group_size
     if groups == 1:
         return block
-    if block.layout == "channel":          # codes [N, D, J * b] -> [N * J, D, b]; scale, zero [N, D, J] -> [N * J, D, 1]
+    if block.layout == "channel":    # codes [N, D, J * b] -> [N * J, D, b]; scale, zero [N, D, J] -> [N * J, D, 1]
         codes = block.codes.unflatten(-1, (groups, -1)).transpose(1, 2).reshape(n * groups, dim, -1)
         scale, zero = (t.transpose(1, 2).reshape(n * groups, dim, 1) for t in (block.scale, block.zero))
-    else:                                  # rows are tokens: a view
-        codes, scale, zero = (t.reshape(n * groups, block.group_size, -1) for t in (block.codes, block.scale, block.zero))
+    else:                            # rows are tokens: views
+        codes, scale, zero = (t.reshape(n * groups, block.group_size, -1)
+                              for t in (block.codes, block.scale, block.zero))
     return replace(block, shape=(n * groups, block.group_size, dim), codes=codes, scale=scale, zero=zero)
 
 
@@ -119,6 +121,19 @@ class BlockStack:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
+@dataclass(frozen=True)
+class StackSpan:
+    """Some consecutive rows of a `DecodeBlocks` stack, as attention reads them."""
+
+    keys: QuantizedBlock                   # [n, G, D]
+    values: QuantizedBlock
+    key_codebooks: Optional[torch.Tensor]  # [n, 2^nbits] per-row codebooks, else None
+    value_codebooks: Optional[torch.Tensor]
+    segment: torch.Tensor                  # long [n]
+    cell: torch.Tensor                     # long [n] segment * most + slot
+    positions: Optional[torch.Tensor]      # int32 [n, G] (keys before RoPE), else None
+
+
 class DecodeBlocks:
     """Quantized groups of exactly G tokens, one row per (segment, group): keys and values stacked, with each
     row's segment, its slot (the segment's n-th group in time order) and RoPE positions, so that attention
@@ -132,7 +147,9 @@ class DecodeBlocks:
         self.positions: Optional[torch.Tensor] = None                   # int32 [stacked, G] (keys before RoPE)
         self.count = torch.zeros(segments, dtype=torch.long, device=device)
         self.most = 0                                                   # the most groups any segment holds
+        self.cell = self.slot
         self.prefill_rows = 0
+        self._spans: dict[int, list[StackSpan]] = {}
 
     @property
     def stacked(self) -> int:
@@ -157,8 +174,32 @@ class DecodeBlocks:
             self.positions = positions if self.positions is None else torch.cat([self.positions, positions])
         self.count[segments] += groups
         self.most = int(self.count.max())
+        self.cell = self.segment * self.most + self.slot               # a row's place in a [S * most] grid
+        self._spans = {}
         if prefill:
             self.prefill_rows = self.keys.rows
+
+    def spans(self, rows: int) -> list[StackSpan]:
+        """All rows, in spans of at most `rows` (kept until the next push)."""
+        if rows not in self._spans:
+            out = []
+            for a in range(0, self.stacked, rows):
+                b = min(a + rows, self.stacked)
+                (keys, key_books), (values, value_books) = self.keys.block(a, b), self.values.block(a, b)
+                out.append(StackSpan(keys, values, key_books, value_books, self.segment[a:b], self.cell[a:b],
+                                     None if self.positions is None else self.positions[a:b]))
+            self._spans[rows] = out
+        return self._spans[rows]
+
+    def dequantize(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of some rows, float32 [len(rows), G, D] each (keys as stored: before RoPE for KVQuant)."""
+        out = []
+        for stack in (self.keys, self.values):
+            block, codebooks = stack.block()
+            picked = block.select(rows)
+            out.append(picked.dequantize(torch.float32) if codebooks is None else
+                       dequantize_span(picked, 0, block.shape[1], torch.float32, codebooks[rows]))
+        return out[0], out[1]
 
     def capacity_bytes(self) -> int:
         return self.keys.capacity_bytes() + self.values.capacity_bytes()
