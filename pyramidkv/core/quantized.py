@@ -19,7 +19,8 @@ keys are un-rotated first (in float32, at the token's RoPE position, kept as int
 when read. With ThinK the prefill-quantized keys are thin (after RoPE, which mixes channels c and
 c + D/2). Attention: scores per part, one joint softmax (float32), values per part; scale and zero fold
 into the query and the probabilities, so quantized parts are read as levels, never dequantized
-(pyramidkv.quantization.kernels), the whole stack in one pass. docs/quantization.md has more.
+(pyramidkv.quantization.kernels), the stack in as few spans as the scratch bound allows. See
+docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pyramidkv.quantization.base import Quantizer
 from pyramidkv.quantization.kernels import Scratch, dequantize_span, key_scores, weighted_values
 from pyramidkv.quantization.stack import ByteLedger, DecodeBlocks, PrefillGroup, splits
 
-# Largest span (segments x tokens x head dim values) dequantized at once by attention.
+# Largest span (segments x tokens x head dim values) attention unpacks or dequantizes at once.
 CHUNK_ELEMENTS = 1 << 20
 
 
@@ -132,12 +133,11 @@ class QuantizedStore(LayerStore):
         rows = self.every_segment
         self.fp_keys[rows, self.fp_len] = keys.reshape(self.segments, dim)
         self.fp_values[rows, self.fp_len] = values.reshape(self.segments, dim)
-        self.fp_positions[rows, self.fp_len] = rope_positions.repeat_interleave(heads)
+        if self.rotary is not None:       # the window's RoPE positions only rotate keys stored before RoPE
+            self.fp_positions[rows, self.fp_len] = rope_positions.repeat_interleave(heads)
         self.fp_mask[rows, self.fp_len] = 0
         self.fp_len += 1
-        self.fp_width += 1
-        self.steps_to_full -= 1
-        self.appended += 1
+        self.fp_width, self.steps_to_full, self.appended = self.fp_width + 1, self.steps_to_full - 1, self.appended + 1
         self.tail_positions.append(rope_positions.clone())
         if self.steps_to_full <= 0:       # some window holds R + G tokens: its oldest G are quantized
             g, r = self.quantizer.group_size, self.quantizer.residual_length
@@ -228,9 +228,10 @@ class QuantizedStore(LayerStore):
                                        scratch=self.scratch)
                 out = out + part if whole else out.index_add(0, group.segments, part)
         if slots:
-            grid = probs[..., longest:longest + slots * g].unflatten(-1, (slots, g)).transpose(1, 2).reshape(-1, rows, g)
+            cells = probs[..., longest:longest + slots * g].view(segs, rows, slots, g).transpose(1, 2)
+            cells = cells.reshape(segs * slots, rows, g)
             for span in spans:
-                part = weighted_values(span.values, grid.index_select(0, span.cell), 0, g, dtype, span.value_codebooks,
+                part = weighted_values(span.values, cells.index_select(0, span.cell), 0, g, dtype, span.value_codebooks,
                                        self.scratch)
                 out = out.index_add(0, span.segment, part)
         return out.reshape(bsz, num_q_heads, q_len, dim)

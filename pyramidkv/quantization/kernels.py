@@ -164,7 +164,7 @@ def _buffer(scratch: Optional[Scratch], name: str, shape: tuple, dtype: torch.dt
 
 
 def unpack_levels(codes: torch.Tensor, nbits: int, codebook: Optional[torch.Tensor] = None,
-                  scratch: Optional[Scratch] = None, name: str = "levels") -> torch.Tensor:
+                  scratch: Optional[Scratch] = None, name: str = "byte_levels") -> torch.Tensor:
     """Packed codes uint8 [..., B] (any strides) -> their float32 levels [..., B * 8 // nbits], contiguous:
     one lookup per byte in `byte_table`. With scratch, a view of its buffer `name` (keys and values share one:
     the keys' levels are used up before the values' are unpacked, and a smaller footprint stays in cache)."""
