@@ -1,7 +1,7 @@
 """Quantized storage over time: the blocks a cache quantizes at prefill (`PrefillGroup`), the stack of
-G-token groups attention reads in one pass (`DecodeBlocks`: the groups quantized while decoding, after the
-prefill blocks that split into groups), and the bytes each segment (one prompt's stored head) stores, by
-part, after every appended token (`ByteLedger`).
+G-token groups that attention reads as one block (`DecodeBlocks`: the groups quantized while decoding,
+after those of the prefill blocks that split into groups), and the bytes each segment (one prompt's stored
+head) stores, by part, after every appended token (`ByteLedger`).
 """
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ def split_groups(block: QuantizedBlock) -> QuantizedBlock:
     groups = tokens // block.group_size
     if groups == 1:
         return block
+    if not splits(block):
+        raise ValueError("a block with outliers, a low-rank term, a codebook or keys groups that split a byte "
+                         "does not split into groups")
     if block.layout == "channel":    # codes [N, D, J * b] -> [N * J, D, b]; scale, zero [N, D, J] -> [N * J, D, 1]
         codes = block.codes.unflatten(-1, (groups, -1)).transpose(1, 2).reshape(n * groups, dim, -1)
         scale, zero = (t.transpose(1, 2).reshape(n * groups, dim, 1) for t in (block.scale, block.zero))
@@ -137,7 +140,7 @@ class StackSpan:
 class DecodeBlocks:
     """Quantized groups of exactly G tokens, one row per (segment, group): keys and values stacked, with each
     row's segment, its slot (the segment's n-th group in time order) and RoPE positions, so that attention
-    reads every group of a layer in one pass. First the `prefill_rows` groups of the prefill blocks that split
+    reads every group of a layer as one block. First the `prefill_rows` groups of the prefill blocks that split
     (KIVI's; pushed at prefill), then the `rows` groups quantized while decoding; `stacked` = both."""
 
     def __init__(self, segments: int, device: torch.device):
