@@ -4,20 +4,23 @@ Per segment (one prompt's stored head), in time order, a layer stores
   * sink   : KVQuant's attention sink (its first `sink_tokens` prompt tokens, if kept), full precision;
   * prefill: the oldest kept prompt tokens, quantized at prefill in whole groups of G tokens (one
              block per prompt and count: the segments of a prompt that quantize the same number);
-  * decode : groups of G tokens that left the full-precision window while generating, one block of
-             exactly G tokens per segment and event, stacked along the block axis (`BlockStack`);
+  * decode : groups of G tokens that left the full-precision window while generating, one per event;
   * window : the most recent tokens, full precision: R to R + G - 1 of them (R = residual_length) once
              a segment holds R tokens or more, fewer before.
 KIVI windowing: the append that brings a window to R + G quantizes its oldest G tokens (once: a block
 is never touched again) and the window drops to R. At prefill, of k kept tokens (sink excluded)
 G * floor((k - R) / G) are quantized. Every block holds the segments of ONE prompt, so codebooks,
-low-rank starts and outlier budgets never depend on which prompts share a batch.
+low-rank starts and outlier budgets never depend on which prompts share a batch. Prefill blocks that
+split into G-token groups of the same bytes (no outliers, low-rank term or codebook: KIVI) are stacked
+group by group with the decode groups (`DecodeBlocks`); the others stay whole (`prefill`).
 
 Keys are stored after RoPE, except for quantizers with `keys_before_rope` (KVQuant): their quantized
 keys are un-rotated first (in float32, at the token's RoPE position, kept as int32) and rotated again
 when read. With ThinK the prefill-quantized keys are thin (after RoPE, which mixes channels c and
-c + D/2). Attention: scores per part, one joint softmax (float32), values per part; quantized parts
-dequantized a bounded span at a time (pyramidkv.quantization.kernels). docs/quantization.md has more.
+c + D/2). Attention: scores per part, one joint softmax (float32), values per part; scale and zero fold
+into the query and the probabilities, so quantized parts are read as levels, never dequantized
+(pyramidkv.quantization.kernels), the stack in as few spans as the scratch bound allows. See
+docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -31,11 +34,11 @@ from pyramidkv.core.layout import softmax
 from pyramidkv.core.rotary import RotaryTable
 from pyramidkv.core.store import Heads, LayerStore
 from pyramidkv.quantization.base import Quantizer
-from pyramidkv.quantization.kernels import Scratch, dequantize_span, weighted_values
-from pyramidkv.quantization.stack import ByteLedger, DecodeBlocks, PrefillGroup
+from pyramidkv.quantization.kernels import Scratch, dequantize_span, key_scores, weighted_values
+from pyramidkv.quantization.stack import ByteLedger, DecodeBlocks, PrefillGroup, splits
 
-# Largest span (segments x tokens x head dim values) dequantized at once by attention.
-CHUNK_ELEMENTS = 1 << 19
+# Largest span (segments x tokens x head dim values) attention unpacks or dequantizes at once.
+CHUNK_ELEMENTS = 1 << 20
 
 
 class QuantizedStore(LayerStore):
@@ -71,7 +74,9 @@ class QuantizedStore(LayerStore):
         sink = [int((p < getattr(q, "sink_tokens", 0)).sum()) for p in positions]
         quantized = [g * (max(0, k.shape[0] - s - r) // g) for k, s in zip(keys, sink)]
 
-        self.prefill: list[PrefillGroup] = []
+        self.prefill: list[PrefillGroup] = []                      # blocks read whole
+        self.decoded = DecodeBlocks(self.segments, self.device)    # G-token groups: split prefill blocks, then decode
+        self.ledger = ByteLedger(self.segments, dim * first.element_size() * 2)
         for b in range(len(kept)):
             own = range(b * self.heads, (b + 1) * self.heads)
             for count in sorted({quantized[s] for s in own} - {0}):
@@ -84,7 +89,11 @@ class QuantizedStore(LayerStore):
                 pos = torch.stack([rope[s][sink[s]:sink[s] + count] for s in segs])
                 group = self._encode(torch.tensor(segs, device=self.device), k, v, pos, decoding=False,
                                      channels=torch.stack([channels[s] for s in segs]) if thin else None)
-                self.prefill.append(group)
+                self.ledger.count(group.segments, group.keys, group.values, group.positions, group.channels)
+                if group.channels is None and splits(group.keys) and splits(group.values):
+                    self.decoded.push(group.segments, group.keys, group.values, group.positions, prefill=True)
+                else:
+                    self.prefill.append(group)
 
         # Full-precision rows: the sink, then the window; room for the most a window ever holds (R + G).
         fp = [k.shape[0] - c for k, c in zip(keys, quantized)]
@@ -100,11 +109,10 @@ class QuantizedStore(LayerStore):
             self.fp_positions[s, :fp[s]] = rope[s][rows]
         self.fp_len = torch.tensor(fp, device=self.device)
         self.sink = torch.tensor(sink, device=self.device)
-
-        self.decoded = DecodeBlocks(self.segments, self.device)    # tokens quantized while decoding
-        self.ledger = ByteLedger(self.segments, dim * first.element_size() * 2)
-        for group in self.prefill:
-            self.ledger.count(group.segments, group.keys, group.values, group.positions, group.channels)
+        held = torch.arange(capacity, device=self.device) < self.fp_len.unsqueeze(1)
+        self.fp_mask = first.new_zeros(held.shape).masked_fill_(~held, torch.finfo(self.dtype).min)  # added to scores
+        self.every_segment = torch.arange(self.segments, device=self.device)
+        self._window_changed()
         self.ledger.snapshot(self.fp_len)
 
     # ---- encoding ------------------------------------------------------------------------------
@@ -122,20 +130,27 @@ class QuantizedStore(LayerStore):
         bsz, heads, q_len, dim = keys.shape
         if q_len != 1:
             raise NotImplementedError("a quantized cache decodes one token per step (got q_len > 1)")
-        rows = torch.arange(self.segments, device=self.device)
+        rows = self.every_segment
         self.fp_keys[rows, self.fp_len] = keys.reshape(self.segments, dim)
         self.fp_values[rows, self.fp_len] = values.reshape(self.segments, dim)
-        self.fp_positions[rows, self.fp_len] = rope_positions.repeat_interleave(heads)
+        if self.rotary is not None:       # the window's RoPE positions only rotate keys stored before RoPE
+            self.fp_positions[rows, self.fp_len] = rope_positions.repeat_interleave(heads)
+        self.fp_mask[rows, self.fp_len] = 0
         self.fp_len += 1
-        self.appended += 1
+        self.fp_width, self.steps_to_full, self.appended = self.fp_width + 1, self.steps_to_full - 1, self.appended + 1
         self.tail_positions.append(rope_positions.clone())
-        g, r = self.quantizer.group_size, self.quantizer.residual_length
-        full = (self.fp_len - self.sink) >= r + g
-        if bool(full.any()):
-            segs = full.nonzero().squeeze(1)
+        if self.steps_to_full <= 0:       # some window holds R + G tokens: its oldest G are quantized
+            g, r = self.quantizer.group_size, self.quantizer.residual_length
+            segs = ((self.fp_len - self.sink) >= r + g).nonzero().squeeze(1)
             for b in (segs // self.heads).unique().tolist():  # one block per prompt
                 self._quantize_oldest(segs[segs // self.heads == b])
+            self._window_changed()
         self.ledger.snapshot(self.fp_len)
+
+    def _window_changed(self) -> None:
+        """Python counts the reads and the next append need: the widest window, the appends until one is full."""
+        q, longest = self.quantizer, int((self.fp_len - self.sink).max())
+        self.fp_width, self.steps_to_full = int(self.fp_len.max()), q.residual_length + q.group_size - longest
 
     def _quantize_oldest(self, segs: torch.Tensor) -> None:
         """The oldest G window tokens of these segments (each holding R + G) -> one stacked block each."""
@@ -151,31 +166,22 @@ class QuantizedStore(LayerStore):
         self.fp_keys[index, moved] = self.fp_keys[index, rest]
         self.fp_values[index, moved] = self.fp_values[index, rest]
         self.fp_positions[index, moved] = self.fp_positions[index, rest]
+        self.fp_mask[index, oldest + r] = torch.finfo(self.dtype).min        # the G rows freed
         self.fp_len[segs] -= g
 
     # ---- reading -------------------------------------------------------------------------------
     def _chunk(self, rows: int, dim: int) -> int:
-        """Tokens per dequantized span for `rows` segments: a multiple of G and of 4 (whole bytes)."""
+        """Tokens per span of a prefill block read for `rows` segments: a multiple of G and of 4 (whole bytes)."""
         step = self.quantizer.group_size * 4
         return max(step, CHUNK_ELEMENTS // max(1, rows * dim) // step * step)
 
-    def _prefill_keys(self, group: PrefillGroup, start: int, stop: int, dtype, scratch=None) -> torch.Tensor:
-        k = dequantize_span(group.keys, start, stop, torch.float32, scratch=scratch)
-        if group.positions is not None:
-            k = self.rotary.rotate(k, group.positions[:, start:stop])
-        return k.to(dtype)
-
-    def _decode_spans(self, dim: int) -> list[tuple[int, int]]:
-        """(row start, row stop) spans of the decode stack, each a bounded amount to dequantize."""
-        per = max(1, CHUNK_ELEMENTS // (self.quantizer.group_size * dim))
-        return [(a, min(a + per, self.decoded.rows)) for a in range(0, self.decoded.rows, per)]
-
-    def _decode_keys(self, start: int, stop: int, dtype, scratch=None) -> torch.Tensor:
-        block, codebook = self.decoded.keys.block(start, stop)
-        k = dequantize_span(block, 0, block.shape[1], torch.float32, codebook, scratch)
-        if self.rotary is not None:
-            k = self.rotary.rotate(k, self.decoded.positions[start:stop])
-        return k.to(dtype)
+    def _key_scores(self, block, queries, start: int, stop: int, codebook, positions) -> torch.Tensor:
+        """queries [n, rows, D'] . keys [start, stop) of a block: float32 [n, rows, stop - start]; positions (keys
+        stored before RoPE, [n, T]): the keys are dequantized and rotated first, else scale and zero fold."""
+        if positions is None:
+            return key_scores(block, queries, start, stop, codebook, self.scratch)
+        keys = dequantize_span(block, start, stop, torch.float32, codebook, self.scratch)
+        return queries.float() @ self.rotary.rotate(keys, positions[:, start:stop]).transpose(1, 2)
 
     def attend(self, queries: torch.Tensor) -> torch.Tensor:
         bsz, num_q_heads, q_len, dim = queries.shape
@@ -183,76 +189,77 @@ class QuantizedStore(LayerStore):
         grouped = queries.reshape(segs, rows, dim) * dim ** -0.5
         lowest = torch.finfo(dtype).min
         parts = []
-        # Prefill part: [S, rows, P] with P the most any segment quantized (fewer: masked).
+        # Prefill blocks read whole: [S, rows, P] with P the most any segment quantized (fewer: masked).
         longest = max((group.tokens for group in self.prefill), default=0)
         whole = len(self.prefill) == 1 and self.prefill[0].segments.numel() == segs
         if longest:
             pre = None if whole else grouped.new_full((segs, rows, longest), lowest)
             for group in self.prefill:
-                step = self._chunk(group.segments.numel(), dim)
+                step, stop = self._chunk(group.segments.numel(), dim), group.tokens
                 q = group.queries(grouped if whole else grouped[group.segments])
-                scores = torch.cat([q @ self._prefill_keys(group, a, min(a + step, group.tokens), dtype,
-                                                           self.scratch).transpose(1, 2)
-                                    for a in range(0, group.tokens, step)], dim=-1)
-                if whole:
-                    pre = scores
-                else:
+                scores = torch.cat([self._key_scores(group.keys, q, a, min(a + step, stop), None, group.positions)
+                                    for a in range(0, stop, step)], dim=-1).to(dtype)
+                if not whole:
                     pre[group.segments, :, :group.tokens] = scores
+                pre = scores if whole else pre
             parts.append(pre)
-        # Decode part: [S, rows, J * G], block j of segment s at [j * G, (j + 1) * G).
-        g = self.quantizer.group_size
-        blocks = int(self.decoded.count.max()) if self.decoded.rows else 0
-        if blocks:
-            dec = grouped.new_full((segs, rows, blocks, g), lowest)
-            for a, b in self._decode_spans(dim):
-                seg, slot = self.decoded.segment[a:b], self.decoded.slot[a:b]
-                dec[seg, :, slot] = grouped[seg] @ self._decode_keys(a, b, dtype, self.scratch).transpose(1, 2)
-            parts.append(dec.view(segs, rows, blocks * g))
-        # Full-precision part: [S, rows, F].
-        width = int(self.fp_len.max())
-        fp = grouped @ self.fp_keys[:, :width].transpose(1, 2)
-        unused = torch.arange(width, device=self.device).unsqueeze(0) >= self.fp_len.unsqueeze(1)
-        parts.append(fp.masked_fill(unused.unsqueeze(1), lowest))
+        # Stacked groups: a grid [S * J, rows, G] (the group in slot j of segment s in cell s * J + j), read as
+        # [S, rows, J * G].
+        g, slots = self.quantizer.group_size, self.decoded.most
+        spans = self.decoded.spans(max(1, CHUNK_ELEMENTS // (g * dim)))
+        if slots:
+            grid = grouped.new_full((segs * slots, rows, g), lowest)
+            for span in spans:
+                queries_of_rows = grouped.index_select(0, span.segment)
+                scores = self._key_scores(span.keys, queries_of_rows, 0, g, span.key_codebooks, span.positions)
+                grid.index_copy_(0, span.cell, scores.to(dtype))
+            parts.append(grid.view(segs, slots, rows, g).transpose(1, 2).reshape(segs, rows, slots * g))
+        # Full-precision window: [S, rows, F], rows not held masked.
+        width = self.fp_width
+        parts.append(torch.baddbmm(self.fp_mask[:, None, :width], grouped, self.fp_keys[:, :width].transpose(1, 2)))
 
-        probs = softmax(torch.cat(parts, dim=-1), dtype)
-        out = probs[..., probs.shape[-1] - width:] @ self.fp_values[:, :width]
-        if longest:
-            for group in self.prefill:
-                step = self._chunk(group.segments.numel(), dim)
-                p = probs if whole else probs[group.segments]
-                part = sum(weighted_values(group.values, p[..., a:min(a + step, group.tokens)], a,
-                                           min(a + step, group.tokens), dtype, scratch=self.scratch)
-                           for a in range(0, group.tokens, step))
+        probs = softmax(torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0], dtype)
+        out = torch.bmm(probs[..., probs.shape[-1] - width:], self.fp_values[:, :width])
+        for group in self.prefill:
+            step, stop = self._chunk(group.segments.numel(), dim), group.tokens
+            p = probs if whole else probs[group.segments]
+            for a in range(0, stop, step):
+                part = weighted_values(group.values, p[..., a:min(a + step, stop)], a, min(a + step, stop), dtype,
+                                       scratch=self.scratch)
                 out = out + part if whole else out.index_add(0, group.segments, part)
-        if blocks:
-            dec_probs = probs[..., longest:longest + blocks * g].view(segs, rows, blocks, g)
-            for a, b in self._decode_spans(dim):
-                seg, slot = self.decoded.segment[a:b], self.decoded.slot[a:b]
-                block, codebook = self.decoded.values.block(a, b)
-                out = out.index_add(0, seg, weighted_values(block, dec_probs[seg, :, slot], 0, g, dtype, codebook,
-                                                            self.scratch))
+        if slots:
+            cells = probs[..., longest:longest + slots * g].view(segs, rows, slots, g).transpose(1, 2)
+            cells = cells.reshape(segs * slots, rows, g)
+            for span in spans:
+                part = weighted_values(span.values, cells.index_select(0, span.cell), 0, g, dtype, span.value_codebooks,
+                                       self.scratch)
+                out = out.index_add(0, span.segment, part)
         return out.reshape(bsz, num_q_heads, q_len, dim)
 
     # ---- inspection ----------------------------------------------------------------------------
     def _segment_kv(self, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(RoPE positions [n], keys [n, D], values [n, D]) of everything segment s stores, dequantized
-        (keys after RoPE), in time order: sink, prefill-quantized, decode-quantized, window."""
+        (keys after RoPE), in time order: sink, prefill-quantized, stacked groups by slot, window."""
         sink, fp = int(self.sink[s]), int(self.fp_len[s])
         keys, values = [self.fp_keys[s, :sink]], [self.fp_values[s, :sink]]
         for group in self.prefill:
             hit = (group.segments == s).nonzero()
             if hit.numel():
                 i = int(hit[0, 0])
-                k = self._prefill_keys(group, 0, group.tokens, torch.float32)[i].to(self.dtype)
+                k = group.keys.dequantize(torch.float32, heads=i)
+                k = k if group.positions is None else self.rotary.rotate(k, group.positions[i:i + 1])
+                k = k[0].to(self.dtype)
                 if group.channels is not None:
                     k = k.new_zeros(k.shape[0], self.fp_keys.shape[-1]).index_copy_(1, group.channels[i], k)
                 keys.append(k)
                 values.append(group.values.dequantize(self.dtype, heads=i)[0])
         rows = (self.decoded.segment == s).nonzero().squeeze(1)
-        for i in rows[self.decoded.slot[rows].argsort()].tolist():
-            keys.append(self._decode_keys(i, i + 1, self.dtype)[0])
-            block, codebook = self.decoded.values.block(i, i + 1)
-            values.append(dequantize_span(block, 0, block.shape[1], self.dtype, codebook)[0])
+        if rows.numel():
+            rows = rows[self.decoded.slot[rows].argsort()]
+            k, v = self.decoded.dequantize(rows)                                   # [n, G, D] each
+            k = k if self.rotary is None else self.rotary.rotate(k, self.decoded.positions[rows])
+            keys.append(k.to(self.dtype).flatten(0, 1))
+            values.append(v.to(self.dtype).flatten(0, 1))
         keys.append(self.fp_keys[s, sink:fp])
         values.append(self.fp_values[s, sink:fp])
         positions = [self.prompt_positions[s]] + [p[s // self.heads: s // self.heads + 1] for p in self.tail_positions]
@@ -288,5 +295,5 @@ class QuantizedStore(LayerStore):
         return self.ledger.parts(segments, -1 if appended is None else appended)
 
     def capacity_bytes(self) -> int:
-        return (sum(t.numel() * t.element_size() for t in (self.fp_keys, self.fp_values))
+        return (sum(t.numel() * t.element_size() for t in (self.fp_keys, self.fp_values, self.fp_mask))
                 + self.decoded.capacity_bytes())

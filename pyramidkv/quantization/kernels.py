@@ -1,8 +1,23 @@
-"""Reading quantized blocks without materialising them: dequantize a span of tokens, or weight the
-values by attention probabilities with scale and zero folded in.
+"""Reading quantized blocks without materialising them. Decode attention's two products over a block:
 
-Codes are unpacked through a byte lookup table (a byte value -> its 8 / nbits codes) into reused
-scratch buffers, so a decode step allocates no multi-MB temporaries.
+  key_scores(block, queries)       queries [N, rows, D] @ keys[start:stop]^T    -> [N, rows, span]
+  weighted_values(block, probs)    probs [N, rows, span] @ values[start:stop]  -> [N, rows, D]
+
+With x = level * scale + zero per group, both fold the group's scale and zero into the small operand, so
+the large one is only the levels (the codes as floats), never the dequantized keys or values:
+
+  keys (per channel, groups of G tokens): for the tokens t of group j,
+      q . k_t = sum_d (q_d * scale[d, j]) * level[d, t] + sum_d q_d * zero[d, j]
+    one batched matmul over (segment, group) with the query scaled per group, plus a bias per group;
+  values (per token, groups of G channels): for the channels of group j,
+      sum_t p_t * v_t = sum_t (p_t * scale[t, j]) * level[t, :] + sum_t p_t * zero[t, j]
+    one batched matmul per channel group with the probabilities scaled per token.
+
+Levels come from one table lookup per packed byte: a 256-entry table whose entry b holds the float32
+levels of byte b's 8 / nbits codes as one wide element (complex128 at 2 bits, int64 at 4, float32 at 8),
+so a byte becomes its levels in a single copy. They land in reused scratch buffers, so a decode step
+allocates no multi-MB temporaries. Blocks with outliers, a low-rank term or per-row codebooks (KVQuant,
+GEAR) and group sizes that split a byte are dequantized span by span (`dequantize_span`) instead.
 """
 
 from __future__ import annotations
@@ -30,19 +45,31 @@ def _code_table(nbits: int, device: torch.device) -> torch.Tensor:
 
 
 class Scratch:
-    """Work buffers that every dequantization of one cache reuses (as large as the largest span, so bounded):
-    a decode step then allocates no multi-MB temporaries, which cost page faults on every step. A tensor
-    taken from it is overwritten by the next dequantization: use it at once."""
+    """Work buffers that every read of one cache's quantized blocks reuses (as large as the largest span, so
+    bounded): a decode step then allocates no multi-MB temporaries, which cost page faults on every step. A
+    tensor taken from it is overwritten by the next read: use it at once. The views handed out are kept per
+    shape (a step asks for the same shapes as the last one), up to VIEWS_PER_BUFFER per buffer."""
+
+    VIEWS_PER_BUFFER = 16
 
     def __init__(self):
         self._buffers: dict[str, torch.Tensor] = {}
+        self._views: dict[str, dict[tuple, torch.Tensor]] = {}
 
     def take(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        views = self._views.setdefault(name, {})
+        view = views.get((shape, dtype, device))
+        if view is not None:
+            return view
         numel = math.prod(shape)
         buffer = self._buffers.get(name)
         if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
             buffer = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device)
-        return buffer[:numel].view(shape)
+            views.clear()                                  # views of the buffer replaced
+        if len(views) >= self.VIEWS_PER_BUFFER:
+            views.clear()
+        view = views[(shape, dtype, device)] = buffer[:numel].view(shape)
+        return view
 
 
 def levels_of(codes: torch.Tensor, nbits: int, count: int, codebook: Optional[torch.Tensor],
@@ -103,20 +130,113 @@ def dequantize_span(block: QuantizedBlock, start: int, stop: int, dtype: torch.d
     return x.to(dtype)
 
 
+def folds(block: QuantizedBlock, row_codebook: Optional[torch.Tensor] = None) -> bool:
+    """Whether the block's products can fold scale and zero into the small operand: no outliers, no low-rank
+    term, no per-row codebooks, and groups of whole bytes (a code's group is its byte's)."""
+    return (block.outlier_index is None and block.left is None and row_codebook is None
+            and block.group_size % (8 // block.nbits) == 0)
+
+
+# The dtype of one table entry that holds the 8 / nbits float32 levels of a byte.
+_WIDE = {2: torch.complex128, 4: torch.int64, 8: torch.float32}
+_BYTE_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def byte_table(nbits: int, device: torch.device, codebook: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[256] wide entries: entry b holds the float32 levels of the codes packed in byte b, in packing order
+    (the codes themselves, or their codebook levels), as one element of dtype _WIDE[nbits]."""
+    key = (nbits, device)
+    if codebook is None and key in _BYTE_TABLES:
+        return _BYTE_TABLES[key]
+    codes = _code_table(nbits, device)                                          # [256, 8 // nbits]
+    levels = codes.float() if codebook is None else codebook.float()[codes]
+    table = levels.contiguous().view(_WIDE[nbits]).view(256)
+    if codebook is None:
+        _BYTE_TABLES[key] = table
+    return table
+
+
+def _buffer(scratch: Optional[Scratch], name: str, shape: tuple, dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    if scratch is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return scratch.take(name, shape, dtype, device)
+
+
+def unpack_levels(codes: torch.Tensor, nbits: int, codebook: Optional[torch.Tensor] = None,
+                  scratch: Optional[Scratch] = None, name: str = "byte_levels") -> torch.Tensor:
+    """Packed codes uint8 [..., B] (any strides) -> their float32 levels [..., B * 8 // nbits], contiguous:
+    one lookup per byte in `byte_table`. With scratch, a view of its buffer `name` (keys and values share one:
+    the keys' levels are used up before the values' are unpacked, and a smaller footprint stays in cache)."""
+    table = byte_table(nbits, codes.device, codebook)
+    shape = (*codes.shape[:-1], codes.shape[-1] * (8 // nbits))
+    index = _buffer(scratch, name + ".index", tuple(codes.shape), torch.int32, codes.device).copy_(codes)
+    wide = _buffer(scratch, name, (index.numel(),), table.dtype, codes.device)
+    torch.index_select(table, 0, index.view(-1), out=wide)
+    return wide.view(torch.float32).view(shape)
+
+
+def _groups_first(codes: torch.Tensor, scratch: Optional[Scratch]) -> torch.Tensor:
+    """Key codes uint8 [N, D, J, b] (b bytes per channel and group) -> [N, J, D, b] in that memory order. The b
+    bytes move as one integer where their size and alignment allow: a copy of N * J * D elements, not of bytes."""
+    n, dim, groups, width = codes.shape
+    out = _buffer(scratch, "keys.codes", (n, groups, dim, width), torch.uint8, codes.device)
+    for wide in (torch.int64, torch.int32, torch.int16):
+        size = wide.itemsize
+        aligned = codes.storage_offset() % size == 0 and all(s % size == 0 for s in codes.stride()[:-1])
+        if width % size == 0 and aligned:
+            out.view(wide).copy_(codes.view(wide).transpose(1, 2))
+            return out
+    return out.copy_(codes.transpose(1, 2))
+
+
+def key_scores(block: QuantizedBlock, queries: torch.Tensor, start: int, stop: int,
+               row_codebook: Optional[torch.Tensor] = None, scratch: Optional[Scratch] = None) -> torch.Tensor:
+    """queries [N, rows, D] against the block's keys (channel layout) [start, stop): float32 [N, rows, stop - start],
+    scores[n, r, t] = queries[n, r] . keys[n, t]. start and stop: multiples of the group size.
+
+    Folded: one batched matmul over (segment, group j) of the query scaled by scale[:, j] with the levels of
+    group j [D, G], plus the bias queries . zero[:, j]; otherwise the dequantized span."""
+    if not folds(block, row_codebook):
+        keys = dequantize_span(block, start, stop, torch.float32, row_codebook, scratch)
+        return queries.float() @ keys.transpose(1, 2)
+    n, tokens, dim = block.shape
+    g, per_byte = block.group_size, 8 // block.nbits
+    groups, rows = (stop - start) // g, queries.shape[1]
+    codes, scale, zero = block.codes, block.scale, block.zero                  # [N, D, T / 4], [N, D, T / G] (2 bits)
+    if stop - start != tokens:
+        codes = codes[:, :, start // per_byte: stop // per_byte]
+        scale, zero = scale[:, :, start // g: stop // g], zero[:, :, start // g: stop // g]
+    if groups > 1:
+        codes = _groups_first(codes.unflatten(-1, (groups, -1)), scratch)     # [N, J, D, G / 4]
+    levels = unpack_levels(codes, block.nbits, block.codebook, scratch).view(n * groups, dim, g)
+    q = queries.float()
+    scaled = torch.mul(q.unsqueeze(1), scale.transpose(1, 2).unsqueeze(2),      # [N, J, rows, D] (fp16 scale promoted)
+                       out=_buffer(scratch, "scaled_queries", (n, groups, rows, dim), torch.float32, q.device))
+    bias = torch.bmm(zero.transpose(1, 2).float(), q.transpose(1, 2))           # [N, J, rows]
+    scores = torch.baddbmm(bias.view(n * groups, rows, 1), scaled.view(n * groups, rows, dim), levels)
+    return scores if groups == 1 else scores.view(n, groups, rows, g).transpose(1, 2).reshape(n, rows, groups * g)
+
+
 def weighted_values(block: QuantizedBlock, probs: torch.Tensor, start: int, stop: int, dtype: torch.dtype,
                     row_codebook: Optional[torch.Tensor] = None, scratch: Optional[Scratch] = None) -> torch.Tensor:
-    """probs [N, rows, stop - start] @ the block's values (token layout) [start, stop) -> [N, rows, D].
+    """probs [N, rows, stop - start] @ the block's values (token layout) [start, stop) -> [N, rows, D] in dtype.
 
-    Without outliers and low-rank term, the per-token scale and zero are folded into the weights instead of
-    dequantizing: out[:, :, group j] = (probs * scale[:, :, j]) @ levels[:, :, group j] + (probs @ zero[:, :, j])."""
-    if block.left is not None or block.outlier_index is not None:
+    Folded: for each channel group j, (probs * scale[:, j]) @ levels[:, group j] + probs @ zero[:, j];
+    otherwise the dequantized span."""
+    if not folds(block, row_codebook):
         return probs @ dequantize_span(block, start, stop, dtype, row_codebook, scratch)
-    n, _, dim = block.shape
-    g = block.group_size
-    levels = levels_of(block.codes[:, start:stop], block.nbits, dim, block.codebook, row_codebook, scratch)
-    weights = probs.float()
-    scale = block.scale[:, start:stop].float()                                   # [N, span, D / G]
-    zero = block.zero[:, start:stop].float()
-    parts = [(weights * scale[:, :, j].unsqueeze(1)) @ levels[:, :, j * g:(j + 1) * g] for j in range(dim // g)]
-    out = torch.cat(parts, dim=-1) + (weights @ zero).repeat_interleave(g, dim=-1)
-    return out.to(dtype)
+    n, tokens, dim = block.shape
+    g, span, rows = block.group_size, stop - start, probs.shape[1]
+    codes, scale, zero = block.codes, block.scale, block.zero                  # [N, T, D / 4], [N, T, D / G] (2 bits)
+    if span != tokens:
+        codes, scale, zero = codes[:, start:stop], scale[:, start:stop], zero[:, start:stop]
+    levels = unpack_levels(codes, block.nbits, block.codebook, scratch)                           # [N, span, D]
+    p = probs.float()
+    scaled = torch.mul(p.unsqueeze(1), scale.transpose(1, 2).unsqueeze(2),      # [N, D / G, rows, span]
+                       out=_buffer(scratch, "scaled_probs", (n, dim // g, rows, span), torch.float32, p.device))
+    # zero [N, span, D / G] read as a column-major matrix: a matmul over the span with unit stride.
+    offset = torch.bmm(p, zero.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format).transpose(1, 2))
+    parts = [torch.baddbmm(offset[:, :, j:j + 1], scaled[:, j], levels[:, :, j * g:(j + 1) * g])
+             for j in range(dim // g)]
+    return (torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]).to(dtype)
