@@ -272,16 +272,9 @@ def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], 
                                                   device=args.device, dtype=args.dtype, model_class=args.model_class)
                 bar.set_postfix_str(sample_file.name)
                 stops = benchmark.stop_token_ids(model, tokenizer, sample_file)
-                for batch in _batches(pending, args.eval_batch_size):
-                    from pyramidkv.generation import generate
-
-                    prompts, questions = [s.prompt for s in batch], None
-                    if args.question_as_decode:
-                        prompts = [s.prompt[:s.question_start] for s in batch]
-                        questions = [s.prompt[s.question_start:] for s in batch]
-                    outputs = generate(model, tokenizer, prompts, method, max_new_tokens=batch[0].max_new_tokens,
-                                       stop_token_ids=stops, min_new_tokens=sample_file.min_new_tokens,
-                                       questions=questions)
+                for batch in batches(pending, args.eval_batch_size):
+                    outputs = decode_batch(model, tokenizer, method, batch, stops, sample_file.min_new_tokens,
+                                           args.question_as_decode)
                     for sample, output in zip(batch, outputs):
                         writer.append(benchmark.prediction_row(sample, output))
                     bar.update(len(batch))
@@ -294,9 +287,23 @@ def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], 
         print(f"all {total} sample(s) already done; scoring only")
 
 
-def _batches(samples: list[Sample], size: int) -> list[list[Sample]]:
+def decode_batch(model, tokenizer, method, batch: list[Sample], stop_token_ids: Optional[list[int]],
+                 min_new_tokens: int, question_as_decode: bool) -> list:
+    """One batch of samples (one max_new_tokens) through generate(): the prompts whole, or with
+    question_as_decode each context prefilled and its question part fed as decode steps."""
+    from pyramidkv.generation import generate
+
+    prompts, questions = [s.prompt for s in batch], None
+    if question_as_decode:
+        prompts = [s.prompt[:s.question_start] for s in batch]
+        questions = [s.prompt[s.question_start:] for s in batch]
+    return generate(model, tokenizer, prompts, method, max_new_tokens=batch[0].max_new_tokens,
+                    stop_token_ids=stop_token_ids, min_new_tokens=min_new_tokens, questions=questions)
+
+
+def batches(samples: list[Sample], size: int) -> list[list[Sample]]:
+    """Batches of at most `size` samples, each of one max_new_tokens and one batch_group."""
     groups: dict[tuple, list[Sample]] = {}
     for sample in samples:
         groups.setdefault((sample.max_new_tokens, sample.batch_group), []).append(sample)
     return [group[i:i + size] for group in groups.values() for i in range(0, len(group), size)]
-
