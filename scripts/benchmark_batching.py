@@ -75,7 +75,7 @@ class PhaseClock:
                 hook.remove()
 
 
-def run_pass(model, tokenizer, method, files, batch_size: int, benchmark, question_as_decode: bool):
+def run_pass(model, tokenizer, method, files, batch_size: int, benchmark, run: argparse.Namespace):
     """All samples at one batch size: (seconds, phase seconds, decode steps, {(file, key): prediction})."""
     from pyramidkv.runner.protocol import batches, decode_batch
 
@@ -87,7 +87,7 @@ def run_pass(model, tokenizer, method, files, batch_size: int, benchmark, questi
             stops = benchmark.stop_token_ids(model, tokenizer, sample_file)
             for batch in batches(sample_file.samples, batch_size):
                 outputs = decode_batch(model, tokenizer, method, batch, stops, sample_file.min_new_tokens,
-                                       question_as_decode)
+                                       run.question_as_decode, run.decode_threads)
                 for sample, output in zip(batch, outputs):
                     predictions[(sample_file.name, sample.key)] = output.text
     seconds = time.perf_counter() - start
@@ -132,7 +132,8 @@ def main() -> int:
                                   dtype=run.dtype, model_class=run.model_class)
     count = sum(len(f.samples) for f in files)
     print(f"{count} samples ({', '.join(f.name for f in files)}), {method.label()}, batch sizes {args.batch_sizes}, "
-          f"{args.repeats} repeats, {torch.get_num_threads()} threads", flush=True)
+          f"{args.repeats} repeats, {torch.get_num_threads()} threads, decode threads "
+          f"{run.decode_threads or torch.get_num_threads()}", flush=True)
 
     rates = {size: [] for size in args.batch_sizes}
     phases = {size: [] for size in args.batch_sizes}
@@ -145,7 +146,7 @@ def main() -> int:
             order = args.batch_sizes if repeat % 2 == 0 else args.batch_sizes[::-1]
             for size in order:
                 seconds, split, steps[size], predictions = run_pass(model, tokenizer, method, files, size, benchmark,
-                                                                    run.question_as_decode)
+                                                                    run)
                 rates[size].append(60 * count / seconds)
                 phases[size].append(split)
                 reference = reference or predictions
