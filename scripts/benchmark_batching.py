@@ -5,7 +5,8 @@ time split by phase, and a check that every batch size predicts the same.
         --method snapkv --max_capacity_prompts 128 --tasks niah_single_1 --context_lengths 2048 \
         --num_samples 8 --num_threads 2 --save_dir /tmp/ruler_bench
 
-Everything after `--` is run_ruler.py's command line: the samples are the runner's (same generator, cache,
+Everything after `--` is run_ruler.py's command line (`--decode_threads 1` runs the decode steps on one
+thread, the prompt's forward on --num_threads): the samples are the runner's (same generator, cache,
 chat template and tokenisation), batched by the runner's `batches` and decoded by its `decode_batch`;
 nothing is written but the generated samples cache. Each repeat runs every batch size over all samples,
 in turn (the order reversed on every other repeat), so a burst of load from the machine's other work hits
@@ -117,11 +118,12 @@ def main() -> int:
 
     from pyramidkv.benchmarks.ruler.run import Ruler, build_parser
     from pyramidkv.models.loading import load_model
-    from pyramidkv.runner.cli import apply_num_threads, check_model_args, method_from_args
+    from pyramidkv.runner.cli import apply_num_threads, check_model_args, check_run_args, method_from_args
 
     benchmark = Ruler()
     runner_parser = build_parser()
     run = runner_parser.parse_args(argv[cut + 1:])
+    check_run_args(runner_parser, run)
     benchmark.check_arguments(run)
     method = method_from_args(run, runner_parser)
     model_dir, config = check_model_args(run, method)[:2]
