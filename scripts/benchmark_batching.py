@@ -86,7 +86,7 @@ def run_pass(model, tokenizer, method, files, batch_size: int, benchmark, run: a
     with clock.running():
         for sample_file in files:
             stops = benchmark.stop_token_ids(model, tokenizer, sample_file)
-            for batch in batches(sample_file.samples, batch_size):
+            for batch in batches(sample_file.samples, batch_size, benchmark.batch_by_length):
                 outputs = decode_batch(model, tokenizer, method, batch, stops, sample_file.min_new_tokens,
                                        run.question_as_decode, run.decode_threads)
                 for sample, output in zip(batch, outputs):

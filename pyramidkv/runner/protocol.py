@@ -66,6 +66,9 @@ class Benchmark:
     prog = ""
     description = ""
     key = "index"
+    # Batches of more than one sample are formed longest prompt first (see `batches`), so the rows of a file
+    # come batch by batch; only for a benchmark whose scores do not depend on the order of the rows.
+    batch_by_length = False
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """The benchmark's own flags (its --save_dir included)."""
@@ -250,8 +253,9 @@ def check_samples(files: list[SampleFile], method, config, model_path: str,
 def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], out_dir: Path) -> None:
     """Decode every sample not yet in its predictions file, one appended row each, flushed as its batch ends;
     the model loads only when a sample is pending. Batches hold samples of one file with one max_new_tokens
-    (see `batches`): a file's rows come in the order of the samples at batch size 1, and batch by batch,
-    longest prompts first, above it; rows are keyed, so a resumed run decodes exactly the samples missing."""
+    (see `batches`): a file's rows come in the order of its samples, or, where the benchmark batches by length
+    and batches hold more than one sample, batch by batch, longest prompts first; rows are keyed, so a resumed
+    run decodes exactly the samples missing."""
     from tqdm import tqdm
 
     from pyramidkv.runner.results import ResultsWriter
@@ -274,7 +278,7 @@ def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], 
                                                   device=args.device, dtype=args.dtype, model_class=args.model_class)
                 bar.set_postfix_str(sample_file.name)
                 stops = benchmark.stop_token_ids(model, tokenizer, sample_file)
-                for batch in batches(pending, args.eval_batch_size):
+                for batch in batches(pending, args.eval_batch_size, benchmark.batch_by_length):
                     outputs = decode_batch(model, tokenizer, method, batch, stops, sample_file.min_new_tokens,
                                            args.question_as_decode, args.decode_threads)
                     for sample, output in zip(batch, outputs):
@@ -305,17 +309,17 @@ def decode_batch(model, tokenizer, method, batch: list[Sample], stop_token_ids: 
                     decode_threads=decode_threads)
 
 
-def batches(samples: list[Sample], size: int) -> list[list[Sample]]:
-    """Batches of at most `size` samples, each of one max_new_tokens and one batch_group. With size > 1 the
-    samples are batched longest prompt first, so a batch holds prompts of near lengths: little left padding
-    to compute, and prompts of one length need no padding mask at all (with one, SDPA takes its slower
-    path). Within a batch the samples keep their given order."""
+def batches(samples: list[Sample], size: int, by_length: bool = False) -> list[list[Sample]]:
+    """Batches of at most `size` samples, each of one max_new_tokens and one batch_group, in the given order;
+    with by_length (and size > 1) longest prompt first, so a batch holds prompts of near lengths: little left
+    padding to compute, and prompts of one length need no padding mask at all (with one, SDPA takes its
+    slower path). Within a batch the samples keep their given order."""
     groups: dict[tuple, list[tuple[int, Sample]]] = {}
     for given, sample in enumerate(samples):
         groups.setdefault((sample.max_new_tokens, sample.batch_group), []).append((given, sample))
     out = []
     for group in groups.values():
-        if size > 1:
+        if by_length and size > 1:
             group = sorted(group, key=lambda item: -len(item[1].prompt))   # stable: equal lengths keep their order
         for start in range(0, len(group), size):
             out.append([sample for _, sample in sorted(group[start:start + size], key=lambda item: item[0])])

@@ -23,15 +23,38 @@ def _keys(batched: list[list[Sample]]) -> list[list[int]]:
 def test_batches_hold_prompts_of_near_length_longest_first():
     samples = [_sample(0, 5), _sample(1, 30), _sample(2, 10), _sample(3, 25), _sample(4, 20)]
     # 30 and 25 together, then 20 and 10, then 5; within a batch the given order.
-    assert _keys(batches(samples, 2)) == [[1, 3], [2, 4], [0]]
-    assert _keys(batches(samples, 4)) == [[1, 2, 3, 4], [0]]
-    # One at a time there is no padding to save: the given order.
-    assert _keys(batches(samples, 1)) == [[0], [1], [2], [3], [4]]
+    assert _keys(batches(samples, 2, by_length=True)) == [[1, 3], [2, 4], [0]]
+    assert _keys(batches(samples, 4, by_length=True)) == [[1, 2, 3, 4], [0]]
+    # One at a time there is no padding to save; a benchmark that does not batch by length: the given order.
+    assert _keys(batches(samples, 1, by_length=True)) == [[0], [1], [2], [3], [4]]
+    assert _keys(batches(samples, 2)) == [[0, 1], [2, 3], [4]]
     # Equal lengths keep their order; another max_new_tokens or batch group is another batch.
-    assert _keys(batches([_sample(0, 7), _sample(1, 7), _sample(2, 7)], 2)) == [[0, 1], [2]]
+    assert _keys(batches([_sample(0, 7), _sample(1, 7), _sample(2, 7)], 2, by_length=True)) == [[0, 1], [2]]
     mixed = [_sample(0, 9), _sample(1, 50, max_new_tokens=4), _sample(2, 40), _sample(3, 3, group="b"),
              _sample(4, 60, group="b")]
-    assert _keys(batches(mixed, 2)) == [[0, 2], [1], [3, 4]]
+    assert _keys(batches(mixed, 2, by_length=True)) == [[0, 2], [1], [3, 4]]
+
+
+def test_ruler_scores_take_the_rows_in_the_samples_order(tmp_path):
+    """Rows written batch by batch score as if written in index order. 16 samples of 6 references with these
+    hit counts score 53.12 summed in index order, 53.13 summed in the order of `written` (the float sum of
+    sixths depends on the order)."""
+    from pyramidkv.benchmarks.ruler.run import SampleSet, score_run
+    from pyramidkv.methods import make_method
+
+    hits = [4, 1, 5, 2, 4, 6, 2, 0, 5, 5, 0, 0, 4, 1, 6, 6]
+    written = [8, 5, 0, 9, 14, 4, 7, 12, 1, 10, 15, 11, 3, 6, 13, 2]
+    assert [hits[i] for i in written] == [5, 6, 4, 5, 6, 4, 0, 4, 1, 0, 6, 0, 2, 2, 1, 5]
+    words = ["amber", "birch", "cedar", "delta", "ember", "flint"]
+    sample_set = SampleSet("niah_single_1", 512, [{"index": i, "outputs": words} for i in range(16)], "")
+    scores = []
+    for order in (range(16), written):
+        folder = tmp_path / ("written" if order is written else "indexed")
+        folder.mkdir()
+        (folder / sample_set.file_name).write_text("".join(
+            json.dumps({"index": i, "pred": " ".join(words[:hits[i]]), "outputs": words}) + "\n" for i in order))
+        scores.append(score_run(folder, [sample_set], "m", make_method("snapkv", budget=64))["scores"])
+    assert scores[0] == scores[1] == {"niah_single_1@512": 53.12}
 
 
 def _data_file(folder: Path, lengths: list[int]) -> Path:
