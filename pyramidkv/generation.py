@@ -7,6 +7,7 @@ before the answer is generated (Quest's protocol: the question is seen by decode
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -36,6 +37,7 @@ def generate(
     stop_token_ids: Optional[Sequence[int]] = None,
     min_new_tokens: int = 0,
     questions: Optional[Sequence[str] | Sequence[Sequence[int]]] = None,
+    decode_threads: Optional[int] = None,
 ) -> list[Generation]:
     """Greedy-decode a batch of prompts (strings, or token-id lists) under `method`.
 
@@ -49,9 +51,17 @@ def generate(
     questions: per prompt, a question (string or token ids) fed token by token as decode steps after the
     prompt (then only the context) is prefilled, before the answer is generated; each prompt's question
     may have its own length. `split_prompt` cuts a complete prompt into (context, question) token ids.
+
+    decode_threads: CPU threads for the decode steps (the prompt's forward keeps torch's setting, which is
+    restored afterwards); None: torch's setting throughout. A decode step is a series of small matmuls
+    (batch x hidden rows) bound by reading the weights; split over threads, each waits for the slowest
+    thread, which on a CPU busy with other work costs milliseconds per matmul (measured on 2 shared cores:
+    batch-4 steps at 2 threads 5-20x slower than at 1; docs/ruler.md, "Throughput").
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if decode_threads is not None and decode_threads < 1:
+        raise ValueError(f"decode_threads must be >= 1, got {decode_threads}")
     if len(prompts) == 0:
         return []
     token_lists = _token_lists(tokenizer, prompts, "prompt")
@@ -61,10 +71,10 @@ def generate(
         if len(questions) != len(prompts):
             raise ValueError(f"got {len(questions)} questions for {len(prompts)} prompts")
         return _generate_after_questions(model, tokenizer, token_lists, _token_lists(tokenizer, questions, "question"),
-                                         method, max_new_tokens, stop_token_ids, min_new_tokens)
+                                         method, max_new_tokens, stop_token_ids, min_new_tokens, decode_threads)
     input_ids, attention_mask, width, pad_id = _left_padded(model, tokenizer, token_lists)
     eos = default_stop_token_ids(model, tokenizer) if stop_token_ids is None else [int(t) for t in stop_token_ids]
-    with compress(model, method) as patch:
+    with compress(model, method) as patch, _prompt_then_decode(model, decode_threads):
         cache = patch.new_cache()
         output = model.generate(
             input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
@@ -147,11 +157,12 @@ class _AnswerDone(StoppingCriteria):
 
 
 def _generate_after_questions(model, tokenizer, contexts: list[list[int]], questions: list[list[int]], method: Method,
-                              max_new_tokens: int, stop_token_ids, min_new_tokens: int) -> list[Generation]:
+                              max_new_tokens: int, stop_token_ids, min_new_tokens: int,
+                              decode_threads: Optional[int]) -> list[Generation]:
     input_ids, attention_mask, width, pad_id = _left_padded(model, tokenizer, contexts)
     eos = default_stop_token_ids(model, tokenizer) if stop_token_ids is None else [int(t) for t in stop_token_ids]
     steps = max(len(q) for q in questions) + max_new_tokens
-    with compress(model, method) as patch:
+    with compress(model, method) as patch, _prompt_then_decode(model, decode_threads):
         cache = patch.new_cache()
         output = model.generate(
             input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=steps,
@@ -169,6 +180,32 @@ def _generate_after_questions(model, tokenizer, contexts: list[list[int]], quest
         fed = len(question) + min(cut + 1, len(answer)) - 1
         results.append(Generation(text, len(context) + len(question), cut, cache.kv_bytes(row, tail_tokens=fed)))
     return results
+
+
+@contextmanager
+def _prompt_then_decode(model, decode_threads: Optional[int]):
+    """Around one model.generate(): the prompt's forward computes logits at its last position only, the one
+    generate reads (the whole prompt's [B, n, vocab] logits cost SmolLM2-135M a sixth of the prompt's FLOPs
+    and 1.5 GB at B = 4, n = 2048); with decode_threads, every forward after the prompt's runs on that many
+    threads."""
+    threads = torch.get_num_threads()
+
+    def last_position(module, args):
+        return (args[0][:, -1:], *args[1:]) if args else None
+
+    def after_forward(module, args, output):
+        if decode_threads is not None and torch.get_num_threads() != decode_threads:
+            torch.set_num_threads(decode_threads)
+
+    hooks = [model.get_output_embeddings().register_forward_pre_hook(last_position),
+             model.register_forward_hook(after_forward)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 def _left_padded(model, tokenizer, token_lists: list[list[int]]):

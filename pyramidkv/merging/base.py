@@ -100,8 +100,8 @@ def merge_prompt(rule: MergeRule, keys: torch.Tensor, values: torch.Tensor, posi
     heads, n, _ = keys.shape
     real_len = n - pad
     counts = [len(p) for p in positions]
-    out_keys = [keys[h, idx] for h, idx in enumerate(positions)]
-    out_values = [values[h, idx] for h, idx in enumerate(positions)]
+    out_keys = [keys[h].index_select(0, idx) for h, idx in enumerate(positions)]   # not keys[h, idx]: kept.py
+    out_values = [values[h].index_select(0, idx) for h, idx in enumerate(positions)]
     evicting = [h for h in range(heads) if counts[h] < real_len]
     if not evicting:
         return out_keys, out_values

@@ -160,6 +160,10 @@ def add_model_and_method_args(parser: argparse.ArgumentParser) -> list[str]:
     r = parser.add_argument_group("run")
     r.add_argument("--num_threads", type=int, default=None,
                    help="CPU threads for torch (when not given: torch's choice; 1 is faster on a busy shared CPU)")
+    r.add_argument("--decode_threads", type=int, default=None,
+                   help="CPU threads for the decode steps, the prompt's forward keeping --num_threads (when not "
+                        "given: the same); a decode step's small matmuls lose more to waiting for a thread on a "
+                        "busy CPU than a second thread brings, the more so in batches: 1 there")
     r.add_argument("--overwrite", action="store_true",
                    help="delete the run folder's earlier results first (needed to rerun a folder with other "
                         "settings: a resume must match the stored configuration)")
@@ -178,8 +182,9 @@ def fail(parser: argparse.ArgumentParser, error: BaseException) -> None:
 
 
 def check_run_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.num_threads is not None and args.num_threads < 1:
-        parser.error(f"--num_threads must be >= 1, got {args.num_threads}")
+    for flag in ("num_threads", "decode_threads"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
 
 
 def apply_num_threads(args: argparse.Namespace) -> None:

@@ -66,6 +66,9 @@ class Benchmark:
     prog = ""
     description = ""
     key = "index"
+    # Batches of more than one sample are formed longest prompt first (see `batches`), so the rows of a file
+    # come batch by batch; only for a benchmark whose scores do not depend on the order of the rows.
+    batch_by_length = False
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """The benchmark's own flags (its --save_dir included)."""
@@ -248,8 +251,11 @@ def check_samples(files: list[SampleFile], method, config, model_path: str,
 
 
 def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], out_dir: Path) -> None:
-    """Decode every sample not yet in its predictions file, one appended row each; the model loads only when
-    a sample is pending. Batches hold samples of one file with one max_new_tokens."""
+    """Decode every sample not yet in its predictions file, one appended row each, flushed as its batch ends;
+    the model loads only when a sample is pending. Batches hold samples of one file with one max_new_tokens
+    (see `batches`): a file's rows come in the order of its samples, or, where the benchmark batches by length
+    and batches hold more than one sample, batch by batch, longest prompts first; rows are keyed, so a resumed
+    run decodes exactly the samples missing."""
     from tqdm import tqdm
 
     from pyramidkv.runner.results import ResultsWriter
@@ -272,16 +278,9 @@ def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], 
                                                   device=args.device, dtype=args.dtype, model_class=args.model_class)
                 bar.set_postfix_str(sample_file.name)
                 stops = benchmark.stop_token_ids(model, tokenizer, sample_file)
-                for batch in _batches(pending, args.eval_batch_size):
-                    from pyramidkv.generation import generate
-
-                    prompts, questions = [s.prompt for s in batch], None
-                    if args.question_as_decode:
-                        prompts = [s.prompt[:s.question_start] for s in batch]
-                        questions = [s.prompt[s.question_start:] for s in batch]
-                    outputs = generate(model, tokenizer, prompts, method, max_new_tokens=batch[0].max_new_tokens,
-                                       stop_token_ids=stops, min_new_tokens=sample_file.min_new_tokens,
-                                       questions=questions)
+                for batch in batches(pending, args.eval_batch_size, benchmark.batch_by_length):
+                    outputs = decode_batch(model, tokenizer, method, batch, stops, sample_file.min_new_tokens,
+                                           args.question_as_decode, args.decode_threads)
                     for sample, output in zip(batch, outputs):
                         writer.append(benchmark.prediction_row(sample, output))
                     bar.update(len(batch))
@@ -294,9 +293,34 @@ def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], 
         print(f"all {total} sample(s) already done; scoring only")
 
 
-def _batches(samples: list[Sample], size: int) -> list[list[Sample]]:
-    groups: dict[tuple, list[Sample]] = {}
-    for sample in samples:
-        groups.setdefault((sample.max_new_tokens, sample.batch_group), []).append(sample)
-    return [group[i:i + size] for group in groups.values() for i in range(0, len(group), size)]
+def decode_batch(model, tokenizer, method, batch: list[Sample], stop_token_ids: Optional[list[int]],
+                 min_new_tokens: int, question_as_decode: bool, decode_threads: Optional[int] = None) -> list:
+    """One batch of samples (one max_new_tokens) through generate(): the prompts whole, or with
+    question_as_decode each context prefilled and its question part fed as decode steps; decode_threads:
+    CPU threads of the decode steps (None: torch's setting)."""
+    from pyramidkv.generation import generate
 
+    prompts, questions = [s.prompt for s in batch], None
+    if question_as_decode:
+        prompts = [s.prompt[:s.question_start] for s in batch]
+        questions = [s.prompt[s.question_start:] for s in batch]
+    return generate(model, tokenizer, prompts, method, max_new_tokens=batch[0].max_new_tokens,
+                    stop_token_ids=stop_token_ids, min_new_tokens=min_new_tokens, questions=questions,
+                    decode_threads=decode_threads)
+
+
+def batches(samples: list[Sample], size: int, by_length: bool = False) -> list[list[Sample]]:
+    """Batches of at most `size` samples, each of one max_new_tokens and one batch_group, in the given order;
+    with by_length (and size > 1) longest prompt first, so a batch holds prompts of near lengths: little left
+    padding to compute, and prompts of one length need no padding mask at all (with one, SDPA takes its
+    slower path). Within a batch the samples keep their given order."""
+    groups: dict[tuple, list[tuple[int, Sample]]] = {}
+    for given, sample in enumerate(samples):
+        groups.setdefault((sample.max_new_tokens, sample.batch_group), []).append((given, sample))
+    out = []
+    for group in groups.values():
+        if by_length and size > 1:
+            group = sorted(group, key=lambda item: -len(item[1].prompt))   # stable: equal lengths keep their order
+        for start in range(0, len(group), size):
+            out.append([sample for _, sample in sorted(group[start:start + size], key=lambda item: item[0])])
+    return out

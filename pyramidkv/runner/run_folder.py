@@ -28,6 +28,7 @@ NON_GENERATING_ARGS = {
     "save_dir": "the folder itself",
     "overwrite": "how to treat old results, not how to make new ones",
     "num_threads": "CPU threads: same arithmetic, other speed",
+    "decode_threads": "CPU threads of the decode steps (same reason)",
     "eval": "score afterwards",
     "print_run_dir": "prints the folder and exits",
     "eval_batch_size": "left-padded batches are built to give each prompt's own output "

@@ -4,9 +4,10 @@
 
 1. samples: RULER-format JSONL from --data_file / --data_dir, else generated offline for the model's
    tokenizer and cached in `{cache_dir}/{model}/{task}_{length}.jsonl` (default cache_dir: {save_dir}/data);
-2. greedy decoding (batches of --eval_batch_size, left padding) under the method;
+2. greedy decoding (batches of --eval_batch_size, left padding, longest prompts first) under the method;
 3. one prediction row per sample in `{save_dir}/{model}_{budget}/{method}/{task}_{length}.jsonl`
-   ({"index", "pred", "outputs", "length", "prompt_tokens", "kv_bytes"}), flushed and fsynced as written;
+   ({"index", "pred", "outputs", "length", "prompt_tokens", "kv_bytes"}), flushed and fsynced as each batch
+   ends, in the order the batches run (longest prompts first above batch size 1: not in index order);
    a rerun skips the indices already there (kill -9 safe); with --question_as_decode the part of each
    prompt after its haystack is fed as decode steps (the folder `{method}_question_as_decode`);
 4. scores (string_match_all / string_match_part, x100) -> results.json + results.csv in the run folder.
@@ -49,6 +50,7 @@ class Ruler(Benchmark):
     prog = "run_ruler.py"
     description = "RULER (offline generator) under a KV-cache compression method: samples, predictions, scores."
     key = "index"
+    batch_by_length = True   # score_run takes the rows in the samples' order
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         r = parser.add_argument_group("RULER")
@@ -228,8 +230,9 @@ def score_run(out_dir: Path, sets: Sequence[SampleSet], model_name: str, method)
     scores, counts = {}, {}
     for s in sets:
         path = out_dir / s.file_name
-        wanted = {row["index"] for row in s.rows}
-        rows = [r for r in read_unique_rows(path, "index") if r["index"] in wanted] if path.is_file() else []
+        done = {r["index"]: r for r in read_unique_rows(path, "index")} if path.is_file() else {}
+        # In the samples' order, whatever order the batches wrote them in: the sum's rounding is the same.
+        rows = [done[row["index"]] for row in s.rows if row["index"] in done]
         if not rows:
             continue
         scores[s.key] = score_task(s.task, [r["pred"] for r in rows], [r["outputs"] for r in rows])
