@@ -8,9 +8,10 @@ time split by phase, and a check that every batch size predicts the same.
 Everything after `--` is run_ruler.py's command line (`--decode_threads 1` runs the decode steps on one
 thread, the prompt's forward on --num_threads): the samples are the runner's (same generator, cache,
 chat template and tokenisation), batched by the runner's `batches` and decoded by its `decode_batch`;
-nothing is written but the generated samples cache. Each repeat runs every batch size over all samples,
-in turn (the order reversed on every other repeat), so a burst of load from the machine's other work hits
-the sizes alike; the model loads once.
+nothing is written but the generated samples cache. Each repeat takes the samples one batch of the largest
+size at a time and runs that batch at every size in turn (the order alternating from batch to batch), so a
+burst of load from the machine's other work, which comes and goes within minutes, hits the sizes alike; the
+model loads once.
 
 Phases, summed over a pass (all samples at one batch size):
   tokenise      the runner's tokenisation of every sample (once per repeat, outside the samples/min)
@@ -76,21 +77,21 @@ class PhaseClock:
                 hook.remove()
 
 
-def run_pass(model, tokenizer, method, files, batch_size: int, benchmark, run: argparse.Namespace):
-    """All samples at one batch size: (seconds, phase seconds, decode steps, {(file, key): prediction})."""
+def run_samples(model, tokenizer, method, sample_file, samples, batch_size: int, benchmark, run: argparse.Namespace):
+    """Some samples of one file at one batch size, batched as the runner batches: (seconds, phase seconds,
+    decode steps, {(file, key): prediction})."""
     from pyramidkv.runner.protocol import batches, decode_batch
 
     clock = PhaseClock(model)
     predictions = {}
+    stops = benchmark.stop_token_ids(model, tokenizer, sample_file)
     start = time.perf_counter()
     with clock.running():
-        for sample_file in files:
-            stops = benchmark.stop_token_ids(model, tokenizer, sample_file)
-            for batch in batches(sample_file.samples, batch_size, benchmark.batch_by_length):
-                outputs = decode_batch(model, tokenizer, method, batch, stops, sample_file.min_new_tokens,
-                                       run.question_as_decode, run.decode_threads)
-                for sample, output in zip(batch, outputs):
-                    predictions[(sample_file.name, sample.key)] = output.text
+        for batch in batches(samples, batch_size, benchmark.batch_by_length):
+            outputs = decode_batch(model, tokenizer, method, batch, stops, sample_file.min_new_tokens,
+                                   run.question_as_decode, run.decode_threads)
+            for sample, output in zip(batch, outputs):
+                predictions[(sample_file.name, sample.key)] = output.text
     seconds = time.perf_counter() - start
     phases = dict(clock.seconds)
     phases["prefill"] -= phases["compression"]   # the cache's prefill step runs inside the prompt forward
@@ -137,24 +138,43 @@ def main() -> int:
           f"{args.repeats} repeats, {torch.get_num_threads()} threads, decode threads "
           f"{run.decode_threads or torch.get_num_threads()}", flush=True)
 
+    from pyramidkv.runner.protocol import batches
+
+    largest = max(args.batch_sizes)
     rates = {size: [] for size in args.batch_sizes}
     phases = {size: [] for size in args.batch_sizes}
-    steps = {}
+    steps = {size: 0 for size in args.batch_sizes}
     reference, differing = None, []
     tokenise = []
     with torch.no_grad():
         for repeat in range(args.repeats):
             tokenise.append(tokenise_seconds(tokenizer, benchmark))
-            order = args.batch_sizes if repeat % 2 == 0 else args.batch_sizes[::-1]
-            for size in order:
-                seconds, split, steps[size], predictions = run_pass(model, tokenizer, method, files, size, benchmark,
-                                                                    run)
-                rates[size].append(60 * count / seconds)
-                phases[size].append(split)
-                reference = reference or predictions
-                differing += [(size, key) for key, text in predictions.items() if text != reference[key]]
-                print(f"repeat {repeat + 1}, batch {size}: {seconds:7.1f} s, {rates[size][-1]:6.2f} samples/min  "
-                      + "  ".join(f"{phase} {value:6.1f}" for phase, value in split.items()), flush=True)
+            seconds = {size: 0.0 for size in args.batch_sizes}
+            split = {size: dict.fromkeys(("prefill", "compression", "decode", "overhead"), 0.0)
+                     for size in args.batch_sizes}
+            steps = {size: 0 for size in args.batch_sizes}
+            predictions = {size: {} for size in args.batch_sizes}
+            turn = 0
+            for sample_file in files:
+                # One batch of the largest size at a time, run at every size in turn (the order alternating).
+                for chunk in batches(sample_file.samples, largest, benchmark.batch_by_length):
+                    order = args.batch_sizes if turn % 2 == 0 else args.batch_sizes[::-1]
+                    turn += 1
+                    for size in order:
+                        took, parts, decode_steps, texts = run_samples(model, tokenizer, method, sample_file, chunk,
+                                                                       size, benchmark, run)
+                        seconds[size] += took
+                        steps[size] += decode_steps
+                        predictions[size].update(texts)
+                        for phase, value in parts.items():
+                            split[size][phase] += value
+            for size in args.batch_sizes:
+                rates[size].append(60 * count / seconds[size])
+                phases[size].append(split[size])
+                reference = reference or predictions[size]
+                differing += [(size, key) for key, text in predictions[size].items() if text != reference[key]]
+                print(f"repeat {repeat + 1}, batch {size}: {seconds[size]:7.1f} s, {rates[size][-1]:6.2f} samples/min"
+                      "  " + "  ".join(f"{phase} {value:6.1f}" for phase, value in split[size].items()), flush=True)
 
     first = args.batch_sizes[0]
     print(f"\ntokenise: {statistics.median(tokenise) / count * 1e3:.1f} ms per sample (outside samples/min)")
