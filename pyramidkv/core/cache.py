@@ -111,11 +111,6 @@ class CompressedCache(Cache):
     def is_prefilled(self, layer_idx: int) -> bool:
         return self.layers[layer_idx] is not None
 
-    def real_positions(self, n: int, device) -> torch.Tensor:
-        """[B, n] bool: False at each prompt's left padding."""
-        pads = torch.tensor(self.pad_lens or [0], device=device)
-        return torch.arange(n, device=device)[None, :] >= pads[:, None]
-
     def needs_column_sums(self, bsz: int, n: int) -> bool:
         """True: the prefill attention over a [bsz, n] prompt batch should also return its column sums
         (the method scores a compressed prompt by them, or decoding starts accumulating from them)."""

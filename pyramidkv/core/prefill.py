@@ -34,7 +34,7 @@ from pyramidkv.core.channels import prune_key_channels
 from pyramidkv.core.context import CompressionMethod, ScoreContext
 from pyramidkv.core.cross_layer import layer_pairs
 from pyramidkv.core.kept import KeptKV
-from pyramidkv.core.scoring import scores_per_stored_head, window_attention
+from pyramidkv.core.scoring import real_positions, scores_per_stored_head, window_attention
 from pyramidkv.core.selection import select_kept_positions
 from pyramidkv.merging.base import merge_prompt
 
@@ -82,9 +82,12 @@ class PromptCompressor:
     def compressed(self, b: int) -> bool:
         return self.real_lens[b] > self.nominal_budget(self.real_lens[b])
 
+    def any_compressed(self) -> bool:
+        return any(self.compressed(b) for b in range(len(self.pad_lens)))
+
     def needs_column_sums(self) -> bool:
         """True: the method scores by the attention's column sums and some prompt is compressed."""
-        return self.method.needs_column_sums and any(self.compressed(b) for b in range(len(self.pad_lens)))
+        return self.method.needs_column_sums and self.any_compressed()
 
     def score(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               pattern=None, column_sums: Optional[torch.Tensor] = None) -> ScoredLayer:
@@ -98,10 +101,9 @@ class PromptCompressor:
         else:
             stored_keys, stored_values = keys, values
         scores = raw = merge_attention = None
-        if any(self.compressed(b) for b in range(len(self.pad_lens))):
+        if self.any_compressed():
             n = keys.shape[2]
-            pads = torch.tensor(self.pad_lens, device=keys.device)
-            real = torch.arange(n, device=keys.device)[None, :] >= pads[:, None]
+            real = real_positions(self.pad_lens, n, keys.device)
             raw = method.score(ScoreContext(layer_idx, model.num_layers, queries, keys, values, real, pattern,
                                             column_sums))
             scores = scores_per_stored_head(raw, method, model.num_kv_heads, model.num_query_heads)

@@ -15,6 +15,11 @@ import torch
 import torch.nn.functional as F
 
 
+def real_positions(pad_lens: list[int], n: int, device) -> torch.Tensor:
+    """[B, n] bool: False at each prompt's left padding (pad_lens: per prompt its padding tokens)."""
+    return torch.arange(n, device=device)[None, :] >= torch.tensor(pad_lens, device=device)[:, None]
+
+
 def grouped_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """q.k^T / sqrt(D) for every query head against its KV head.
 

@@ -19,11 +19,7 @@ from typing import Optional
 
 import torch
 
-from pyramidkv.core.scoring import attention_column_sums, window_attention
-
-
-def _real(pad_lens: list[int], n: int, device) -> torch.Tensor:
-    return torch.arange(n, device=device)[None, :] >= torch.tensor(pad_lens, device=device)[:, None]
+from pyramidkv.core.scoring import attention_column_sums, real_positions, window_attention
 
 
 class TokenRows:
@@ -52,7 +48,7 @@ class AccumulatedAttention(TokenRows):
         if column_sums is not None:  # the attention pass computed them
             raw_scores = column_sums
         elif raw_scores is None:  # every prompt kept whole: the column sums are still the starting totals
-            raw_scores = attention_column_sums(queries, keys, _real(pad_lens, keys.shape[2], keys.device),
+            raw_scores = attention_column_sums(queries, keys, real_positions(pad_lens, keys.shape[2], keys.device),
                                                pattern=pattern)
         heads = raw_scores.shape[1]
         if heads != self.num_query_heads:
@@ -94,7 +90,7 @@ class AttentionHistory(TokenRows):
     def observe_prefill(self, layer_idx, queries, keys, raw_scores, pad_lens, pattern=None, column_sums=None) -> None:
         """The last w prompt rows: attention [B, Hq, w', n] (NaN where not visible) and levels [B, w']."""
         n = keys.shape[2]
-        real = _real(pad_lens, n, keys.device)
+        real = real_positions(pad_lens, n, keys.device)
         rows = window_attention(queries, keys, real, self.window, pattern)      # [B, Hq, w', n]
         w = rows.shape[2]
         query_pos = torch.arange(n - w, n, device=keys.device)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pyramidkv.core.cache import CompressedCache
-from pyramidkv.core.scoring import attention_with_column_sums
+from pyramidkv.core.scoring import attention_with_column_sums, real_positions
 from pyramidkv.sparse_prefill.attention import sparse_prefill_attention
 
 # (q, k, cos, sin) -> (q, k) with RoPE applied: the model file's apply_rotary_pos_emb
@@ -120,7 +120,7 @@ def compressed_attention_forward(
             cache.prefill_density[module.layer_idx] = density
         elif not output_attentions and cache.needs_column_sums(bsz, q_len):
             out, column_sums = attention_with_column_sums(queries, keys, values,
-                                                          cache.real_positions(q_len, keys.device))
+                                                          real_positions(pads, q_len, keys.device))
             out = out.transpose(1, 2)
         else:
             out, weights = full_attention(module, implementation, queries, keys, values, attention_mask,
