@@ -6,7 +6,9 @@ flash_attention_2), so the prompt's logits are unchanged, unless the method has 
 sparse prefill attention (MInference), which computes only its pattern's entries
 (pyramidkv/sparse_prefill/), or scores by the attention's column sums (H2O), which
 come out of one chunked pass with the output (equal to the model's kernel to float
-rounding); then the cache keeps the tokens the method selects.
+rounding); under sdpa a left-padded batch runs each prompt's own tokens causally
+(causal_per_prompt: equal to the masked kernel to float rounding, and to the prompt
+alone); then the cache keeps the tokens the method selects.
 Later forwards append their K/V to the cache and attend over what it stores.
 """
 
@@ -47,8 +49,10 @@ def repeat_kv(states: torch.Tensor, group: int) -> torch.Tensor:
     return states[:, :, None].expand(bsz, heads, group, n, dim).reshape(bsz, heads * group, n, dim)
 
 
-def full_attention(module, implementation: str, queries, keys, values, attention_mask, position_ids, output_attentions):
-    """Attention over the full prompt, the same computation as transformers 4.44.2 does it.
+def full_attention(module, implementation: str, queries, keys, values, attention_mask, position_ids, output_attentions,
+                   pad_lens: Optional[list[int]] = None):
+    """Attention over the full prompt, the same computation as transformers 4.44.2 does it, except that a
+    left-padded batch under sdpa runs each prompt's own tokens with `is_causal` (see causal_per_prompt).
 
     Returns (output [B, n, Hq, D], weights or None).
     """
@@ -64,6 +68,8 @@ def full_attention(module, implementation: str, queries, keys, values, attention
         )
         return out, None
     keys, values = repeat_kv(keys, group), repeat_kv(values, group)
+    if implementation == "sdpa" and not output_attentions and pad_lens and any(pad_lens) and keys.shape[-2] == q_len:
+        return causal_per_prompt(queries, keys, values, pad_lens).transpose(1, 2), None
     mask = None if attention_mask is None else attention_mask[:, :, :, : keys.shape[-2]]
     if implementation == "sdpa" and not output_attentions:
         if queries.device.type == "cuda" and mask is not None:
@@ -77,6 +83,21 @@ def full_attention(module, implementation: str, queries, keys, values, attention
     weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(queries.dtype)
     out = torch.matmul(weights, values)
     return out.transpose(1, 2), (weights if output_attentions else None)
+
+
+def causal_per_prompt(queries, keys, values, pad_lens: list[int]) -> torch.Tensor:
+    """Causal sdpa over each prompt of a left-padded batch alone, its padding cut off: [B, Hq, n, D], 0 at padding.
+
+    The same attention as sdpa under the batch's padding mask (to float rounding), and the same computation as
+    the prompt alone in a batch of one; with a mask, sdpa's kernel cannot skip the keys after each query, which
+    made a padded batch's prefill ~25% slower per prompt at 2,048 tokens than running the prompts one by one.
+    keys, values: [B, Hq, n, D] (repeated to the query heads).
+    """
+    out = queries.new_zeros(queries.shape)
+    for b, pad in enumerate(pad_lens):
+        out[b, :, pad:] = F.scaled_dot_product_attention(queries[b:b + 1, :, pad:], keys[b:b + 1, :, pad:],
+                                                         values[b:b + 1, :, pad:], is_causal=True)[0]
+    return out
 
 
 def compressed_attention_forward(
@@ -124,7 +145,7 @@ def compressed_attention_forward(
             out = out.transpose(1, 2)
         else:
             out, weights = full_attention(module, implementation, queries, keys, values, attention_mask,
-                                          position_ids, output_attentions)
+                                          position_ids, output_attentions, pads)
         cache.prefill(module.layer_idx, queries, keys, values, position_ids, pattern, column_sums)
     else:
         out = cache.decode_step(module.layer_idx, queries, keys, values, position_ids).transpose(1, 2)
