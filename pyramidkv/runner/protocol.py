@@ -312,8 +312,8 @@ def decode_batch(model, tokenizer, method, batch: list[Sample], stop_token_ids: 
 def batches(samples: list[Sample], size: int, by_length: bool = False) -> list[list[Sample]]:
     """Batches of at most `size` samples, each of one max_new_tokens and one batch_group, in the given order;
     with by_length (and size > 1) longest prompt first, so a batch holds prompts of near lengths: little left
-    padding to compute, and prompts of one length need no padding mask at all (with one, SDPA takes its
-    slower path). Within a batch the samples keep their given order."""
+    padding to compute (under sdpa a padded batch's prompt forward runs each prompt alone, causally; under eager
+    the padding is computed and masked). Within a batch the samples keep their given order."""
     groups: dict[tuple, list[tuple[int, Sample]]] = {}
     for given, sample in enumerate(samples):
         groups.setdefault((sample.max_new_tokens, sample.batch_group), []).append((given, sample))
