@@ -22,11 +22,12 @@ Outliers and a low-rank term fold too (GEAR: x ~ D + L + S, D the grouped part a
 S outliers that REPLACE D + L at their entries). Products are linear, so each adds a small correction:
 
   low rank   keys: scores += (q @ right) @ left[start:stop]^T;  values: out += (p @ left[start:stop]) @ right^T
-  outliers   for each outlier (t, d) in [start, stop), delta = value - (D + L)[t, d], gathered per call from
-             the k stored entries only (the code's byte and shift, its group's scale and zero, left[t] . right[d]):
+  outliers   for each outlier (t, d) in [start, stop), delta = value - (D + L)[t, d], gathered once per block
+             from the k stored entries only (the code's byte and shift, its group's scale and zero,
+             left[t] . right[d]) and kept on the block object (float32, derived: not in the stored bytes):
              keys: scores[:, t] += q[d] * delta;  values: out[d] += p[t] * delta  (two scatter-adds).
 
-Nothing derived is kept between calls. Per-row codebooks (KVQuant `nuq` decode groups), group sizes that split
+Apart from that delta, nothing derived is kept between calls. Per-row codebooks (KVQuant `nuq` decode groups), group sizes that split
 a byte and KVQuant's per-row outliers (see FOLD_ROW_OUTLIERS) are dequantized span by span (`dequantize_span`)
 instead; KVQuant keys, stored before RoPE, are dequantized and rotated by the cache (core/quantized.py).
 """
@@ -158,13 +159,15 @@ def folds(block: QuantizedBlock, row_codebook: Optional[torch.Tensor] = None) ->
             and (FOLD_ROW_OUTLIERS or not row_outliers))
 
 
-def outlier_corrections(block: QuantizedBlock, start: int, stop: int
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For the block's outliers: (t - start, d, delta), each [N, K] (K outliers per leading row), with
-    delta = outlier value - (D + L)[t, d] in float32, the amount an outlier adds over the dense and low-rank
-    parts it replaces. Outliers outside [start, stop) get delta 0 and t - start clamped into the span, so a
-    scatter-add of them adds nothing. (D + L)[t, d] is read from the K stored entries only: the code's byte
-    and shift, its group's scale and zero, and left[t] . right[d]."""
+def outlier_delta(block: QuantizedBlock) -> torch.Tensor:
+    """float32 [N, K]: outlier value - (D + L)[t, d] for each of the block's outliers (t * D + d as in
+    flat_outlier_index), the amount an outlier adds over the dense and low-rank parts it replaces. (D + L)[t, d]
+    is read from the K stored entries only: the code's byte and shift, its group's scale and zero, and
+    left[t] . right[d]. Computed once per block object and kept on it (4 bytes per outlier, derived, not part of
+    the stored bytes: `nbytes()` and the cache's byte counts leave it out)."""
+    delta = block.__dict__.get("_outlier_delta")
+    if delta is not None:
+        return delta
     n, tokens, dim = block.shape
     nbits, per = block.nbits, 8 // block.nbits
     flat = block.flat_outlier_index()                                           # [N, K]: t * D + d
@@ -182,7 +185,19 @@ def outlier_corrections(block: QuantizedBlock, start: int, stop: int
         right = block.right.gather(1, d.unsqueeze(-1).expand(-1, -1, rank)).float()
         dense = dense + (left * right).sum(-1)
     delta = block.outlier_value.reshape(n, -1).float() - dense
-    local = t - start
+    object.__setattr__(block, "_outlier_delta", delta)                          # frozen dataclass: a derived cache
+    return delta
+
+
+def outlier_corrections(block: QuantizedBlock, start: int, stop: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the block's outliers: (t - start, d, delta), each [N, K] (K outliers per leading row), delta from
+    `outlier_delta`. Outliers outside [start, stop) get delta 0 and t - start clamped into the span, so a
+    scatter-add of them adds nothing."""
+    n, tokens, dim = block.shape
+    flat = block.flat_outlier_index()
+    t, d, delta = flat.div(dim, rounding_mode="floor"), flat.remainder(dim), outlier_delta(block)
+    local = t - start if start else t
     if start > 0 or stop < tokens:
         inside = (local >= 0) & (local < stop - start)
         delta = delta.masked_fill(~inside, 0.0)
