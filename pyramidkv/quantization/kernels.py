@@ -16,8 +16,20 @@ the large one is only the levels (the codes as floats), never the dequantized ke
 Levels come from one table lookup per packed byte: a 256-entry table whose entry b holds the float32
 levels of byte b's 8 / nbits codes as one wide element (complex128 at 2 bits, int64 at 4, float32 at 8),
 so a byte becomes its levels in a single copy. They land in reused scratch buffers, so a decode step
-allocates no multi-MB temporaries. Blocks with outliers, a low-rank term or per-row codebooks (KVQuant,
-GEAR) and group sizes that split a byte are dequantized span by span (`dequantize_span`) instead.
+allocates no multi-MB temporaries.
+
+Outliers and a low-rank term fold too (GEAR: x ~ D + L + S, D the grouped part above, L = left @ right^T,
+S outliers that REPLACE D + L at their entries). Products are linear, so each adds a small correction:
+
+  low rank   keys: scores += (q @ right) @ left[start:stop]^T;  values: out += (p @ left[start:stop]) @ right^T
+  outliers   for each outlier (t, d) in [start, stop), delta = value - (D + L)[t, d], gathered once per block
+             from the k stored entries only (the code's byte and shift, its group's scale and zero,
+             left[t] . right[d]) and kept on the block object (float32, derived: not in the stored bytes):
+             keys: scores[:, t] += q[d] * delta;  values: out[d] += p[t] * delta  (two scatter-adds).
+
+Apart from that delta, nothing derived is kept between calls. Per-row codebooks (KVQuant `nuq` decode groups), group sizes that split
+a byte and KVQuant's per-row outliers (see FOLD_ROW_OUTLIERS) are dequantized span by span (`dequantize_span`)
+instead; KVQuant keys, stored before RoPE, are dequantized and rotated by the cache (core/quantized.py).
 """
 
 from __future__ import annotations
@@ -130,11 +142,67 @@ def dequantize_span(block: QuantizedBlock, start: int, stop: int, dtype: torch.d
     return x.to(dtype)
 
 
+# KVQuant's per-vector outliers (outlier_layout "row") fold the same way (tests/quantization/test_folded_attention.py
+# checks them with this on), but stay on the dequantized path: folding them moves snapkv+kvquant's decode off its
+# engine-snapshot record by more than rounding (a window token quantized at once lands on the other side of a
+# level boundary, 1-7 code bytes of 3072 per layer, logits up to 0.07 apart, same tokens). GEAR's are "head".
+FOLD_ROW_OUTLIERS = False
+
+
 def folds(block: QuantizedBlock, row_codebook: Optional[torch.Tensor] = None) -> bool:
-    """Whether the block's products can fold scale and zero into the small operand: no outliers, no low-rank
-    term, no per-row codebooks, and groups of whole bytes (a code's group is its byte's)."""
-    return (block.outlier_index is None and block.left is None and row_codebook is None
-            and block.group_size % (8 // block.nbits) == 0)
+    """Whether the block's products can fold scale and zero into the small operand: no per-row codebooks and
+    groups of whole bytes (a code's group is its byte's). A low-rank term and outliers fold as corrections (the
+    low-rank products in key_scores / weighted_values, `outlier_corrections`): GEAR's per-head outliers always,
+    KVQuant's per-row ones only with FOLD_ROW_OUTLIERS."""
+    row_outliers = block.outlier_index is not None and block.outlier_layout == "row"
+    return (row_codebook is None and block.group_size % (8 // block.nbits) == 0
+            and (FOLD_ROW_OUTLIERS or not row_outliers))
+
+
+def outlier_delta(block: QuantizedBlock) -> torch.Tensor:
+    """float32 [N, K]: outlier value - (D + L)[t, d] for each of the block's outliers (t * D + d as in
+    flat_outlier_index), the amount an outlier adds over the dense and low-rank parts it replaces. (D + L)[t, d]
+    is read from the K stored entries only: the code's byte and shift, its group's scale and zero, and
+    left[t] . right[d]. Computed once per block object and kept on it (4 bytes per outlier, derived, not part of
+    the stored bytes: `nbytes()` and the cache's byte counts leave it out)."""
+    delta = block.__dict__.get("_outlier_delta")
+    if delta is not None:
+        return delta
+    n, tokens, dim = block.shape
+    nbits, per = block.nbits, 8 // block.nbits
+    flat = block.flat_outlier_index()                                           # [N, K]: t * D + d
+    t, d = flat.div(dim, rounding_mode="floor"), flat.remainder(dim)
+    row, pos = (d, t) if block.layout == "channel" else (t, d)                  # code row, position in it
+    byte = block.codes.reshape(n, -1).gather(1, row * block.codes.shape[-1] + pos.div(per, rounding_mode="floor"))
+    code = byte.long().bitwise_right_shift(pos.remainder(per) * nbits).bitwise_and((1 << nbits) - 1)
+    level = code.float() if block.codebook is None else block.codebook.float()[code]
+    group = row * block.scale.shape[-1] + pos.div(block.group_size, rounding_mode="floor")
+    dense = torch.addcmul(block.zero.reshape(n, -1).gather(1, group).float(), level,
+                          block.scale.reshape(n, -1).gather(1, group).float())
+    if block.left is not None:
+        rank = block.rank
+        left = block.left.gather(1, t.unsqueeze(-1).expand(-1, -1, rank)).float()
+        right = block.right.gather(1, d.unsqueeze(-1).expand(-1, -1, rank)).float()
+        dense = dense + (left * right).sum(-1)
+    delta = block.outlier_value.reshape(n, -1).float() - dense
+    object.__setattr__(block, "_outlier_delta", delta)                          # frozen dataclass: a derived cache
+    return delta
+
+
+def outlier_corrections(block: QuantizedBlock, start: int, stop: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the block's outliers: (t - start, d, delta), each [N, K] (K outliers per leading row), delta from
+    `outlier_delta`. Outliers outside [start, stop) get delta 0 and t - start clamped into the span, so a
+    scatter-add of them adds nothing."""
+    n, tokens, dim = block.shape
+    flat = block.flat_outlier_index()
+    t, d, delta = flat.div(dim, rounding_mode="floor"), flat.remainder(dim), outlier_delta(block)
+    local = t - start if start else t
+    if start > 0 or stop < tokens:
+        inside = (local >= 0) & (local < stop - start)
+        delta = delta.masked_fill(~inside, 0.0)
+        local = local.clamp(0, stop - start - 1)
+    return local, d, delta
 
 
 # The dtype of one table entry that holds the 8 / nbits float32 levels of a byte.
@@ -196,7 +264,8 @@ def key_scores(block: QuantizedBlock, queries: torch.Tensor, start: int, stop: i
     scores[n, r, t] = queries[n, r] . keys[n, t]. start and stop: multiples of the group size.
 
     Folded: one batched matmul over (segment, group j) of the query scaled by scale[:, j] with the levels of
-    group j [D, G], plus the bias queries . zero[:, j]; otherwise the dequantized span."""
+    group j [D, G], plus the bias queries . zero[:, j]; then the low-rank term (queries @ right) @ left^T and,
+    at each outlier (t, d) of the span, queries[d] * delta; otherwise the dequantized span."""
     if not folds(block, row_codebook):
         keys = dequantize_span(block, start, stop, torch.float32, row_codebook, scratch)
         return queries.float() @ keys.transpose(1, 2)
@@ -215,15 +284,25 @@ def key_scores(block: QuantizedBlock, queries: torch.Tensor, start: int, stop: i
                        out=_buffer(scratch, "scaled_queries", (n, groups, rows, dim), torch.float32, q.device))
     bias = torch.bmm(zero.transpose(1, 2).float(), q.transpose(1, 2))           # [N, J, rows]
     scores = torch.baddbmm(bias.view(n * groups, rows, 1), scaled.view(n * groups, rows, dim), levels)
-    return scores if groups == 1 else scores.view(n, groups, rows, g).transpose(1, 2).reshape(n, rows, groups * g)
+    if groups > 1:
+        scores = scores.view(n, groups, rows, g).transpose(1, 2).reshape(n, rows, groups * g)
+    if block.left is not None:                                                 # + (q @ right) @ left^T
+        scores.baddbmm_(torch.bmm(q, block.right.float()), block.left[:, start:stop].float().transpose(1, 2))
+    if block.outlier_index is not None:                                        # + q[d] * delta at (t, d)
+        local, channel, delta = outlier_corrections(block, start, stop)
+        shape = (n, rows, local.shape[1])
+        scores.scatter_add_(2, local.unsqueeze(1).expand(shape),
+                            q.gather(2, channel.unsqueeze(1).expand(shape)) * delta.unsqueeze(1))
+    return scores
 
 
 def weighted_values(block: QuantizedBlock, probs: torch.Tensor, start: int, stop: int, dtype: torch.dtype,
                     row_codebook: Optional[torch.Tensor] = None, scratch: Optional[Scratch] = None) -> torch.Tensor:
     """probs [N, rows, stop - start] @ the block's values (token layout) [start, stop) -> [N, rows, D] in dtype.
 
-    Folded: for each channel group j, (probs * scale[:, j]) @ levels[:, group j] + probs @ zero[:, j];
-    otherwise the dequantized span."""
+    Folded: for each channel group j, (probs * scale[:, j]) @ levels[:, group j] + probs @ zero[:, j]; then
+    the low-rank term (probs @ left) @ right^T and, at each outlier (t, d) of the span, probs[t] * delta added
+    to channel d; otherwise the dequantized span."""
     if not folds(block, row_codebook):
         return probs @ dequantize_span(block, start, stop, dtype, row_codebook, scratch)
     n, tokens, dim = block.shape
@@ -239,4 +318,12 @@ def weighted_values(block: QuantizedBlock, probs: torch.Tensor, start: int, stop
     offset = torch.bmm(p, zero.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format).transpose(1, 2))
     parts = [torch.baddbmm(offset[:, :, j:j + 1], scaled[:, j], levels[:, :, j * g:(j + 1) * g])
              for j in range(dim // g)]
-    return (torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]).to(dtype)
+    out = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+    if block.left is not None:                                                 # + (p @ left) @ right^T
+        out.baddbmm_(torch.bmm(p, block.left[:, start:stop].float()), block.right.float().transpose(1, 2))
+    if block.outlier_index is not None:                                        # + p[t] * delta at channel d
+        local, channel, delta = outlier_corrections(block, start, stop)
+        shape = (n, rows, local.shape[1])
+        out.scatter_add_(2, channel.unsqueeze(1).expand(shape),
+                         p.gather(2, local.unsqueeze(1).expand(shape)) * delta.unsqueeze(1))
+    return out.to(dtype)
