@@ -27,9 +27,10 @@ S outliers that REPLACE D + L at their entries). Products are linear, so each ad
              left[t] . right[d]) and kept on the block object (float32, derived: not in the stored bytes):
              keys: scores[:, t] += q[d] * delta;  values: out[d] += p[t] * delta  (two scatter-adds).
 
-Apart from that delta, nothing derived is kept between calls. Per-row codebooks (KVQuant `nuq` decode groups), group sizes that split
-a byte and KVQuant's per-row outliers (see FOLD_ROW_OUTLIERS) are dequantized span by span (`dequantize_span`)
-instead; KVQuant keys, stored before RoPE, are dequantized and rotated by the cache (core/quantized.py).
+KVQuant's per-vector outliers fold the same way. Apart from that delta, nothing derived is kept between
+calls. Per-row codebooks (KVQuant `nuq` decode groups) and group sizes that split a byte are dequantized
+span by span (`dequantize_span`) instead; KVQuant keys, stored before RoPE, are dequantized and rotated by
+the cache (core/quantized.py).
 """
 
 from __future__ import annotations
@@ -142,21 +143,12 @@ def dequantize_span(block: QuantizedBlock, start: int, stop: int, dtype: torch.d
     return x.to(dtype)
 
 
-# KVQuant's per-vector outliers (outlier_layout "row") fold the same way (tests/quantization/test_folded_attention.py
-# checks them with this on), but stay on the dequantized path: folding them moves snapkv+kvquant's decode off its
-# engine-snapshot record by more than rounding (a window token quantized at once lands on the other side of a
-# level boundary, 1-7 code bytes of 3072 per layer, logits up to 0.07 apart, same tokens). GEAR's are "head".
-FOLD_ROW_OUTLIERS = False
-
-
 def folds(block: QuantizedBlock, row_codebook: Optional[torch.Tensor] = None) -> bool:
     """Whether the block's products can fold scale and zero into the small operand: no per-row codebooks and
     groups of whole bytes (a code's group is its byte's). A low-rank term and outliers fold as corrections (the
-    low-rank products in key_scores / weighted_values, `outlier_corrections`): GEAR's per-head outliers always,
-    KVQuant's per-row ones only with FOLD_ROW_OUTLIERS."""
-    row_outliers = block.outlier_index is not None and block.outlier_layout == "row"
-    return (row_codebook is None and block.group_size % (8 // block.nbits) == 0
-            and (FOLD_ROW_OUTLIERS or not row_outliers))
+    low-rank products in key_scores / weighted_values, `outlier_corrections`): GEAR's per-head outliers and
+    KVQuant's per-vector ones alike."""
+    return row_codebook is None and block.group_size % (8 // block.nbits) == 0
 
 
 def outlier_delta(block: QuantizedBlock) -> torch.Tensor:

@@ -14,7 +14,6 @@ import pyramidkv.core.quantized as quantized_module
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.quantized import QuantizedStore
 from pyramidkv.quantization import GEARQuantizer, KIVIQuantizer, KVQuantQuantizer
-from pyramidkv.quantization import kernels
 from pyramidkv.quantization.kernels import Scratch, folds, key_scores, weighted_values
 from pyramidkv.quantization.stack import BlockStack, split_groups, splits
 
@@ -130,12 +129,6 @@ def planted_block(quantizer, layout: str, heads: int, tokens: int, edges: list[i
     return block
 
 
-@pytest.fixture
-def row_outliers_fold(monkeypatch):
-    """KVQuant's per-row outliers fold only with kernels.FOLD_ROW_OUTLIERS (off in the cache: see kernels.py)."""
-    monkeypatch.setattr(kernels, "FOLD_ROW_OUTLIERS", True)
-
-
 GEAR_SETTINGS = {   # id -> (quantizer, decoding): rank 4 at prefill, rank 2 while decoding, one part alone
     "gear-prefill-rank4": (GEARQuantizer(group_size=16, residual_length=16), False),
     "gear-decode-rank2": (GEARQuantizer(group_size=16, residual_length=16), True),
@@ -148,7 +141,7 @@ GEAR_SETTINGS = {   # id -> (quantizer, decoding): rank 4 at prefill, rank 2 whi
 
 
 @pytest.mark.parametrize("setting", list(GEAR_SETTINGS))
-def test_key_scores_fold_outliers_and_low_rank_terms(setting, row_outliers_fold):
+def test_key_scores_fold_outliers_and_low_rank_terms(setting):
     quantizer, decoding = GEAR_SETTINGS[setting]
     g, tokens = quantizer.group_size, 8 * quantizer.group_size
     edges = [0, g - 1, g, 3 * g - 1, 3 * g, tokens - g, tokens - 1]
@@ -168,7 +161,7 @@ def test_key_scores_fold_outliers_and_low_rank_terms(setting, row_outliers_fold)
 
 
 @pytest.mark.parametrize("setting", list(GEAR_SETTINGS))
-def test_weighted_values_fold_outliers_and_low_rank_terms(setting, row_outliers_fold):
+def test_weighted_values_fold_outliers_and_low_rank_terms(setting):
     quantizer, decoding = GEAR_SETTINGS[setting]
     g, tokens = quantizer.group_size, 8 * quantizer.group_size
     edges = [0, 6, 7, 3 * g - 1, 3 * g, tokens - 1]
@@ -206,14 +199,12 @@ def test_stacked_gear_decode_rows_fold():
 
 
 def test_blocks_that_do_not_fold_are_dequantized_with_the_same_result():
-    """Groups that split a byte, per-row codebooks (KVQuant nuq decode groups) and KVQuant's per-row outliers
-    (FOLD_ROW_OUTLIERS off): the dequantized span."""
+    """Groups that split a byte and per-row codebooks (KVQuant nuq decode groups): the dequantized span."""
     quantizer = KIVIQuantizer(nbits=2, group_size=2, residual_length=0)
     keys, values = random_block(quantizer, "channel", 2, 64, 6), random_block(quantizer, "token", 2, 64, 7)
     assert not folds(keys) and not folds(values)
     kvquant = KVQuantQuantizer(group_size=16, residual_length=0)
-    assert not folds(random_block(kvquant, "channel", 2, 64, 6)) and not folds(random_block(kvquant, "token", 2, 64, 7))
-    assert folds(random_block(GEARQuantizer(group_size=16), "token", 2, 64, 7))
+    assert folds(random_block(kvquant, "token", 2, 64, 7)) and folds(random_block(GEARQuantizer(group_size=16), "token", 2, 64, 7))
     nuq = KVQuantQuantizer(group_size=16, residual_length=0, datatype="nuq")
     nuq_keys, nuq_values = random_block(nuq, "channel", 2, 64, 6), random_block(nuq, "token", 2, 64, 7)
     books = nuq_keys.codebook.unsqueeze(0).expand(2, -1), nuq_values.codebook.unsqueeze(0).expand(2, -1)
@@ -308,7 +299,7 @@ def test_store_attention_equals_float64_softmax_over_ragged_segments(nbits, grou
                                        GEARQuantizer(group_size=32, residual_length=32, rank=0, decode_rank=0),
                                        KVQuantQuantizer(group_size=16, residual_length=0, sink_tokens=0)],
                          ids=["gear", "gear-outliers-only", "kvquant-values"])
-def test_store_attention_over_blocks_read_whole_equals_a_float64_softmax(quantizer, row_outliers_fold):
+def test_store_attention_over_blocks_read_whole_equals_a_float64_softmax(quantizer):
     """GEAR's prefill blocks keep their outliers and low-rank factors (read whole, not split into groups), its
     decode groups are stacked with theirs; attention folds both (the outliers and low-rank terms as
     corrections). Two prompts of ragged heads, prefill blocks read in spans cut inside them. The reference is
