@@ -199,9 +199,10 @@ class QuantizedStore(LayerStore):
                 q = group.queries(grouped if whole else grouped[group.segments])
                 scores = torch.cat([self._key_scores(group.keys, q, a, min(a + step, stop), None, group.positions)
                                     for a in range(0, stop, step)], dim=-1).to(dtype)
-                if not whole:
+                if whole:
+                    pre = scores
+                else:
                     pre[group.segments, :, :group.tokens] = scores
-                pre = scores if whole else pre
             parts.append(pre)
         # Stacked groups: a grid [S * J, rows, G] (the group in slot j of segment s in cell s * J + j), read as
         # [S, rows, J * G].

@@ -88,22 +88,12 @@ class Scratch:
 def levels_of(codes: torch.Tensor, nbits: int, count: int, codebook: Optional[torch.Tensor],
             row_codebook: Optional[torch.Tensor], scratch: Optional[Scratch] = None) -> torch.Tensor:
     """Packed codes uint8 [n, V, bytes] -> fp32 levels [n, V, count] (the code itself, or its codebook level).
-    codebook: [2^nbits] shared; row_codebook: [n, 2^nbits], one per leading row."""
-    table = _code_table(nbits, codes.device)                                   # [256, per_byte]
+    codebook: [2^nbits] shared (or none: `unpack_levels`); row_codebook: [n, 2^nbits], one per leading row."""
+    if row_codebook is None:
+        return unpack_levels(codes, nbits, codebook, scratch, name="span_levels")[..., :count]
     n, rows, nbytes = codes.shape
-    per_byte = 8 // nbits
-    if row_codebook is not None:
-        ints = table.index_select(0, codes.reshape(-1).int()).view(n, -1)
-        levels = row_codebook.float().gather(1, ints)
-    else:
-        lut = table.float() if codebook is None else codebook.float()[table]
-        if scratch is None:
-            levels = lut.index_select(0, codes.reshape(-1).int())
-        else:
-            index = scratch.take("index", codes.shape, torch.int32, codes.device).copy_(codes).view(-1)
-            out = scratch.take("levels", (index.numel(), per_byte), torch.float32, codes.device)
-            levels = torch.index_select(lut, 0, index, out=out)
-    return levels.view(n, rows, nbytes * per_byte)[..., :count]
+    ints = _code_table(nbits, codes.device).index_select(0, codes.reshape(-1).int()).view(n, -1)
+    return row_codebook.float().gather(1, ints).view(n, rows, nbytes * (8 // nbits))[..., :count]
 
 
 def dequantize_span(block: QuantizedBlock, start: int, stop: int, dtype: torch.dtype,
