@@ -12,6 +12,12 @@ by lines indented deeper (`setting_help` reads them; the command line's help com
 setting that only matters when another one is on names it in `only_with` ({"seed": "sampling"}):
 giving it without the other is an error, never silently ignored.
 
+A *flat* unit (`flat = True`: a method's selection knobs, decode budget, page selection, key channels,
+layer sharing) names its fields as its owner's own settings (`page_size`, `decode_interval`), so its owner
+labels and describes them inline, as if they were its own fields: a flat unit that is off (None) reads as
+its `switch` at `switch_off` (`key_channel_ratio=0`, `cross_layer_merge=False`) and its other fields at
+their defaults.
+
 This module imports nothing of pyramidkv (floor 0 of the layering in docs/architecture.md).
 """
 
@@ -163,6 +169,13 @@ class Component:
     setting_labels: ClassVar[dict[str, str]] = {}
     # setting -> the setting that must be on (not None, not False) for it to have any effect.
     only_with: ClassVar[dict[str, str]] = {}
+    # A flat unit's settings read as its owner's (see the module docstring); `switch` is the setting that turns
+    # it on (a field of the unit, or a name of its own such as cross_layer_merge) and `switch_off` its value off.
+    flat: ClassVar[bool] = False
+    switch: ClassVar[str] = ""
+    switch_off: ClassVar[object] = None
+    # An owner's settings that hold flat units, by the unit class they hold when on ({"pages": QuestPages}).
+    flat_units: ClassVar[dict[str, type]] = {}
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -188,10 +201,17 @@ class Component:
         """Range checks; raise ValueError naming the setting, the value and what is allowed."""
 
     def describe(self) -> dict:
-        """The full configuration: the name and every setting (nested units as their own describe())."""
-        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {self.kind_key: self.name,
-                **{k: v.describe() if isinstance(v, Component) else v for k, v in settings.items()}}
+        """The full configuration: the name and every setting (nested units as their own describe(), flat
+        units inline)."""
+        out = {self.kind_key: self.name}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            flat = self.flat_units.get(f.name)
+            if flat is not None:
+                out.update(flat_settings(type(value) if value is not None else flat, value))
+            else:
+                out[f.name] = value.describe() if isinstance(value, Component) else value
+        return out
 
     def changed_settings(self) -> list[tuple[str, object]]:
         """(setting, value) for every setting that differs from its default, in field order."""
@@ -207,8 +227,27 @@ class Component:
         for setting, value in self.changed_settings():
             if setting in self.unlabelled:
                 continue
-            if isinstance(value, Component) and type(value) is type(defaults[setting]):
+            flat = self.flat_units.get(setting)
+            if flat is not None:
+                flat = type(value) if value is not None else type(defaults[setting]) if defaults[setting] else flat
+                before, after = flat_settings(flat, defaults[setting]), flat_settings(flat, value)
+                parts.extend(f"{name}={_text(v)}" for name, v in after.items()
+                             if v != before.get(name) and name not in self.unlabelled)
+            elif isinstance(value, Component) and type(value) is type(defaults[setting]):
                 parts.extend(f"{name}={_text(v)}" for name, v in value.changed_settings())
             else:
                 parts.append(f"{setting}={_text(value)}")
         return self.label_separator.join(parts)
+
+
+def flat_settings(cls: "type[Component]", unit: "Component | None") -> dict:
+    """A flat unit's settings as its owner shows them: {switch: on/off (when not a field), every field}; a unit
+    that is off (None) as its switch at switch_off and its other fields at their defaults."""
+    fields = dataclasses.fields(cls)
+    names = [f.name for f in fields]
+    out = {}
+    if cls.switch and cls.switch not in names:
+        out[cls.switch] = cls.switch_off if unit is None else not cls.switch_off
+    for f in fields:
+        out[f.name] = (cls.switch_off if f.name == cls.switch else f.default) if unit is None else getattr(unit, f.name)
+    return out

@@ -3,8 +3,8 @@
 The patched attention (pyramidkv/models/attention.py) talks to it through two entry points:
 
   prefill(layer, q, k, v)      after the model's own attention over the prompt: the prefill pipeline
-                               (prefill.py) decides what the layer keeps and a store is built from it,
-                               full precision (full_precision.py) or quantized (quantized.py);
+                               (prefill.py) decides what the layer keeps and the layer's store is built
+                               from it by the store kind the method's units name (`STORES`);
   decode_step(layer, q, k, v)  the new tokens are appended to the layer's store and attended over
                                everything it holds; with a decode_budget the decode compressor
                                (decoding.py) may then re-select.
@@ -26,16 +26,26 @@ from pyramidkv.allocation.base import ModelShape
 from pyramidkv.core.context import CompressionMethod
 from pyramidkv.core.decoding import DecodeCompressor
 from pyramidkv.core.full_precision import FullPrecisionStore
-from pyramidkv.core.cross_layer import layer_pairs
-from pyramidkv.core.kept import KeptKV
-from pyramidkv.core.merged_pair import MergedPair, PairedLayerStore
+from pyramidkv.core.merged_pair import PairedLayerStore
 from pyramidkv.core.paged import PagedStore
-from pyramidkv.core.pages import PageSettings
 from pyramidkv.core.prefill import PromptCompressor
 from pyramidkv.core.quantized import QuantizedStore
 from pyramidkv.core.rotary import RotaryTable
-from pyramidkv.core.store import Heads, LayerStore
+from pyramidkv.core.store import Heads, LayerStore, StoreSetup
 from pyramidkv.quantization.kernels import Scratch
+
+# Store kinds: the unit that needs one names it (`store_kind`: page selection -> paged, a quantizer ->
+# quantized, layer sharing -> paired); a method whose units name none gets full_precision.
+STORES: dict[str, type[LayerStore]] = {"full_precision": FullPrecisionStore, "paged": PagedStore,
+                                       "quantized": QuantizedStore, "paired": PairedLayerStore}
+
+
+def store_kind(method: CompressionMethod) -> str:
+    """The store kind the method's units name (the first of them; a method refuses two different ones)."""
+    for unit in (method.pages, method.layer_sharing, method.quant_method):
+        if unit is not None:
+            return unit.store_kind
+    return "full_precision"
 
 
 def left_padding_lengths(attention_mask: Optional[torch.Tensor], batch_size: int, seq_len: int) -> list[int]:
@@ -82,11 +92,19 @@ class CompressedCache(Cache):
             raise ValueError(f"{quantizer.name} stores keys before RoPE: the cache needs the model's rotary module")
         self.rotary = None if rotary_emb is None else RotaryTable(rotary_emb)
         self.scratch = None if quantizer is None else Scratch()  # dequantization buffers shared by the layers
-        self.decoding = None if method.decode_budget is None else \
+        self.store_class = STORES[store_kind(method)]
+        missing = [a for a in self._abilities_needed() if a not in self.store_class.abilities]
+        if missing:  # make_method refuses these; an object driving the engine directly is checked here
+            raise ValueError(f"{method.name}: the {store_kind(method)} store lacks the abilities {missing} it needs")
+        self.decoding = None if method.decode is None else \
             DecodeCompressor(method, self.layers, num_query_heads, self.stored_heads)
-        self.pairs = layer_pairs(method.cross_layer_start, num_layers) if method.cross_layer_merge else {}
-        self.pages = PageSettings(method.page_size, method.page_min_count, method.page_keep_last,
-                                  method.page_selection) if method.selects_pages else None
+        self.setup: Optional[StoreSetup] = None
+
+    def _abilities_needed(self) -> list[str]:
+        if self.method.decode is None:
+            return []
+        statistics = self.method.accumulates_attention or self.method.history_window is not None
+        return ["reselect"] + (["attention_statistics"] if statistics else [])
 
     # ---- transformers Cache API -------------------------------------------------------------
     def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
@@ -140,33 +158,16 @@ class CompressedCache(Cache):
             self.decoding.observe_prefill(layer_idx, queries, keys, scored.raw_scores, self.pad_lens, pattern,
                                           column_sums)
         ready = self.prompt.keep(layer_idx, scored)
-        for layer, kept in ready.items():
-            if layer in self.pairs:  # a merged pair: one storage, a store per layer reading it
-                pair = MergedPair(kept, ready[layer + 1], self.prompt.real_lens, self.method.cross_layer_t,
-                                  self.method.cross_layer_retain)
-                self.layers[layer], self.layers[layer + 1] = PairedLayerStore(pair, 0), PairedLayerStore(pair, 1)
-            elif layer - 1 not in self.pairs:
-                self.layers[layer] = self._new_store(layer, kept, position_ids)
+        if self.setup is None:
+            self.setup = StoreSetup(self.prompt.real_lens, self.pad_lens, position_ids, self.method, self.num_layers,
+                                    self.rotary, self.scratch)
+        for layer, store in self.store_class.build(ready, self.setup).items():
+            self.layers[layer] = store
         held = self.kv_bytes() + self.prompt.waiting_bytes()
         self.peak_prefill_kv_bytes = max(self.peak_prefill_kv_bytes, held, self.prompt.peak_waiting_bytes)
         if self.decoding is not None:
             for layer in ready:
                 self.decoding.after_prefill(layer)
-
-    def _new_store(self, layer_idx: int, kept: list[KeptKV], position_ids: Optional[torch.Tensor]) -> LayerStore:
-        quantizer = self.method.quant_method
-        if self.pages is not None and layer_idx >= self.method.page_dense_layers:
-            budgets = [self.method.decode_page_budget(n) for n in self.prompt.real_lens]
-            return PagedStore(kept, self.prompt.real_lens, self.pages, budgets)
-        if quantizer is None:
-            return FullPrecisionStore(kept, self.prompt.real_lens)
-        quantizer.check_head_dim(kept[0].keys.shape[-1])
-        rope = []
-        for b, (kv, pad) in enumerate(zip(kept, self.pad_lens)):
-            padded = torch.cat(kv.all_positions()) + pad
-            ids = None if position_ids is None else position_ids[min(b, position_ids.shape[0] - 1)]
-            rope.append(padded if ids is None else ids[padded].long())
-        return QuantizedStore(quantizer, kept, rope, self.prompt.real_lens, self.rotary, self.scratch)
 
     @torch.no_grad()
     def decode_step(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

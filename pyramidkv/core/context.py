@@ -15,6 +15,7 @@ import torch
 
 if TYPE_CHECKING:
     from pyramidkv.allocation.base import ModelShape
+    from pyramidkv.capabilities import DecodeBudget, MiniCacheSharing, QuestPages, Selection, ThinKChannels
     from pyramidkv.merging.base import MergeRule
     from pyramidkv.quantization.base import Quantizer
     from pyramidkv.sparse_prefill.base import PrefillPattern, SparsePrefill
@@ -66,44 +67,25 @@ class DecodeScoreContext(ScoreContext):
 
 
 class CompressionMethod(Protocol):
-    """Exactly what the engine reads of a method (see pyramidkv/methods/base.py for their meaning)."""
+    """Exactly what the engine reads of a method (see pyramidkv/methods/base.py for their meaning). The units
+    are read through their own settings (pyramidkv/capabilities): `decode` (decode_budget, decode_interval),
+    `selection` (num_sinks, random_fraction, random_seed), `channels` (ThinK), `pages` (Quest), `layer_sharing`
+    (MiniCache); the units that need a layer store kind name it (`store_kind`)."""
 
     name: ClassVar[str]
-    needs_budget: ClassVar[bool]            # False: every token is kept (fullkv)
     accumulates_attention: ClassVar[bool]   # the cache accumulates received attention while decoding (H2O)
     needs_column_sums: ClassVar[bool]       # the prefill attention pass returns its column sums (H2O's score)
     history_window: Optional[int]           # the cache keeps each token's last attention rows (Scissorhands)
     window_size: int
     gqa_layout: str                         # "kv_head" | "query_head"
     gqa_reduce: str                         # "mean" | "max" | "sum"
+    selection: "Selection"                  # sinks and the random share of the one selection rule
     merge: Optional["MergeRule"]
     quant_method: Optional["Quantizer"]
-    decode_budget: Optional[int]
-    decode_interval: int
-    num_sinks: int                          # first prompt tokens always kept
-    random_fraction: float                  # share of the selected tokens drawn from softmax(score) at prefill
-    random_seed: int
-    key_channel_ratio: float                # ThinK: share of key channels pruned (0: none)
-    key_recent_size: int                    # most recent kept tokens whose keys stay full width
-    key_query_window: int                   # prompt queries that score the key channels
-    page_size: int                          # Quest: tokens per page
-    page_min_count: int                     # Quest: pages attended at least
-    page_keep_last: bool                    # Quest: the newest token's page is always attended
-    page_dense_layers: int                  # Quest: the first layers attend densely
-    page_selection: str                     # Quest: "query_head" | "group_max" | "group_mean"
-    cross_layer_merge: bool                 # MiniCache: adjacent layer pairs share their K/V directions
-    cross_layer_start: Optional[int]        # MiniCache: first layer of the first pair (None: the middle)
-    cross_layer_t: float                    # MiniCache: SLERP weight of the upper layer
-    cross_layer_retain: float               # MiniCache: share of token pairs kept unmerged
-    prefill_attention: Optional["SparsePrefill"]  # sparse prefill attention (MInference); None: the model's own
-
-    @property
-    def selects_pages(self) -> bool:
-        """True: decode attention reads only the top pages of each segment (Quest)."""
-
-    def decode_page_budget(self, real_len: int) -> Optional[int]:
-        """Quest: the tokens of the pages attended per stored head and decode step, for a prompt of
-        real_len tokens (None: attention reads everything held)."""
+    decode: Optional["DecodeBudget"]        # compression during decoding (None: none)
+    channels: Optional["ThinKChannels"]     # ThinK's thin keys (None: full width)
+    pages: Optional["QuestPages"]           # Quest's decode-time pages (None: dense decode attention)
+    layer_sharing: Optional["MiniCacheSharing"]  # MiniCache's merged layer pairs (None: none)
 
     @property
     def layer_budgets_need_scores(self) -> bool:
@@ -113,10 +95,10 @@ class CompressionMethod(Protocol):
         """[B, Hq or Hkv, n] importance of each prompt position (higher = keep)."""
 
     def decode_score(self, ctx: DecodeScoreContext) -> torch.Tensor:
-        """[R, g or 1, m] importance of each held token at a decode-time re-selection."""
+        """Importance of each held token at a decode-time re-selection (score()'s layout)."""
 
     def prompt_budget(self, real_len: int) -> int:
-        """The per-layer budget (window included) for a prompt of real_len tokens."""
+        """The per-layer budget (window included) for a prompt of real_len tokens (real_len: kept whole)."""
 
     def layer_budgets(self, budget: int, num_layers: int, prompt_len: int,
                       layer_scores: Optional[list[torch.Tensor]] = None) -> list[int]:

@@ -62,8 +62,8 @@ class DecodeCompressor:
         self.method = method
         self.stores = stores
         self.num_layers = len(stores)
-        self.budget: int = method.decode_budget
-        self.interval: int = method.decode_interval
+        self.budget: int = method.decode.decode_budget
+        self.interval: int = method.decode.decode_interval
         self.limit = self.budget + self.interval  # a head holding this many tokens triggers a compression
         self.buffer_size = max(method.window_size, 1)
         self.group = num_query_heads // stored_heads  # query heads per stored head
@@ -183,7 +183,7 @@ class DecodeCompressor:
         kept = []
         for r, (k, v, p, a) in enumerate(heads):
             chosen = select_kept_positions(scores[r:r + 1], pads[r], [min(self.budget, len(p))], method.window_size,
-                                           method.num_sinks)[0]
+                                           method.selection.num_sinks)[0]
             index = chosen - pads[r]
             new_keys, new_values = k[index], v[index]
             if method.merge is not None and len(index) < len(p):

@@ -13,14 +13,20 @@ import torch
 
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.layout import DecodeLayout
-from pyramidkv.core.store import Heads, LayerStore
+from pyramidkv.core.store import AttentionStatistics, Heads, LayerStore, Reselectable, StoreSetup
 
 # The tail buffer grows by this many tokens, or by an eighth of its length when that is more:
 # amortised O(1) appends, at most max(128 tokens, 12.5 %) of the tail allocated but unused.
 TAIL_GROWTH_TOKENS = 128
 
 
-class FullPrecisionStore(LayerStore):
+class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
+    abilities = ("reselect", "attention_statistics")
+
+    @classmethod
+    def open(cls, kept: list[KeptKV], setup: StoreSetup, layer_idx: int) -> "FullPrecisionStore":
+        return cls(kept, setup.real_lens)
+
     def __init__(self, kept: list[KeptKV], real_lens: list[int]):
         """kept: per prompt what the prefill kept; real_lens: per prompt its real (unpadded) length."""
         self.kept = kept

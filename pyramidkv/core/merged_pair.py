@@ -23,8 +23,9 @@ from typing import Optional
 import torch
 
 from pyramidkv.core.cross_layer import merge_pair, retained_tokens
+from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.kept import KeptKV
-from pyramidkv.core.store import Heads, LayerStore
+from pyramidkv.core.store import Heads, LayerStore, StoreSetup
 
 INDEX_BYTES = 8  # retained indices are int64
 
@@ -212,6 +213,20 @@ class MergedPair:
 
 class PairedLayerStore(LayerStore):
     """One layer of a merged pair (which = 0: the lower layer, 1: the upper)."""
+
+    @classmethod
+    def build(cls, kept: dict[int, list[KeptKV]], setup: StoreSetup) -> dict[int, LayerStore]:
+        """Layers outside the unit's pairs get a full-precision store; a pair's two layers come together."""
+        sharing = setup.method.layer_sharing
+        pairs = sharing.pairs(setup.num_layers)
+        stores: dict[int, LayerStore] = {}
+        for layer, kv in kept.items():
+            if layer in pairs:
+                pair = MergedPair(kv, kept[layer + 1], setup.real_lens, sharing.cross_layer_t, sharing.cross_layer_retain)
+                stores[layer], stores[layer + 1] = cls(pair, 0), cls(pair, 1)
+            elif layer - 1 not in pairs:
+                stores[layer] = FullPrecisionStore(kv, setup.real_lens)
+        return stores
 
     def __init__(self, pair: MergedPair, which: int):
         self.pair, self.which = pair, which

@@ -20,11 +20,24 @@ import torch
 
 from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.kept import KeptKV
+from pyramidkv.core.store import StoreSetup
 from pyramidkv.core.pages import (PageSettings, PageTable, choose_pages, page_tokens, pages_to_attend,
                                   tokens_read)
 
 
 class PagedStore(FullPrecisionStore):
+    # Attention reads only the chosen pages: statistics over every held token would count attention never computed.
+    abilities = ("reselect",)
+
+    @classmethod
+    def open(cls, kept: list[KeptKV], setup: StoreSetup, layer_idx: int) -> FullPrecisionStore:
+        """Layers below the unit's dense layers attend densely: they get a full-precision store."""
+        pages = setup.method.pages
+        if layer_idx < pages.page_dense_layers:
+            return FullPrecisionStore(kept, setup.real_lens)
+        settings = PageSettings(pages.page_size, pages.page_min_count, pages.page_keep_last, pages.page_selection)
+        return cls(kept, setup.real_lens, settings, [pages.budget_for(n) for n in setup.real_lens])
+
     def __init__(self, kept: list[KeptKV], real_lens: list[int], settings: PageSettings, budgets: list[int]):
         """budgets: per prompt, the tokens of the pages each of its segments attends per step."""
         super().__init__(kept, real_lens)

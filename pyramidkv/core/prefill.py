@@ -32,7 +32,6 @@ import torch
 from pyramidkv.allocation.base import ModelShape
 from pyramidkv.core.channels import prune_key_channels
 from pyramidkv.core.context import CompressionMethod, ScoreContext
-from pyramidkv.core.cross_layer import layer_pairs
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.scoring import real_positions, scores_per_stored_head, window_attention
 from pyramidkv.core.selection import select_kept_positions
@@ -59,7 +58,7 @@ class ScoredLayer:
 def sampling_generator(method: CompressionMethod, layer_idx: int, head: int) -> torch.Generator:
     """The generator of one stored head's random share (CPU, so draws are the same on every device): seeded
     by (random_seed, layer, head) and fresh for each prompt, so a prompt draws the same in any batch."""
-    return torch.Generator().manual_seed((method.random_seed * 1_000_003 + layer_idx) * 1_009 + head)
+    return torch.Generator().manual_seed((method.selection.random_seed * 1_000_003 + layer_idx) * 1_009 + head)
 
 
 class PromptCompressor:
@@ -74,10 +73,10 @@ class PromptCompressor:
         self.layer_budgets: Optional[list[list[int]]] = None      # per prompt, per layer
         self.waiting: dict[int, ScoredLayer] = {}                  # layers scored, not yet kept
         self.peak_waiting_bytes = 0
-        self.pairs = layer_pairs(method.cross_layer_start, model.num_layers) if method.cross_layer_merge else {}
+        self.pairs = {} if method.layer_sharing is None else method.layer_sharing.pairs(model.num_layers)
 
     def nominal_budget(self, real_len: int) -> int:
-        return self.method.prompt_budget(real_len) if self.method.needs_budget else real_len
+        return self.method.prompt_budget(real_len)
 
     def compressed(self, b: int) -> bool:
         return self.real_lens[b] > self.nominal_budget(self.real_lens[b])
@@ -110,7 +109,8 @@ class PromptCompressor:
             if method.merge is not None and method.merge.needs_attention:
                 attention = window_attention(queries, keys, real, method.window_size, pattern).mean(dim=2)  # [B, Hq, n]
                 merge_attention = scores_per_stored_head(attention, method, model.num_kv_heads, model.num_query_heads)
-        last_queries = queries[:, :, -method.key_query_window:] if method.key_channel_ratio > 0 else None
+        channels = method.channels
+        last_queries = None if channels is None else queries[:, :, -channels.key_query_window:]
         return ScoredLayer(stored_keys, stored_values, scores, raw, merge_attention, last_queries)
 
     def keep(self, layer_idx: int, scored: ScoredLayer) -> dict[int, list[KeptKV]]:
@@ -140,7 +140,7 @@ class PromptCompressor:
     def candidates(self, b: int, n: int) -> tuple[int, int]:
         """[first, stop) of prompt b's selectable positions (padded coordinates): not the sinks, not the window."""
         window = min(self.method.window_size, self.real_lens[b])
-        sinks = min(self.method.num_sinks, self.real_lens[b] - window)
+        sinks = min(self.method.selection.num_sinks, self.real_lens[b] - window)
         return self.pad_lens[b] + sinks, n - window
 
     def waiting_bytes(self) -> int:
@@ -191,8 +191,8 @@ class PromptCompressor:
             first, stop = self.candidates(b, n)
             head_budgets = method.head_budgets(scores[b, :, first:stop], budget, selecting, self.model)
             positions = select_kept_positions(
-                scores[b], pad, head_budgets, method.window_size, method.num_sinks, method.random_fraction,
-                lambda head: sampling_generator(method, selecting, head))
+                scores[b], pad, head_budgets, method.window_size, method.selection.num_sinks,
+                method.selection.random_fraction, lambda head: sampling_generator(method, selecting, head))
             merged = None
             if method.merge is not None:
                 seed = method.merge.seed_for(layer_idx)  # one generator per prompt and layer
@@ -203,6 +203,7 @@ class PromptCompressor:
             kept.append(KeptKV.gather(keys[b], values[b], positions, pad, merged))
         if scored.last_queries is not None:
             w = scored.last_queries.shape[2]
-            kept = [prune_key_channels(k, scored.last_queries[b, :, w - min(w, real):], method.key_channel_ratio,
-                                       method.key_recent_size) for b, (k, real) in enumerate(zip(kept, self.real_lens))]
+            channels = method.channels
+            kept = [prune_key_channels(k, scored.last_queries[b, :, w - min(w, real):], channels.key_channel_ratio,
+                                       channels.key_recent_size) for b, (k, real) in enumerate(zip(kept, self.real_lens))]
         return kept

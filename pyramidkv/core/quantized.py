@@ -32,7 +32,7 @@ import torch
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.layout import softmax
 from pyramidkv.core.rotary import RotaryTable
-from pyramidkv.core.store import Heads, LayerStore
+from pyramidkv.core.store import Heads, LayerStore, StoreSetup
 from pyramidkv.quantization.base import Quantizer
 from pyramidkv.quantization.kernels import Scratch, dequantize_span, key_scores, weighted_values
 from pyramidkv.quantization.stack import ByteLedger, DecodeBlocks, PrefillGroup, splits
@@ -42,6 +42,18 @@ CHUNK_ELEMENTS = 1 << 20
 
 
 class QuantizedStore(LayerStore):
+    @classmethod
+    def open(cls, kept: list[KeptKV], setup: StoreSetup, layer_idx: int) -> "QuantizedStore":
+        """Each kept row's RoPE position comes from the prompt's position ids (its padded position without them)."""
+        quantizer = setup.method.quant_method
+        quantizer.check_head_dim(kept[0].keys.shape[-1])
+        rope = []
+        for b, (kv, pad) in enumerate(zip(kept, setup.pad_lens)):
+            padded = torch.cat(kv.all_positions()) + pad
+            ids = setup.position_ids
+            rope.append(padded if ids is None else ids[min(b, ids.shape[0] - 1)][padded].long())
+        return cls(quantizer, kept, rope, setup.real_lens, setup.rotary, setup.scratch)
+
     def __init__(self, quantizer: Quantizer, kept: list[KeptKV], rope_positions: list[torch.Tensor],
                  real_lens: list[int], rotary: Optional[RotaryTable], scratch: Optional[Scratch] = None):
         """kept: per prompt what the prefill kept; rope_positions: per prompt, long [T] RoPE position of

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+from pyramidkv.allocation.uniform import UniformHeads, UniformLayers
 from pyramidkv.methods.base import Method
 
 
@@ -10,3 +11,15 @@ class FullKV(Method):
     name = "fullkv"
     needs_budget = False
     window_size: int = 0
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.head_allocation, UniformHeads) or not isinstance(self.layer_allocation, UniformLayers):
+            raise ValueError(f"{self.name} keeps every token; it takes no budget allocation (got head_allocation="
+                             f"{self.head_allocation.name!r}, layer_allocation={self.layer_allocation.name!r})")
+        if self.budget is not None or self.budget_ratio is not None:
+            raise ValueError(f"{self.name} keeps every token; it takes no budget (got budget={self.budget}, "
+                             f"budget_ratio={self.budget_ratio})")
+        if self.merge is not None:
+            raise ValueError(f"{self.name} keeps every token, so it evicts none to merge; it takes no merge "
+                             f"rule (got merge={self.merge.name!r})")

@@ -9,6 +9,9 @@ make_method("snapkv", budget=256, cross_layer_merge=True) selects once per pair 
 """
 
 from dataclasses import dataclass
+from typing import Optional
+
+from pyramidkv.capabilities import MiniCacheSharing
 
 from pyramidkv.methods.fullkv import FullKV
 
@@ -16,4 +19,4 @@ from pyramidkv.methods.fullkv import FullKV
 @dataclass(frozen=True)
 class MiniCache(FullKV):
     name = "minicache"
-    cross_layer_merge: bool = True
+    layer_sharing: Optional[MiniCacheSharing] = MiniCacheSharing()

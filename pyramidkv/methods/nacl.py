@@ -16,21 +16,19 @@ import torch
 
 from pyramidkv.core.context import ScoreContext
 from pyramidkv.core.scoring import window_attention
+from pyramidkv.capabilities import Selection
 from pyramidkv.methods.base import Method
 
 
 @dataclass(frozen=True)
 class NACL(Method):
-    """Proxy-token scores plus seeded random eviction, at the end of prefill.
+    """Proxy-token scores plus seeded random eviction, at the end of prefill: 4 sinks, and 7/19 of the
+    selected tokens drawn from softmax(score) (the official 7 % at random next to 12 % by score).
 
-    num_sinks: the first prompt tokens every head keeps (attention sinks).
-    random_fraction: the share of each head's selected tokens drawn from softmax(score) (NACL's random
-        eviction; 7/19: the official 7 % at random next to 12 % by score).
     proxy_size: the prompt's last queries (the proxy tokens) whose attention, summed, scores the tokens."""
 
     name = "nacl"
-    num_sinks: int = 4
-    random_fraction: float = 7 / 19
+    selection: Selection = Selection(num_sinks=4, random_fraction=7 / 19)
     proxy_size: int = 32
 
     def validate(self) -> None:

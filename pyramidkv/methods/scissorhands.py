@@ -44,7 +44,7 @@ class Scissorhands(Method):
         if self.history_window < 1:
             raise ValueError(f"history_window must be an integer >= 1 (decode steps whose attention is counted), "
                              f"got {self.history_window!r}")
-        if self.decode_budget is None:
+        if self.decode is None:
             raise ValueError("scissorhands compresses while decoding: it needs decode_budget (the budget B = "
                              "decode_budget + decode_interval, m = decode_interval), e.g. --decode_budget 256")
 

@@ -1,8 +1,11 @@
 """Every setting of a method and of its units under one name, and the method spec that writes a whole
 configuration as one line: `snapkv:budget=128,window_size=8,merge=cam,merge_sampling=true,merge_seed=3`.
 
-Names. A method's own settings keep their field names. A unit's setting (an allocator's, a merge rule's,
-a quantizer's) is named by its field when no other axis and no method has a field of that name
+Names. A method's own settings keep their field names, and so do a capability's (pyramidkv/capabilities: the
+selection knobs, decode budget, page selection, key channels, layer sharing: `page_size`, `decode_interval`):
+its switch (`page_budget`, `decode_budget`, `key_channel_ratio`, `cross_layer_merge=true`) turns it on, and its
+other settings only apply with it. A unit's setting (an allocator's, a merge rule's, a quantizer's) is named
+by its field when no other axis and no method has a field of that name
 (`nbits`, `merge_fraction`), and always also by its axis-qualified name: `head_` / `layer_` / `merge_` /
 `quant_` + field (`quant_rank`, `merge_seed`); a field that starts with its axis prefix is its own
 qualified name (`head_beta`). A bare name that units on two axes share (`seed`: CaM and GEAR) must be
@@ -24,7 +27,8 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from pyramidkv.allocation import HEAD_ALLOCATIONS, LAYER_ALLOCATIONS, make_head_allocation, make_layer_allocation
-from pyramidkv.components import parse_setting, setting_text
+from pyramidkv.capabilities import CAPABILITIES, make_capability
+from pyramidkv.components import flat_settings, parse_setting, setting_text
 from pyramidkv.merging import MERGE_RULES, make_merge_rule
 from pyramidkv.methods.base import Method
 from pyramidkv.quantization import QUANTIZERS, make_quantizer
@@ -40,9 +44,15 @@ class Axis:
     prefix: str
     kind: str
     make: typing.Callable
+    flat: bool = False    # a capability: its settings are named as the method's own, no prefix
 
     def qualified(self, setting: str) -> str:
-        return setting if setting.startswith(self.prefix) else self.prefix + setting
+        return setting if self.flat or setting.startswith(self.prefix) else self.prefix + setting
+
+    @property
+    def unit(self) -> type:
+        """The axis's first unit (a capability axis's settings name it when the axis is off)."""
+        return next(iter(self.registry.values()))
 
     def fields(self) -> dict[str, list[str]]:
         """{setting: [units that have it]} over the registry, in registration order."""
@@ -59,8 +69,17 @@ AXES = (
     Axis("merge", MERGE_RULES, "merge_", "merge rule", make_merge_rule),
     Axis("quant_method", QUANTIZERS, "quant_", "quantizer", make_quantizer),
     Axis("prefill_attention", SPARSE_PREFILLS, "prefill_", "prefill attention", make_sparse_prefill),
+    *(Axis(axis, table, "", next(iter(table.values())).title, lambda name, axis=axis: make_capability(axis, name),
+           flat=True) for axis, table in CAPABILITIES.items()),
 )
 AXIS_BY_FIELD = {axis.field: axis for axis in AXES}
+# Switches that are no field of their unit (cross_layer_merge=true): {switch: its axis}.
+SWITCHES = {axis.unit.switch: axis for axis in AXES if axis.flat and axis.unit.switch
+            and axis.unit.switch not in {f.name for f in dataclasses.fields(axis.unit)}}
+# Switches that are a field of their unit (page_budget, decode_budget, key_channel_ratio): at their off value they
+# turn the capability off.
+FIELD_SWITCHES = {axis.unit.switch: axis for axis in AXES if axis.flat and axis.unit.switch
+                  and axis.unit.switch not in SWITCHES}
 
 
 def _method_fields(cls: type[Method]) -> dict[str, dataclasses.Field]:
@@ -108,7 +127,7 @@ def resolve(cls: type[Method], key: str, chosen: dict[str, Optional[type]]) -> t
         return None, key
     for axis in AXES:
         for setting in axis.fields():
-            if key == axis.qualified(setting) and (key != setting or setting.startswith(axis.prefix)):
+            if key == axis.qualified(setting) and (key != setting or axis.flat or setting.startswith(axis.prefix)):
                 return axis, setting
     having = [axis for axis in AXES if key in axis.fields()]
     if not having:
@@ -144,6 +163,7 @@ def build_method(cls: type[Method], settings: dict, label=None) -> Method:
     even at its default value. label(name) is how errors name a setting (the command line passes its flags)."""
     label = label or (lambda name: name)
     own_fields = _method_fields(cls)
+    settings = _resolve_aliases(cls, settings, label)
     own = {k: v for k, v in settings.items() if k in own_fields}
     chosen = {axis.field: _chosen_unit(axis, own.get(axis.field, own_fields[axis.field].default)) for axis in AXES}
     per_axis: dict[str, dict] = {axis.field: {} for axis in AXES}
@@ -153,6 +173,10 @@ def build_method(cls: type[Method], settings: dict, label=None) -> Method:
             continue
         axis, setting = resolve(cls, key, chosen)
         unit = chosen[axis.field]
+        if unit is None and axis.flat:
+            unit = _switch_on(axis, key, setting, value, chosen, own, label)
+            if unit is None:
+                continue
         if unit is None:
             owners = axis.fields()[setting]
             raise ValueError(f"{label(key)} is a setting of the {axis.kind} {' / '.join(owners)}, but {cls.name} has "
@@ -171,6 +195,9 @@ def build_method(cls: type[Method], settings: dict, label=None) -> Method:
         if not per_axis[axis.field]:
             continue
         current = own.get(axis.field, own_fields[axis.field].default)
+        if isinstance(current, type):   # a capability its switch turned on: built with its settings
+            own[axis.field] = current(**per_axis[axis.field])
+            continue
         base = axis.make(current) if isinstance(current, str) else current
         own[axis.field] = dataclasses.replace(base, **per_axis[axis.field])
     method = cls(**own)
@@ -181,6 +208,38 @@ def build_method(cls: type[Method], settings: dict, label=None) -> Method:
             unit.check_given(per_axis[axis.field], lambda s, a=axis: label(names.get((a.field, s), unit_key(
                 a, s, own_fields))))
     return method
+
+
+def _resolve_aliases(cls: type[Method], settings: dict, label) -> dict:
+    """Settings under the names they stand for: a method's budget aliases (quest: budget -> page_budget) and
+    the switches that are no field (cross_layer_merge=true -> layer_sharing='minicache', false -> None)."""
+    out, given = {}, {}
+    for key, value in settings.items():
+        target = cls.budget_aliases.get(key, key)
+        axis = SWITCHES.get(key) or FIELD_SWITCHES.get(target)
+        if axis is not None and (key in SWITCHES or value == axis.unit.switch_off):  # on / off by its switch
+            target = axis.field
+            if key in SWITCHES and isinstance(value, bool):
+                value = axis.unit.name if value else None
+            elif key not in SWITCHES:
+                value = None
+        if target in out:
+            raise ValueError(f"{label(key)} and {label(given[target])} name the same setting ({target}); give it once")
+        out[target], given[target] = value, key
+    return out
+
+
+def _switch_on(axis: Axis, key: str, setting: str, value, chosen: dict, own: dict, label):
+    """A capability setting given while its axis is off: its switch turns the unit on (None when the value is the
+    switch's off value); any other setting is refused, naming the switch."""
+    unit = axis.unit
+    if setting == unit.switch:
+        if value == unit.switch_off:
+            return None
+        chosen[axis.field] = own[axis.field] = unit
+        return unit
+    raise ValueError(f"{label(key)}={value!r} only applies with {unit.switch} ({unit.title}); set it too, or leave "
+                     f"{label(key)} out")
 
 
 # --- the spec: one line for a whole configuration -----------------------------------------------
@@ -218,6 +277,9 @@ def split_spec(text: str) -> tuple[str, list[tuple[str, str]]]:
 
 def annotation_of(cls: type[Method], key: str, chosen: dict[str, Optional[type]]):
     """The type annotation of the field that setting `key` names (for reading its value from text)."""
+    if key in SWITCHES:
+        return bool
+    key = key if key in _method_fields(cls) else cls.budget_aliases.get(key, key)
     axis, setting = resolve(cls, key, chosen)
     owner = cls if axis is None else chosen[axis.field]
     if owner is None or setting not in {f.name for f in dataclasses.fields(owner)}:
@@ -259,6 +321,12 @@ def method_spec(method: Method) -> str:
         if axis is None:
             if value != default:
                 parts.append((name, value))
+            continue
+        if axis.flat:
+            unit = type(value) if value is not None else type(default) if default is not None else axis.unit
+            before, after = flat_settings(unit, default), flat_settings(unit, value)
+            aliases = {v: k for k, v in type(method).budget_aliases.items()}
+            parts.extend((aliases.get(k, k), v) for k, v in after.items() if v != before.get(k))
             continue
         if value is None:
             if default is not None:

@@ -13,27 +13,26 @@ from dataclasses import dataclass
 import torch
 
 from pyramidkv.core.context import ScoreContext
+from pyramidkv.capabilities import Selection
 from pyramidkv.methods.base import Method
 
 
 @dataclass(frozen=True)
 class StreamingLLM(Method):
-    """StreamingLLM's rule.
-
-    num_sinks: the first prompt tokens always kept (attention sinks); the rest of the budget goes to
-        the most recent tokens.
-    """
+    """StreamingLLM's rule: the first 4 prompt tokens (attention sinks) always kept, the rest of the budget
+    to the most recent tokens."""
 
     name = "streamingllm"
     window_size: int = 0
-    num_sinks: int = 4
+    selection: Selection = Selection(num_sinks=4)
 
     def validate(self) -> None:
         super().validate()
-        if self.budget is not None and self.budget <= self.num_sinks:
-            raise ValueError(f"budget {self.budget} must exceed num_sinks {self.num_sinks} to keep any recent token")
-        if self.decode_budget is not None and self.decode_budget <= self.num_sinks:
-            raise ValueError(f"decode_budget {self.decode_budget} must exceed num_sinks {self.num_sinks} to keep any "
+        sinks = self.selection.num_sinks
+        if self.budget is not None and self.budget <= sinks:
+            raise ValueError(f"budget {self.budget} must exceed num_sinks {sinks} to keep any recent token")
+        if self.decode is not None and self.decode.decode_budget <= sinks:
+            raise ValueError(f"decode_budget {self.decode.decode_budget} must exceed num_sinks {sinks} to keep any "
                              f"recent token")
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:

@@ -7,16 +7,16 @@ pooling. The channel axis composes with any method (`key_channel_ratio` on snapk
 """
 
 from dataclasses import dataclass
+from typing import Optional
+
+from pyramidkv.capabilities import ThinKChannels
 
 from pyramidkv.methods.snapkv import SnapKV
 
 
 @dataclass(frozen=True)
 class ThinK(SnapKV):
-    """SnapKV plus ThinK's key channels, with the official defaults.
-
-    key_channel_ratio: the share of key channels each stored head prunes (ThinK's lambda; 0.4 in the
-        official scripts)."""
+    """SnapKV plus ThinK's key channels, with the official defaults (lambda = 0.4 of the channels pruned)."""
 
     name = "think"
-    key_channel_ratio: float = 0.4
+    channels: Optional[ThinKChannels] = ThinKChannels()

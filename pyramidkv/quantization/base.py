@@ -33,6 +33,8 @@ class Quantizer(Component):
     """
 
     keys_before_rope: ClassVar[bool] = False   # True: the cache must hand over keys before RoPE
+    store_kind: ClassVar[str] = "quantized"    # the layer store a quantized cache needs (pyramidkv/core/cache.py)
+    title: ClassVar[str] = "quantized storage (quant_method)"
 
     nbits: int = 2
     group_size: int = 32

@@ -233,19 +233,21 @@ def _error_without(cls, settings: dict, key: str) -> str:
 
 def budget_label(method: Method) -> str:
     """The budget part of the output folder name: 128, r0.25, or full."""
-    if method.budget is not None:
-        return str(method.budget)
-    if method.budget_ratio is not None:
-        return f"r{method.budget_ratio:g}"
+    budget, ratio = method.budget_pair()
+    if budget is not None:
+        return str(budget)
+    if ratio is not None:
+        return f"r{ratio:g}"
     return "full"
 
 
 def budget_value(method: Method):
     """The budget as results.json records it: an int, "r<ratio>", or None for the full cache."""
-    if method.budget is not None:
-        return method.budget
-    if method.budget_ratio is not None:
-        return f"r{method.budget_ratio:g}"
+    budget, ratio = method.budget_pair()
+    if budget is not None:
+        return budget
+    if ratio is not None:
+        return f"r{ratio:g}"
     return None
 
 

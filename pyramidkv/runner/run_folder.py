@@ -217,7 +217,7 @@ def fingerprint_differences(old: dict, new: dict, argument_defaults: Optional[di
             a = {k: v for k, v in a.items() if (k not in LEGACY_METHOD_ARGS or k in b) and (k in b or v is not None)}
             a.update({k: defaults[k] for k in b if k not in a and k in defaults and b[k] == defaults[k]})
         if section == "method" and isinstance(a, dict) and isinstance(b, dict):
-            a = {**{k: b[k] for k in b if k not in a and k in at_default}, **a}
+            a = {**{k: b[k] for k in b if k not in a and k in at_default}, **_legacy_quest(a)}
         if isinstance(a, dict) and isinstance(b, dict):
             for key in sorted(set(a) | set(b)):
                 if a.get(key, "<unset>") != b.get(key, "<unset>"):
@@ -226,6 +226,15 @@ def fingerprint_differences(old: dict, new: dict, argument_defaults: Optional[di
         elif a != b:
             lines.append(f"{section}: {a!r} -> {b!r}")
     return lines
+
+
+def _legacy_quest(method: dict) -> dict:
+    """A quest configuration recorded before its token budget moved to its page unit (budget -> page_budget,
+    budget_ratio -> page_budget_ratio), as it reads now."""
+    if method.get("method") != "quest" or "page_budget_ratio" in method:
+        return method
+    return {**method, "budget": None, "budget_ratio": None, "page_budget": method.get("budget"),
+            "page_budget_ratio": method.get("budget_ratio")}
 
 
 def _result_files(folder: Path) -> list[Path]:

@@ -206,7 +206,8 @@ def test_batch_of_three_equals_single_runs(random_llama, name, settings):
      "does not combine with head_allocation='headkv'"),
     (dict(name="zigzagkv", budget=64, cross_layer_merge=True), "does not combine with layer_allocation='zigzag'"),
     (dict(name="snapkv", budget=64, cross_layer_merge=True, quant_method="kivi"), "does not combine with quant_method"),
-    (dict(name="snapkv", budget=64, cross_layer_merge=True, decode_budget=64), "does not combine with decode_budget"),
+    (dict(name="snapkv", budget=64, cross_layer_merge=True, decode_budget=64),
+     "decode_budget .* does not combine with cross_layer_merge=True: the paired store .* cannot re-select"),
 ])
 def test_bad_settings_fail_with_one_line(settings, message):
     settings = dict(settings)

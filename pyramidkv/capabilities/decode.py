@@ -1,0 +1,48 @@
+"""A decode budget: the cache re-selects (kept prompt + generated tokens) while generating (docs/decoding.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyramidkv.capabilities.base import Capability, Conflict
+
+
+@dataclass(frozen=True)
+class DecodeBudget(Capability):
+    """Compression during decoding.
+
+    decode_budget: tokens per stored head the cache may hold while generating (none: no compression
+        during decoding). With it every layer re-selects (kept prompt + generated tokens) down to
+        decode_budget with the method's scorer whenever a head would hold decode_budget +
+        decode_interval tokens (docs/decoding.md).
+    decode_interval: new tokens between two decode-time compressions, only with decode_budget (the
+        memory overshoot is at most this many tokens per head, and each re-selection is amortised over
+        them).
+    """
+
+    name = "decode"
+    axis = "decode"
+    title = "decode_budget (compression during decoding)"
+    switch = "decode_budget"
+    store_abilities = ("reselect",)
+    conflicts = (Conflict("key_channel_ratio", lambda m: m.channels is not None, "thin keys are not re-selected"),)
+    decode_budget: int = 0
+    decode_interval: int = 32
+
+    def validate(self) -> None:
+        if self.decode_interval < 1:
+            raise ValueError(f"decode_interval must be an integer >= 1 (new tokens between two decode-time "
+                             f"compressions), got {self.decode_interval!r}")
+        if self.decode_budget < 1:
+            raise ValueError(f"decode_budget must be an integer >= 1 (tokens per head held while decoding), "
+                             f"got {self.decode_budget!r}")
+
+    def check_with(self, method) -> None:
+        if not method.needs_budget:
+            raise ValueError(f"{method.name} keeps every token and has no scorer to choose which to keep while "
+                             f"decoding; it takes no decode_budget (got {self.decode_budget}); use e.g. "
+                             f"streamingllm, h2o or snapkv with decode_budget")
+        if self.decode_budget < method.protected_tokens:
+            raise ValueError(f"decode_budget {self.decode_budget} is smaller than window_size {method.window_size} + "
+                             f"num_sinks {method.selection.num_sinks}; the window and the sinks are always kept, so "
+                             f"decode_budget must be >= {method.protected_tokens}")

@@ -1,0 +1,89 @@
+"""Quest's page selection (Tang et al., ICML 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context
+LLM Inference") as a unit any method can add: per stored head and decode step, attention reads only the
+tokens of the most critical pages of what the layer holds (the tensor code: pyramidkv/core/pages.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from pyramidkv.capabilities.base import Capability, Conflict
+from pyramidkv.components import ModelShape
+
+PAGE_SELECTIONS = ("query_head", "group_max", "group_mean")
+
+
+def _decode_statistics(method) -> bool:
+    return method.decode is not None and (method.accumulates_attention or method.history_window is not None)
+
+
+@dataclass(frozen=True)
+class QuestPages(Capability):
+    """Decode-time page retrieval; nothing is evicted.
+
+    page_budget: Quest's decode-time page retrieval (none: off): per stored head and decode step, attention
+        reads only the tokens of the pages with the highest criticality U_p = sum_c max(q_c m_c, q_c M_c)
+        (m, M: the element-wise min and max key of a page of page_size held tokens), K = min(max(
+        page_min_count, floor(page_budget / page_size)), pages) of them. Nothing is evicted.
+    page_budget_ratio: Quest: the page budget as a fraction of each prompt's length (at least one page), instead
+        of page_budget.
+    page_size: Quest: held tokens per page.
+    page_min_count: Quest: the fewest pages attended per step.
+    page_keep_last: Quest: the newest token's page is always attended.
+    page_dense_layers: Quest: the first layers, which attend densely (the official code: 2).
+    page_selection: Quest: query_head (each query head its own pages, as the official code), group_max or
+        group_mean (U reduced over the GQA group: one page set per stored head).
+    """
+
+    name = "quest"
+    axis = "pages"
+    title = "Quest page selection"
+    switch = "page_budget"
+    store_kind = "paged"
+    conflicts = (
+        Conflict("key_channel_ratio", lambda m: m.channels is not None, "Quest pages full-width keys"),
+        Conflict("decode_budget", _decode_statistics,
+                 "the method's decode-time attention statistics would count attention Quest never computed"),
+    )
+    page_budget: Optional[int] = None
+    page_budget_ratio: Optional[float] = None
+    page_size: int = 16
+    page_min_count: int = 3
+    page_keep_last: bool = False
+    page_dense_layers: int = 2
+    page_selection: str = "query_head"
+
+    def validate(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be an integer >= 1 (tokens per Quest page), got {self.page_size!r}")
+        if self.page_min_count < 1:
+            raise ValueError(f"page_min_count must be an integer >= 1, got {self.page_min_count!r}")
+        if self.page_dense_layers < 0:
+            raise ValueError(f"page_dense_layers must be an integer >= 0, got {self.page_dense_layers!r}")
+        if self.page_selection not in PAGE_SELECTIONS:
+            raise ValueError(f"page_selection must be one of {'|'.join(PAGE_SELECTIONS)}, got {self.page_selection!r}")
+        if self.page_budget is not None and self.page_budget_ratio is not None:
+            raise ValueError(f"give one of page_budget or page_budget_ratio, got page_budget={self.page_budget} and "
+                             f"page_budget_ratio={self.page_budget_ratio}")
+        if self.page_budget is not None and self.page_budget < self.page_size:
+            raise ValueError(f"page_budget {self.page_budget} is smaller than one page (page_size {self.page_size}); "
+                             f"the budget counts the tokens of the attended pages")
+        if self.page_budget_ratio is not None and not 0.0 < self.page_budget_ratio <= 1.0:
+            raise ValueError(f"page_budget_ratio must be in (0, 1], got {self.page_budget_ratio!r}")
+
+    def budget_for(self, real_len: int) -> int:
+        """Tokens of the pages attended per stored head and decode step, for a prompt of real_len tokens."""
+        if self.page_budget is not None:
+            return self.page_budget
+        return max(self.page_size, round(self.page_budget_ratio * real_len))
+
+    def check_with(self, method) -> None:
+        if self.page_budget is None and self.page_budget_ratio is None:
+            raise ValueError(f"{method.name} needs a page budget: page_budget (tokens of the pages each decode step "
+                             f"reads) or page_budget_ratio")
+
+    def check_model(self, model: ModelShape) -> None:
+        layers = model.num_layers
+        if self.page_dense_layers >= layers:
+            raise ValueError(f"page_dense_layers {self.page_dense_layers} leaves no layer of this {layers}-layer "
+                             f"model to Quest; use at most {layers - 1}")

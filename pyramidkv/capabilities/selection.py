@@ -1,0 +1,44 @@
+"""The knobs of the one selection rule every method uses (pyramidkv/core/selection.py): sinks and the random
+share (NACL's random eviction, Chen et al., ACL 2024)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyramidkv.capabilities.base import Capability
+
+
+@dataclass(frozen=True)
+class Selection(Capability):
+    """Which prompt tokens a head keeps besides the window and the best by score.
+
+    num_sinks: the first prompt tokens (attention sinks) every head keeps, like the window, whatever their
+        scores (StreamingLLM's sinks; 0: none). The budget includes them.
+    random_fraction: the share of each head's selected tokens (budget minus window and sinks) drawn at
+        prefill without replacement from softmax(score) over the tokens the top share left, instead of
+        taken by score (NACL's random eviction; 0: all by score).
+    random_seed: seeds the random share: one generator per (seed, layer, stored head), fresh for every
+        prompt, so a prompt draws the same tokens in any batch.
+    """
+
+    name = "topk"
+    axis = "selection"
+    title = "the selection rule"
+    num_sinks: int = 0
+    random_fraction: float = 0.0
+    random_seed: int = 0
+
+    def validate(self) -> None:
+        if self.num_sinks < 0:
+            raise ValueError(f"num_sinks must be an integer >= 0 (first prompt tokens always kept), "
+                             f"got {self.num_sinks!r}")
+        if not 0.0 <= self.random_fraction < 1.0:
+            raise ValueError(f"random_fraction must be in [0, 1) (share of the selected tokens drawn at random), "
+                             f"got {self.random_fraction!r}")
+        if self.random_seed < 0 or self.random_seed >= 2 ** 63:
+            raise ValueError(f"random_seed must be an integer in [0, 2^63), got {self.random_seed!r}")
+
+    def check_with(self, method) -> None:
+        if not method.needs_budget and (self.num_sinks or self.random_fraction):
+            raise ValueError(f"{method.name} keeps every token; it takes no num_sinks or random_fraction "
+                             f"(got num_sinks={self.num_sinks}, random_fraction={self.random_fraction:g})")

@@ -1,0 +1,62 @@
+"""MiniCache's layer sharing (Liu et al., NeurIPS 2024, "MiniCache: KV Cache Compression in Depth Dimension
+for Large Language Models") as a unit any method can add: adjacent layers from the middle up store one
+shared direction per token (the tensor code: pyramidkv/core/cross_layer.py, core/merged_pair.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from pyramidkv.capabilities.base import Capability, Conflict
+from pyramidkv.components import ModelShape
+
+
+@dataclass(frozen=True)
+class MiniCacheSharing(Capability):
+    """Cross-layer merging of adjacent layer pairs.
+
+    cross_layer_start: MiniCache: the first layer merged (none: the middle layer).
+    cross_layer_t: MiniCache: the SLERP interpolation t between the two layers' directions.
+    cross_layer_retain: MiniCache: the share of token pairs with the largest angular distance (keys and
+        values separately) that keep their original vectors in both layers.
+    """
+
+    name = "minicache"
+    axis = "layer_sharing"
+    title = "cross-layer merging (MiniCache)"
+    switch = "cross_layer_merge"
+    switch_off = False
+    store_kind = "paired"
+    conflicts = (
+        Conflict("key_channel_ratio", lambda m: m.channels is not None, "thin keys are per layer"),
+        Conflict("layer_allocation", lambda m: m.layer_allocation.name != "uniform",
+                 "a merged pair keeps one token set, so its two layers need the same budget"),
+        Conflict("head_allocation", lambda m: m.head_allocation.global_over_layers,
+                 "its per-layer head table would split a merged pair"),
+    )
+    cross_layer_start: Optional[int] = None
+    cross_layer_t: float = 0.6
+    cross_layer_retain: float = 0.05
+
+    def validate(self) -> None:
+        if not 0.0 <= self.cross_layer_t <= 1.0:
+            raise ValueError(f"cross_layer_t must be in [0, 1] (SLERP weight of the upper layer), "
+                             f"got {self.cross_layer_t!r}")
+        if not 0.0 <= self.cross_layer_retain <= 1.0:
+            raise ValueError(f"cross_layer_retain must be in [0, 1] (share of token pairs kept unmerged), "
+                             f"got {self.cross_layer_retain!r}")
+        if self.cross_layer_start is not None and self.cross_layer_start < 0:
+            raise ValueError(f"cross_layer_start must be a layer index >= 0 (or None: the middle layer), "
+                             f"got {self.cross_layer_start!r}")
+
+    def pairs(self, num_layers: int) -> dict[int, int]:
+        """lower layer -> upper layer of every merged pair: (start, start + 1), (start + 2, start + 3), ... while
+        the upper layer exists; start None = num_layers // 2 (the paper merges from the middle up)."""
+        first = num_layers // 2 if self.cross_layer_start is None else self.cross_layer_start
+        return {lower: lower + 1 for lower in range(first, num_layers - 1, 2)}
+
+    def check_model(self, model: ModelShape) -> None:
+        layers = model.num_layers
+        if self.cross_layer_start is not None and self.cross_layer_start >= layers - 1:
+            raise ValueError(f"cross_layer_start {self.cross_layer_start} leaves no layer pair to merge in this "
+                             f"{layers}-layer model (layers 0..{layers - 1}); use at most {layers - 2}")
