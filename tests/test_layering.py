@@ -30,6 +30,8 @@ FLOORS = {
     "pyramidkv.viz": 8,
     "pyramidkv": 9,                 # the facade (pyramidkv/__init__.py): imported by users, never from inside
 }
+# Floor 9 also holds what lives outside the package and only uses it: run_*.py, eval.py, scripts/ (the
+# product's scripts), measure/ (the measuring scripts behind docs/ figures) and examples/.
 
 
 def module_name(path: Path) -> str:
