@@ -1,4 +1,4 @@
-"""The latency/memory benchmark script end to end, with tiny settings on the tiny random Llama."""
+"""The measuring scripts of measure/ end to end, with tiny settings on the tiny random Llama."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from tests.helpers import ROOT
 
@@ -88,3 +90,11 @@ def test_teacher_forced_nll_script_reports_ratios_to_fullkv(tiny_model_dir, tmp_
     assert rows["fullkv"]["ratio_to_fullkv"] == 1.0
     for row in rows.values():
         assert row["mean_nll"] > 0 and row["ratio_to_fullkv"] == row["mean_nll"] / rows["fullkv"]["mean_nll"]
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "measure").glob("*.py")))
+def test_every_measuring_script_runs_from_measure(script):
+    """Each script of measure/ starts from its folder (imports, paths computed from __file__) and states its flags."""
+    got = subprocess.run([sys.executable, str(ROOT / "measure" / script), "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert got.returncode == 0 and got.stdout.startswith(f"usage: {script}"), got.stderr
