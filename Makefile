@@ -24,7 +24,7 @@ test: setup
 	$(PY) -m pytest -q -n auto tests
 
 benchmark: setup
-	$(PY) scripts/benchmark_latency_memory.py
+	$(PY) measure/benchmark_latency_memory.py
 
 clean:
 	rm -rf $(VENV)

@@ -36,7 +36,7 @@ def prefill(model, ids, method, attention_mask=None, position_ids=None):
 
 
 def load_script(name: str, path: Path):
-    """Import a script that is not part of the package (runners, scripts/, examples/) as module `name`."""
+    """Import a script that is not part of the package (runners, scripts/, measure/, examples/) as module `name`."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -254,7 +254,7 @@ def _script(*argv, timeout=300):
 
 @pytest.mark.parametrize("flag", ["--context_length", "--new_tokens", "--repeats"])
 def test_latency_benchmark_refuses_zero_counts(flag, tiny_model_dir):
-    got = _script("scripts/benchmark_latency_memory.py", "--model_path", tiny_model_dir, flag, "0")
+    got = _script("measure/benchmark_latency_memory.py", "--model_path", tiny_model_dir, flag, "0")
     assert got.returncode == 2 and "Traceback" not in got.stderr and f"{flag} must be >= 1, got 0" in got.stderr
 
 
@@ -284,13 +284,13 @@ def test_examples_refuse_a_bad_method_or_budget_in_one_line(script, argv):
 
 
 def test_teacher_forced_nll_needs_its_data_file(tiny_model_dir):
-    got = _script("scripts/teacher_forced_nll.py", "--model_path", tiny_model_dir)
+    got = _script("measure/teacher_forced_nll.py", "--model_path", tiny_model_dir)
     assert got.returncode == 2 and "--data_file" in got.stderr
-    assert "/work/shared" not in (ROOT / "scripts" / "teacher_forced_nll.py").read_text()
+    assert "/work/shared" not in (ROOT / "measure" / "teacher_forced_nll.py").read_text()
 
 
 def test_no_script_imports_another_through_sys_path():
-    offenders = [str(p.relative_to(ROOT)) for folder in ("scripts", "examples") for p in (ROOT / folder).rglob("*.py")
+    offenders = [str(p.relative_to(ROOT)) for folder in ("scripts", "measure", "examples") for p in (ROOT / folder).rglob("*.py")
                  if "sys.path" in p.read_text(encoding="utf-8")]
     assert not offenders, offenders
 

@@ -1,4 +1,4 @@
-"""What the measuring scripts share (scripts/benchmark_latency_memory.py, benchmark_paired_decode.py,
+"""What the measuring scripts share (measure/benchmark_latency_memory.py, benchmark_paired_decode.py,
 teacher_forced_nll.py): a plain-text prompt of an exact length, and method specs with the script's budget."""
 
 from __future__ import annotations

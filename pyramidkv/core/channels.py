@@ -1,4 +1,4 @@
-"""ThinK's key-channel pruning (Xu et al., ICLR 2025, "ThinK: Thinner Key Cache by Query-Driven Pruning").
+"""ThinK's key-channel pruning (Xu et al., ICLR 2025): the key channels each stored head keeps, its keys cut to them.
 
 After token selection (and merging), per stored head: score every key channel c by
 s_c = ||Q_w[:, c]||^2 * ||K_kept[:, c]||^2, the exact Frobenius criterion ||Q_w[:, c] K[:, c]^T||_F^2

@@ -1,5 +1,4 @@
-"""MiniCache's cross-layer merging (Liu et al., NeurIPS 2024, "MiniCache: KV Cache Compression in Depth
-Dimension for Large Language Models"): the arithmetic, and which layers pair.
+"""MiniCache's cross-layer merging (Liu et al., NeurIPS 2024): one SLERP for two layers' K/V, and which layers pair.
 
 For a pair of adjacent layers (l - 1, l), per token and stored head, separately for keys and values
 (x = k or v, lower = layer l - 1, upper = layer l):

@@ -1,5 +1,4 @@
-"""Quest's page metadata and page choice (Tang et al., ICML 2024, "Quest: Query-Aware Sparsity for
-Efficient Long-Context LLM Inference").
+"""Quest's page metadata and page choice (Tang et al., ICML 2024): min and max keys per page, which pages a query reads.
 
 Per segment (one prompt's stored head of a layer) the held tokens, in held order (the kept rows, then
 the generated tail), are cut into pages of S consecutive tokens; the last page may be partial. Each

@@ -343,7 +343,7 @@ def test_benchmark_reports_bytes_by_part_and_the_fp16_ratio(tiny_model_dir, tmp_
     root = ROOT
     out = tmp_path / "bench.json"
     quantized = "fullkv:quant_method=kivi,group_size=16,residual_length=32"
-    subprocess.run([sys.executable, str(root / "scripts" / "benchmark_latency_memory.py"), "--model_path", tiny_model_dir,
+    subprocess.run([sys.executable, str(root / "measure" / "benchmark_latency_memory.py"), "--model_path", tiny_model_dir,
                     "--device", "cpu", "--context_length", "96", "--max_capacity_prompts", "40", "--new_tokens", "2",
                     "--repeats", "1", "--threads", "1", "--methods", "fullkv", quantized, "--out", str(out)],
                    check=True, cwd=root, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})

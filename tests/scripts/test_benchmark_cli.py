@@ -1,4 +1,4 @@
-"""The latency/memory benchmark script end to end, with tiny settings on the tiny random Llama."""
+"""The measuring scripts of measure/ end to end, with tiny settings on the tiny random Llama."""
 
 from __future__ import annotations
 
@@ -7,12 +7,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
 
 
 def test_benchmark_writes_plain_row_and_ratios(tiny_model_dir, tmp_path):
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_latency_memory.py"), "--model_path", tiny_model_dir,
+    subprocess.run([sys.executable, str(ROOT / "measure" / "benchmark_latency_memory.py"), "--model_path", tiny_model_dir,
                     "--device", "cpu", "--context_length", "96", "--max_capacity_prompts", "40", "--new_tokens", "2",
                     "--repeats", "1", "--threads", "1", "--methods", "fullkv", "snapkv", "snapkv:merge=mergingpress,merge_fraction=0.5",
                     "--out", str(out)],
@@ -41,7 +43,7 @@ def test_benchmark_peak_over_the_run_with_decode_compression(tiny_model_dir, tmp
     decode_budget 48 / interval 8 a head never holds more than 56 tokens (the peak just before a
     re-selection); snapkv without it ends at 40 + 40."""
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_latency_memory.py"), "--model_path", tiny_model_dir,
+    subprocess.run([sys.executable, str(ROOT / "measure" / "benchmark_latency_memory.py"), "--model_path", tiny_model_dir,
                     "--device", "cpu", "--context_length", "96", "--max_capacity_prompts", "40", "--new_tokens", "40",
                     "--repeats", "1", "--threads", "1", "--methods", "fullkv", "snapkv",
                     "snapkv:decode_budget=48,decode_interval=8,window_size=16", "--out", str(out)],
@@ -57,14 +59,14 @@ def test_benchmark_peak_over_the_run_with_decode_compression(tiny_model_dir, tmp
 
 
 def test_benchmark_refuses_a_bad_method_spec(tiny_model_dir):
-    got = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_latency_memory.py"), "--model_path",
+    got = subprocess.run([sys.executable, str(ROOT / "measure" / "benchmark_latency_memory.py"), "--model_path",
                           tiny_model_dir, "--methods", "snapkv:merge"], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert got.returncode == 2 and "expected NAME:setting=value" in got.stderr
 
 
 def test_merge_overhead_script_times_every_rule(tiny_model_dir):
-    got = subprocess.run([sys.executable, str(ROOT / "scripts" / "merge_overhead.py"), "--model_path", tiny_model_dir,
+    got = subprocess.run([sys.executable, str(ROOT / "measure" / "merge_overhead.py"), "--model_path", tiny_model_dir,
                           "--context_length", "96", "--max_capacity_prompts", "40"], cwd=ROOT, capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert got.returncode == 0, got.stderr
@@ -77,7 +79,7 @@ def test_teacher_forced_nll_script_reports_ratios_to_fullkv(tiny_model_dir, tmp_
     from tests.helpers import longbench_data_dir
 
     out = tmp_path / "nll.json"
-    got = subprocess.run([sys.executable, str(ROOT / "scripts" / "teacher_forced_nll.py"), "--model_path", tiny_model_dir,
+    got = subprocess.run([sys.executable, str(ROOT / "measure" / "teacher_forced_nll.py"), "--model_path", tiny_model_dir,
                           "--context_length", "96", "--continuation", "4", "--max_capacity_prompts", "40",
                           "--methods", "snapkv", "fullkv:quant_method=kivi,nbits=8,group_size=16,residual_length=32",
                           "--data_file", str(longbench_data_dir() / "multi_news.jsonl"), "--out", str(out)],
@@ -88,3 +90,11 @@ def test_teacher_forced_nll_script_reports_ratios_to_fullkv(tiny_model_dir, tmp_
     assert rows["fullkv"]["ratio_to_fullkv"] == 1.0
     for row in rows.values():
         assert row["mean_nll"] > 0 and row["ratio_to_fullkv"] == row["mean_nll"] / rows["fullkv"]["mean_nll"]
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "measure").glob("*.py")))
+def test_every_measuring_script_runs_from_measure(script):
+    """Each script of measure/ starts from its folder (imports, paths computed from __file__) and states its flags."""
+    got = subprocess.run([sys.executable, str(ROOT / "measure" / script), "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert got.returncode == 0 and got.stdout.startswith(f"usage: {script}"), got.stderr

@@ -2,7 +2,7 @@
 length, on RULER prompts (the masked reference computes exactly the pattern's entries; on CPU it saves no
 time, so this reports the work a sparse kernel would do, not a speed-up).
 
-    python scripts/benchmark_minference.py --lengths 4096 8192 [--task niah_multikey_1] [--num_samples 2]
+    python measure/benchmark_minference.py --lengths 4096 8192 [--task niah_multikey_1] [--num_samples 2]
         [--method minference] [--threads 1] [--out docs/benchmarks/minference_density.json]
 
 Per length and sample one prefill (the prompt without generation); per layer the fraction of the causal

@@ -1,11 +1,11 @@
 """Time spent in the merge step during one prefill, as a share of that prefill (same process, same
 prompt): an attribution that machine load cannot skew the way two separately timed prefills can.
 
-    python scripts/merge_overhead.py [--context_length 4096] [--max_capacity_prompts 256] [--method snapkv]
+    python measure/merge_overhead.py [--context_length 4096] [--max_capacity_prompts 256] [--method snapkv]
 
 Prints, per merge rule, the median over 3 prefills of (merge seconds, prefill seconds) and the
 prefill time relative to the same prefill without the merge step. CaM's window-attention statistic
-is computed outside the merge step; scripts/benchmark_latency_memory.py measures it side by side.
+is computed outside the merge step; measure/benchmark_latency_memory.py measures it side by side.
 """
 
 import argparse

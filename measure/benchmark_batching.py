@@ -1,7 +1,7 @@
 """Samples per minute of the RULER runner's generation path at several batch sizes, side by side, with the
 time split by phase, and a check that every batch size predicts the same.
 
-    python scripts/benchmark_batching.py --batch_sizes 1 4 --repeats 3 -- \
+    python measure/benchmark_batching.py --batch_sizes 1 4 --repeats 3 -- \
         --method snapkv --max_capacity_prompts 128 --tasks niah_single_1 --context_lengths 2048 \
         --num_samples 8 --num_threads 2 --save_dir /tmp/ruler_bench
 

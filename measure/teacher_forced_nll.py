@@ -1,7 +1,7 @@
 """Mean negative log-likelihood of a text continuation, teacher forced, under several method specs,
 each as a ratio to fullkv measured in the same run.
 
-    python scripts/teacher_forced_nll.py --context_length 4096 --continuation 256 \
+    python measure/teacher_forced_nll.py --context_length 4096 --continuation 256 \
         --methods fullkv fullkv:quant_method=kivi,nbits=2 snapkv:quant_method=kivi,nbits=2 \
         --data_file path/to/LongBench/data/multi_news.jsonl
 
@@ -9,7 +9,7 @@ The text is real English news: the contexts of a LongBench JSONL file (--data_fi
 multi_news.jsonl), concatenated until context_length + continuation tokens. The first context_length
 tokens are the prompt (compressed by the method at prefill); the continuation is then fed one token
 per step through the compressed (and possibly quantized) cache, and the NLL of each next token is
-averaged. Method specs as in scripts/benchmark_latency_memory.py (NAME:setting=value,...).
+averaged. Method specs as in measure/benchmark_latency_memory.py (NAME:setting=value,...).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Decode time per token of method specs measured step by step side by side, for a CPU shared with other work.
 
-    python scripts/benchmark_paired_decode.py --context_length 4096 --threads 1 --steps 32 \
+    python measure/benchmark_paired_decode.py --context_length 4096 --threads 1 --steps 32 \
         fullkv fullkv:quant_method=kivi,nbits=2 snapkv snapkv:quant_method=kivi,nbits=2
 
 Each spec (as in benchmark_latency_memory.py: NAME[:setting=value,...], budget from

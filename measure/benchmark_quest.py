@@ -1,6 +1,6 @@
 """Quest vs SnapKV at tiny budgets, with the question inside the prompt or fed as decode steps (Quest's protocol).
 
-    python scripts/benchmark_quest.py --tasks passkey niah_single_1 niah_multikey_1 --lengths 2048 4096 \
+    python measure/benchmark_quest.py --tasks passkey niah_single_1 niah_multikey_1 --lengths 2048 4096 \
         --budgets 64 128 256 --num_samples 8 [--methods quest snapkv] [--batch_size 4] [--threads 2] \
         [--out docs/benchmarks/quest_accuracy.json]
 

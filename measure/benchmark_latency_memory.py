@@ -1,7 +1,7 @@
 """Prefill time, per-token decode time and KV bytes per method, each also as a ratio to fullkv and to the
 unpatched model (plain transformers, row "plain") measured in the same run.
 
-    python scripts/benchmark_latency_memory.py --context_length 4096 --max_capacity_prompts 256 \
+    python measure/benchmark_latency_memory.py --context_length 4096 --max_capacity_prompts 256 \
         --methods fullkv snapkv pyramidkv h2o streamingllm l2norm [--attn_implementation sdpa] [--threads 1] [--out FILE.json]
 
 A method may carry settings: `snapkv:merge=mergingpress`, `snapkv:merge=mergingpress,merge_fraction=0.5`,
@@ -34,7 +34,7 @@ magnitudes, retained rows and indices.
 
 Compression during decoding (docs/decoding.md), 1024 new tokens:
 
-    python scripts/benchmark_latency_memory.py --context_length 1024 --max_capacity_prompts 512 \
+    python measure/benchmark_latency_memory.py --context_length 1024 --max_capacity_prompts 512 \
         --methods fullkv snapkv snapkv:decode_budget=512 --new_tokens 1024 --repeats 1 --threads 1
 """
 
