@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from pyramidkv.capabilities.base import Capability, Conflict
 
@@ -26,14 +27,14 @@ class DecodeBudget(Capability):
     switch = "decode_budget"
     store_abilities = ("reselect",)
     conflicts = (Conflict("key_channel_ratio", lambda m: m.channels is not None, "thin keys are not re-selected"),)
-    decode_budget: int = 0
+    decode_budget: Optional[int] = None
     decode_interval: int = 32
 
     def validate(self) -> None:
         if self.decode_interval < 1:
             raise ValueError(f"decode_interval must be an integer >= 1 (new tokens between two decode-time "
                              f"compressions), got {self.decode_interval!r}")
-        if self.decode_budget < 1:
+        if self.decode_budget is None or self.decode_budget < 1:
             raise ValueError(f"decode_budget must be an integer >= 1 (tokens per head held while decoding), "
                              f"got {self.decode_budget!r}")
 

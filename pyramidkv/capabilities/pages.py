@@ -13,10 +13,6 @@ from pyramidkv.components import ModelShape
 PAGE_SELECTIONS = ("query_head", "group_max", "group_mean")
 
 
-def _decode_statistics(method) -> bool:
-    return method.decode is not None and (method.accumulates_attention or method.history_window is not None)
-
-
 @dataclass(frozen=True)
 class QuestPages(Capability):
     """Decode-time page retrieval; nothing is evicted.
@@ -40,11 +36,9 @@ class QuestPages(Capability):
     title = "Quest page selection"
     switch = "page_budget"
     store_kind = "paged"
-    conflicts = (
-        Conflict("key_channel_ratio", lambda m: m.channels is not None, "Quest pages full-width keys"),
-        Conflict("decode_budget", _decode_statistics,
-                 "the method's decode-time attention statistics would count attention Quest never computed"),
-    )
+    # Decode-time attention statistics (H2O, Scissorhands with decode_budget) are refused by the paged store,
+    # which lacks that ability: they would count attention Quest never computed.
+    conflicts = (Conflict("key_channel_ratio", lambda m: m.channels is not None, "Quest pages full-width keys"),)
     page_budget: Optional[int] = None
     page_budget_ratio: Optional[float] = None
     page_size: int = 16

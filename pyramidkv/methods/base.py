@@ -10,9 +10,8 @@ budget, Quest's page selection, ThinK's key channels, MiniCache's layer sharing.
 read as the method's own (`page_size=8`, `decode_budget=64`). The shared core (`pyramidkv.core`) turns the
 answers into a smaller cache.
 
-Methods are frozen dataclasses: settings are checked once, by type and range, when the method is built;
-`validate` walks the units' declared conflicts and the store abilities they need, so a combination that
-cannot run is refused here, with one line, and never mid-generation.
+Methods are frozen dataclasses: settings are checked once, by type and range, when the method is built,
+and what the units cannot compose with is refused then, in one line (composition.py), never mid-generation.
 """
 
 from __future__ import annotations
@@ -27,12 +26,11 @@ from pyramidkv.allocation.base import HeadAllocation, LayerAllocation, ModelShap
 from pyramidkv.allocation.uniform import UniformHeads, UniformLayers
 from pyramidkv.capabilities import (Capability, DecodeBudget, MiniCacheSharing, QuestPages, Selection, ThinKChannels,
                                     capability_class, make_capability)
-from pyramidkv.capabilities.base import shown
 from pyramidkv.components import Component, flat_settings
-from pyramidkv.core.cache import STORES, store_kind
 from pyramidkv.core.context import DecodeScoreContext, ScoreContext
 from pyramidkv.merging import make_merge_rule
 from pyramidkv.merging.base import MergeRule
+from pyramidkv.methods.composition import check_units
 from pyramidkv.quantization import make_quantizer
 from pyramidkv.quantization.base import Quantizer
 from pyramidkv.sparse_prefill import make_sparse_prefill
@@ -44,8 +42,6 @@ CAPABILITY_AXES = ("decode", "selection", "channels", "pages", "layer_sharing")
 UNIT_MAKERS = {"head_allocation": make_head_allocation, "layer_allocation": make_layer_allocation,
                "merge": make_merge_rule, "quant_method": make_quantizer, "prefill_attention": make_sparse_prefill,
                **{axis: (lambda name, axis=axis: make_capability(axis, name)) for axis in CAPABILITY_AXES}}
-# What each store ability means, for refusals.
-ABILITY_TEXT = {"reselect": "re-select while decoding", "attention_statistics": "keep attention statistics"}
 
 
 @dataclass(frozen=True)
@@ -86,15 +82,11 @@ class Method(Component):
     setting_labels = {"budget": "budget (max_capacity_prompts)",
                       "budget_ratio": "budget_ratio (max_capacity_prompts_ratio)"}
     needs_budget: ClassVar[bool] = True
-    # During decoding the cache accumulates the attention every held token receives (H2O) and
-    # passes it to decode_score as ctx.accumulated; costs one extra attention pass per step.
+    # What the scorer reads besides q/k/v (core/context.py): the attention each held token accumulates while
+    # decoding (H2O), the column sums of the prompt's attention from the prefill pass itself (H2O), each held
+    # token's attention from the last w queries (Scissorhands).
     accumulates_attention: ClassVar[bool] = False
-    # The score reads the column sums of the prompt's causal attention: the engine computes them in the
-    # prefill attention pass itself (pyramidkv.core.scoring.attention_with_column_sums) and passes them
-    # as ctx.column_sums, instead of the model's own kernel plus a second pass over the scores.
     needs_column_sums: ClassVar[bool] = False
-    # With a history window w, the cache keeps each held token's attention from the last w queries and
-    # passes them to decode_score as ctx.history (Scissorhands); None: it keeps none.
     history_window: ClassVar[Optional[int]] = None
     flat_units = {axis: capability_class(axis) for axis in CAPABILITY_AXES}
     # Settings a method takes under another unit's name (Quest: budget -> page_budget).
@@ -200,14 +192,6 @@ class Method(Component):
     def capabilities(self) -> list[Capability]:
         return [unit for unit in (getattr(self, axis) for axis in CAPABILITY_AXES) if unit is not None]
 
-    @property
-    def store_abilities(self) -> tuple[str, ...]:
-        """The optional store abilities the configuration needs (core/store.py)."""
-        needed = tuple(a for unit in self.capabilities for a in unit.store_abilities)
-        if self.decode is not None and (self.accumulates_attention or self.history_window is not None):
-            needed += ("attention_statistics",)
-        return needed
-
     # --- checks before anything runs ------------------------------------------------------------
     def check_model(self, model: ModelShape) -> None:
         """ValueError if the method cannot do what its settings say on this model (the runners call it before
@@ -243,7 +227,7 @@ class Method(Component):
             raise ValueError(f"gqa_reduce must be one of {'|'.join(GQA_REDUCTIONS)}, got {self.gqa_reduce!r}")
         if self.window_size < 0:
             raise ValueError(f"window_size must be an integer >= 0, got {self.window_size!r}")
-        self._validate_units()
+        check_units(self)
         if self.head_allocation.global_over_layers and not isinstance(self.layer_allocation, UniformLayers):
             raise ValueError(f"head_allocation={self.head_allocation.name!r} splits the budget over all layers and "
                              f"heads at once; it cannot be combined with layer_allocation="
@@ -271,27 +255,3 @@ class Method(Component):
                                  f"window and the sinks, so it must be >= {self.protected_tokens}")
         elif not (0.0 < self.budget_ratio <= 1.0):
             raise ValueError(f"budget_ratio (max_capacity_prompts_ratio) must be in (0, 1], got {self.budget_ratio!r}")
-
-    def _validate_units(self) -> None:
-        """Each capability's own checks and declared conflicts, then the layer store the units name and the
-        abilities they need of it (core/store.py): one line naming both settings and why."""
-        for unit in self.capabilities:
-            unit.check_with(self)
-            for conflict in unit.conflicts:
-                if conflict.applies(self):
-                    raise ValueError(f"{unit.title} does not combine with {conflict.setting}="
-                                     f"{shown(self.setting(conflict.setting))} ({conflict.why}); use one of them")
-        namers = [(field, unit) for field, unit in (("page_budget", self.pages), ("cross_layer_merge", self.layer_sharing),
-                                                     ("quant_method", self.quant_method)) if unit is not None]
-        if len(namers) > 1:
-            (_, a), (second, b) = namers[:2]
-            raise ValueError(f"{a.title} does not combine with {second}={shown(self.setting(second))} ({a.title} keeps "
-                             f"the layer in the {a.store_kind} store, {second} in the {b.store_kind} store); use one "
-                             f"of them")
-        kind = store_kind(self)
-        for ability in self.store_abilities:
-            if ability not in STORES[kind].abilities:
-                asker = self.decode.title if self.decode is not None else self.name
-                setting = namers[0][0]
-                raise ValueError(f"{asker} does not combine with {setting}={shown(self.setting(setting))}: the {kind} "
-                                 f"store it needs cannot {ABILITY_TEXT[ability]}; use one of them")

@@ -18,7 +18,9 @@ from pathlib import Path
 
 from pyramidkv.components import parse_setting, setting_help
 from pyramidkv.methods import METHODS, Method, get_method_class
-from pyramidkv.methods.settings import AXES, AXIS_BY_FIELD, bare_unit_names, build_method, read_settings, split_spec
+from pyramidkv.components import flat_settings
+from pyramidkv.methods.settings import (AXES, AXIS_BY_FIELD, SWITCHES, bare_unit_names, build_method, read_settings,
+                                        split_spec)
 from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
 
 # The public PyramidKV harness's flag names (and earlier ones of ours), by the setting they set.
@@ -71,7 +73,7 @@ def setting_flags(taken: set[str] = frozenset()) -> list[SettingFlag]:
             annotations.setdefault(f.name, hints[f.name])
     out = []
     for key, owners in method_fields.items():
-        if key == "method":
+        if key == "method" or (key in AXIS_BY_FIELD and AXIS_BY_FIELD[key].flat):  # a capability: by its settings
             continue
         which = "" if len(owners) == len(METHODS) else f"{', '.join(owners)}: "
         default = _defaults_text(owners)
@@ -81,6 +83,9 @@ def setting_flags(taken: set[str] = frozenset()) -> list[SettingFlag]:
         out.append(SettingFlag(key, tuple(flags), annotations[key], f"{which}{docs[key]} [{default}]", choices))
     bare = bare_unit_names(method_fields)
     for axis in AXES:
+        if axis.flat:
+            out.extend(_capability_flags(axis, taken))
+            continue
         for setting, units in axis.fields().items():
             key = axis.qualified(setting)
             names = [*FLAG_ALIASES.get(key, ())]
@@ -97,6 +102,28 @@ def setting_flags(taken: set[str] = frozenset()) -> list[SettingFlag]:
                         for unit in units}
             hints = typing.get_type_hints(axis.registry[units[0]])
             out.append(SettingFlag(key, flags, hints[setting], f"{text} [{_defaults_text(unit_defaults)}]"))
+    return out
+
+
+def _capability_flags(axis, taken: set[str]) -> list[SettingFlag]:
+    """A capability's settings as the method's own flags, each default read from every method's own unit (the
+    unit's when the method has it on, its off value when off): `[0; streamingllm: 4, nacl: 4]`."""
+    unit = axis.unit
+    helps = setting_help(unit)
+    hints = typing.get_type_hints(unit)
+    per_method = {name: flat_settings(unit, {f.name: f.default for f in dataclasses.fields(cls)}[axis.field])
+                  for name, cls in METHODS.items()}
+    names = list(next(iter(per_method.values())))
+    out = []
+    for setting in names:
+        flags = tuple(f for f in (*FLAG_ALIASES.get(setting, ()), f"--{setting}") if f not in taken)
+        defaults = {name: values[setting] for name, values in per_method.items()}
+        if setting in SWITCHES:
+            text = f"{unit.title}: turns it on (true) or off (false)"
+            annotation = bool
+        else:
+            text, annotation = helps.get(setting, ""), hints[setting]
+        out.append(SettingFlag(setting, flags, annotation, f"{text} [{_defaults_text(defaults)}]"))
     return out
 
 

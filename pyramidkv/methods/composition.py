@@ -1,0 +1,44 @@
+"""What a method's units can compose with: each capability's own checks and declared conflicts, then the layer
+store the units name (`store_kind`) and the abilities they need of it (pyramidkv/core/store.py). Every refusal
+is one line naming both settings and why; nothing here is a hand-written pair of axes."""
+
+from __future__ import annotations
+
+from pyramidkv.capabilities.base import shown
+from pyramidkv.core.cache import STORES, store_kind
+
+# What each store ability means, for refusals.
+ABILITY_TEXT = {"reselect": "re-select while decoding", "attention_statistics": "keep decode-time attention statistics"}
+
+
+def store_abilities(method) -> tuple[str, ...]:
+    """The optional store abilities the configuration needs: its capabilities', and attention statistics when a
+    decode budget re-selects by them (H2O, Scissorhands)."""
+    needed = tuple(ability for unit in method.capabilities for ability in unit.store_abilities)
+    if method.decode is not None and (method.accumulates_attention or method.history_window is not None):
+        needed += ("attention_statistics",)
+    return needed
+
+
+def check_units(method) -> None:
+    """ValueError (one line) if the method's units cannot compose."""
+    for unit in method.capabilities:
+        unit.check_with(method)
+        for conflict in unit.conflicts:
+            if conflict.applies(method):
+                raise ValueError(f"{unit.title} does not combine with {conflict.setting}="
+                                 f"{shown(method.setting(conflict.setting))} ({conflict.why}); use one of them")
+    namers = [(name, unit) for name, unit in (("page_budget", method.pages), ("cross_layer_merge", method.layer_sharing),
+                                              ("quant_method", method.quant_method)) if unit is not None]
+    if len(namers) > 1:
+        (_, first), (second, other) = namers[:2]
+        raise ValueError(f"{first.title} does not combine with {second}={shown(method.setting(second))} ({first.title} "
+                         f"keeps the layer in the {first.store_kind} store, {second} in the {other.store_kind} store); "
+                         f"use one of them")
+    kind = store_kind(method)
+    for ability in store_abilities(method):
+        if ability not in STORES[kind].abilities:
+            asker = method.decode.title if method.decode is not None else method.name
+            setting = namers[0][0]
+            raise ValueError(f"{asker} does not combine with {setting}={shown(method.setting(setting))}: the {kind} "
+                             f"store it needs cannot {ABILITY_TEXT[ability]}; use one of them")
