@@ -80,6 +80,8 @@ def generate(
             input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=False, temperature=None,
             top_p=None, top_k=None, num_beams=1, eos_token_id=eos or None, pad_token_id=pad_id,
+            stopping_criteria=StoppingCriteriaList([_BytesAtStop(cache, width, [0] * len(token_lists), set(eos),
+                                                                 max_new_tokens)]),
         )
     results = []
     stops = set(eos)
@@ -87,10 +89,7 @@ def generate(
         new = output[row, width:].tolist()
         cut = next((i for i, tok in enumerate(new) if tok in stops), len(new))
         text = tokenizer.decode(new[:cut], skip_special_tokens=True)
-        # Tokens this prompt fed back into the cache: all it generated (its stop token included)
-        # except the last one, which is sampled but never attended to.
-        generated = min(cut + 1, len(new))
-        results.append(Generation(text, len(tokens), cut, cache.kv_bytes(row, tail_tokens=max(0, generated - 1))))
+        results.append(Generation(text, len(tokens), cut, cache.final_kv_bytes(row)))
     return results
 
 
@@ -169,17 +168,34 @@ def _generate_after_questions(model, tokenizer, contexts: list[list[int]], quest
             do_sample=False, temperature=None, top_p=None, top_k=None, num_beams=1, eos_token_id=None,
             pad_token_id=pad_id,
             logits_processor=LogitsProcessorList([_FeedQuestions(width, questions, eos, min_new_tokens)]),
-            stopping_criteria=StoppingCriteriaList([_AnswerDone(width, questions, set(eos), max_new_tokens)]),
+            stopping_criteria=StoppingCriteriaList([
+                _AnswerDone(width, questions, set(eos), max_new_tokens),
+                _BytesAtStop(cache, width, [len(q) for q in questions], set(eos), max_new_tokens)]),
         )
     results = []
     for row, (context, question) in enumerate(zip(contexts, questions)):
         answer = output[row, width + len(question):].tolist()[:max_new_tokens]
         cut = next((i for i, tok in enumerate(answer) if tok in eos), len(answer))
         text = tokenizer.decode(answer[:cut], skip_special_tokens=True)
-        # Fed back into the cache: every question token, then the answer tokens but the last one sampled.
-        fed = len(question) + min(cut + 1, len(answer)) - 1
-        results.append(Generation(text, len(context) + len(question), cut, cache.kv_bytes(row, tail_tokens=fed)))
+        results.append(Generation(text, len(context) + len(question), cut, cache.final_kv_bytes(row)))
     return results
+
+
+class _BytesAtStop(StoppingCriteria):
+    """Records a prompt's cache bytes at the step its answer ends (a stop token, or max_new_tokens), while the
+    batch may decode on: the cache then holds exactly what the prompt fed it (every question token and answer
+    token but the last one sampled), as it would alone. Stops nothing itself."""
+
+    def __init__(self, cache, width: int, question_lens: list[int], stops: set[int], max_new_tokens: int):
+        self.cache, self.width, self.question_lens = cache, width, question_lens
+        self.stops, self.max_new_tokens = stops, max_new_tokens
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        for row, question in enumerate(self.question_lens):
+            answer = input_ids[row, self.width + question:].tolist()
+            if answer and (answer[-1] in self.stops or len(answer) >= self.max_new_tokens):
+                self.cache.record_stop(row)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 @contextmanager

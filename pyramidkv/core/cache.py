@@ -99,6 +99,7 @@ class CompressedCache(Cache):
         self.decoding = None if method.decode is None else \
             DecodeCompressor(method, self.layers, num_query_heads, self.stored_heads)
         self.setup: Optional[StoreSetup] = None
+        self.stopped_bytes: dict[int, int] = {}   # per prompt that stopped early, its bytes then (record_stop)
 
     def _abilities_needed(self) -> list[str]:
         if self.method.decode is None:
@@ -217,20 +218,27 @@ class CompressedCache(Cache):
         order (dequantized, keys after RoPE; a quantized store gives RoPE positions)."""
         return self.layers[layer_idx].stored_kv(batch_idx)
 
-    def kv_bytes_breakdown(self, batch_idx: Optional[int] = None, tail_tokens: Optional[int] = None) -> dict[str, int]:
-        """Stored bytes by part, all layers (full-precision rows are "residual"; quantized storage adds codes,
-        scales, zeros, codebook, outliers, factors, positions); of one prompt when batch_idx is given; when
-        tail_tokens is given, as it was after that many appended tokens (a prompt that stopped early)."""
+    def kv_bytes_breakdown(self, batch_idx: Optional[int] = None) -> dict[str, int]:
+        """Stored bytes by part now, all layers (full-precision rows are "residual"; quantized storage adds codes,
+        scales, zeros, codebook, outliers, factors, positions); of one prompt when batch_idx is given."""
         totals: dict[str, int] = {}
         for store in self.layers:
             if store is not None:
-                for part, size in store.bytes_by_part(batch_idx, tail_tokens).items():
+                for part, size in store.bytes_by_part(batch_idx).items():
                     totals[part] = totals.get(part, 0) + size
         return totals
 
-    def kv_bytes(self, batch_idx: Optional[int] = None, tail_tokens: Optional[int] = None) -> int:
-        """Bytes of stored keys and values (see kv_bytes_breakdown)."""
-        return sum(self.kv_bytes_breakdown(batch_idx, tail_tokens).values())
+    def kv_bytes(self, batch_idx: Optional[int] = None) -> int:
+        """Bytes of stored keys and values now (see kv_bytes_breakdown)."""
+        return sum(self.kv_bytes_breakdown(batch_idx).values())
+
+    def record_stop(self, batch_idx: int) -> None:
+        """A prompt of the batch stopped generating: keep its bytes as they are now (the batch decodes on)."""
+        self.stopped_bytes.setdefault(batch_idx, self.kv_bytes(batch_idx))
+
+    def final_kv_bytes(self, batch_idx: int) -> int:
+        """A prompt's bytes when it stopped (record_stop), else now."""
+        return self.stopped_bytes.get(batch_idx, self.kv_bytes(batch_idx))
 
     def decode_read_bytes(self, batch_idx: Optional[int] = None) -> int:
         """K/V bytes the last decode step's attention read, all layers, of all prompts or one: everything

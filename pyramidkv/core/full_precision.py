@@ -36,7 +36,6 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
         self.tail_len = 0
         self._buffers: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # [B, H, capacity, D] keys, values
         self._layout: Optional[DecodeLayout] = None                       # built at the first attend
-        self._history = [[k.nbytes() for k in kept]]                      # per appended count, per prompt
 
     # ---- growing -------------------------------------------------------------------------------
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,9 +61,6 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
         self._buffers[1][:, :, t:t + q_len] = values
         self.tail_len += q_len
         self.appended += q_len
-        row = heads * dim * keys.element_size() * 2
-        for i in range(1, q_len + 1):
-            self._history.append([k.nbytes() + (t + i) * row for k in self.kept])
 
     def layout(self) -> DecodeLayout:
         """How the kept rows are read (built at the first attend, after each re-selection)."""
@@ -146,7 +142,6 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
         grown = self._buffers is not None and max_tail is not None
         if grown and self._buffers[0].shape[2] > max_tail + TAIL_GROWTH_TOKENS:
             self._buffers = None
-        self._history[-1] = [k.nbytes() for k in kept]
 
     # ---- inspection ----------------------------------------------------------------------------
     def kept_counts(self) -> list[list[int]]:
@@ -171,9 +166,11 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
     def stored_kv(self, b: int) -> Heads:
         return [(p, k, v) for k, v, p in self.held(b)]
 
-    def bytes_by_part(self, b: Optional[int] = None, appended: Optional[int] = None) -> dict[str, int]:
-        per_prompt = self._history[self.appended if appended is None else appended]
-        return {"residual": sum(per_prompt) if b is None else per_prompt[b]}
+    def bytes_by_part(self, b: Optional[int] = None) -> dict[str, int]:
+        first = self.kept[0].keys
+        row = self.heads * first.shape[-1] * first.element_size() * 2   # one appended token of K and V
+        prompts = self.kept if b is None else [self.kept[b]]
+        return {"residual": sum(k.nbytes() + self.tail_len * row for k in prompts)}
 
     def capacity_bytes(self) -> int:
         return 0 if self._buffers is None else sum(t.numel() * t.element_size() for t in self._buffers)

@@ -115,7 +115,6 @@ class MergedPair:
         self.next_position = torch.tensor(real_lens, device=self.lengths.device).repeat_interleave(self.heads)
         self.staged: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = [None, None]  # per layer [S, q, D] k, v
         self.element = lower[0].keys.element_size()
-        self.history = [self._snapshot()]   # per merged step: per layer, per prompt its bytes by part
 
     # ---- growing -------------------------------------------------------------------------------
     def stage(self, which: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -142,7 +141,6 @@ class MergedPair:
             self.next_position += 1
             self.lengths += 1
         self.staged = [None, None]
-        self.history.append(self._snapshot())
 
     # ---- attention -----------------------------------------------------------------------------
     def attend(self, which: int, queries: torch.Tensor) -> torch.Tensor:
@@ -188,9 +186,6 @@ class MergedPair:
     def segment_rows(self, which: int, s: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(positions [n], keys [n, D], values [n, D]) of segment s's first n merged rows, restored for `which`."""
         return self.positions[s, :n], self.keys.restored(s, which, n), self.values.restored(s, which, n)
-
-    def _snapshot(self) -> list[list[dict[str, int]]]:
-        return [[self.parts(which, b) for b in range(self.batch)] for which in (0, 1)]
 
     def parts(self, which: int, b: int) -> dict[str, int]:
         """Layer `which`'s share of prompt b's stored bytes, by part."""
@@ -280,12 +275,8 @@ class PairedLayerStore(LayerStore):
     def held_positions(self, b: int) -> list[torch.Tensor]:
         return [positions for positions, _, _ in self.stored_kv(b)]
 
-    def bytes_by_part(self, b: Optional[int] = None, appended: Optional[int] = None) -> dict[str, int]:
-        if appended is None:
-            per_prompt = [self.pair.parts(self.which, i) for i in range(self.pair.batch)]
-        else:
-            per_prompt = self.pair.history[appended][self.which]
-        chosen = per_prompt if b is None else [per_prompt[b]]
+    def bytes_by_part(self, b: Optional[int] = None) -> dict[str, int]:
+        chosen = [self.pair.parts(self.which, i) for i in (range(self.pair.batch) if b is None else [b])]
         return {part: sum(p[part] for p in chosen) for part in chosen[0]}
 
     def capacity_bytes(self) -> int:

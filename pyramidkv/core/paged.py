@@ -44,7 +44,6 @@ class PagedStore(FullPrecisionStore):
         self.settings = settings
         self.budgets = torch.tensor(budgets, device=kept[0].keys.device).repeat_interleave(self.heads)  # [S]
         self.table = self._table()
-        self.metadata_history = [self._metadata_per_prompt()]   # per appended count, per prompt
         self.last_read: Optional[list[int]] = None                # per prompt, bytes the last attend read
         self.chosen_pages: Optional[torch.Tensor] = None          # [S, r, K] pages of the last attend (-1: none)
 
@@ -64,12 +63,10 @@ class PagedStore(FullPrecisionStore):
             raise NotImplementedError("a paged (Quest) cache decodes one token per step (got q_len > 1)")
         super().append(keys, values, rope_positions)
         self.table.append(keys.reshape(bsz * heads, dim))
-        self.metadata_history.append(self._metadata_per_prompt())
 
     def replace(self, kept: list[KeptKV], max_tail: Optional[int] = None) -> None:
         super().replace(kept, max_tail)
         self.table = self._table()
-        self.metadata_history[-1] = self._metadata_per_prompt()
 
     # ---- attention -----------------------------------------------------------------------------
     def attend(self, queries: torch.Tensor) -> torch.Tensor:
@@ -120,9 +117,9 @@ class PagedStore(FullPrecisionStore):
         return keys, values
 
     # ---- inspection ----------------------------------------------------------------------------
-    def bytes_by_part(self, b: Optional[int] = None, appended: Optional[int] = None) -> dict[str, int]:
-        parts = super().bytes_by_part(b, appended)
-        metadata = self.metadata_history[self.appended if appended is None else appended]
+    def bytes_by_part(self, b: Optional[int] = None) -> dict[str, int]:
+        parts = super().bytes_by_part(b)
+        metadata = self._metadata_per_prompt()
         parts["page_metadata"] = sum(metadata) if b is None else metadata[b]
         return parts
 

@@ -125,7 +125,6 @@ class QuantizedStore(LayerStore):
         self.fp_mask = first.new_zeros(held.shape).masked_fill_(~held, torch.finfo(self.dtype).min)  # added to scores
         self.every_segment = torch.arange(self.segments, device=self.device)
         self._window_changed()
-        self.ledger.snapshot(self.fp_len)
 
     # ---- encoding ------------------------------------------------------------------------------
     def _encode(self, segments, keys, values, positions, decoding: bool, channels=None) -> PrefillGroup:
@@ -157,7 +156,6 @@ class QuantizedStore(LayerStore):
             for b in (segs // self.heads).unique().tolist():  # one block per prompt
                 self._quantize_oldest(segs[segs // self.heads == b])
             self._window_changed()
-        self.ledger.snapshot(self.fp_len)
 
     def _window_changed(self) -> None:
         """Python counts the reads and the next append need: the widest window, the appends until one is full."""
@@ -303,9 +301,9 @@ class QuantizedStore(LayerStore):
     def stored_kv(self, b: int) -> Heads:
         return [self._segment_kv(b * self.heads + h) for h in range(self.heads)]
 
-    def bytes_by_part(self, b: Optional[int] = None, appended: Optional[int] = None) -> dict[str, int]:
+    def bytes_by_part(self, b: Optional[int] = None) -> dict[str, int]:
         segments = slice(None) if b is None else slice(b * self.heads, (b + 1) * self.heads)
-        return self.ledger.parts(segments, -1 if appended is None else appended)
+        return self.ledger.parts(segments, self.fp_len.cpu())
 
     def capacity_bytes(self) -> int:
         return (sum(t.numel() * t.element_size() for t in (self.fp_keys, self.fp_values, self.fp_mask))

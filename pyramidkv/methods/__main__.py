@@ -3,13 +3,12 @@
 import dataclasses
 import sys
 
+from pyramidkv.components import flat_settings
 from pyramidkv.methods import METHODS, Method
 
 # Settings every method shares, listed under the table (a method's row shows one only where its default differs).
-COMMON = {"budget", "budget_ratio", "gqa_layout", "gqa_reduce", "decode_budget", "decode_interval", "num_sinks",
-          "random_fraction", "random_seed", "key_channel_ratio", "key_recent_size", "key_query_window", "page_budget",
-          "page_size", "page_min_count", "page_keep_last", "page_dense_layers", "page_selection", "cross_layer_merge",
-          "cross_layer_start", "cross_layer_t", "cross_layer_retain", "prefill_attention"}
+# Capabilities (Method.flat_units) show their settings the same way.
+COMMON = {"budget", "budget_ratio", "gqa_layout", "gqa_reduce", "prefill_attention"}
 
 
 def method_table() -> str:
@@ -18,8 +17,15 @@ def method_table() -> str:
         doc = (sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")
         summary = " ".join(" ".join(part.split()) for part in doc[:2]).replace("|", "/")
         base = {f.name: f.default for f in dataclasses.fields(Method)}
-        settings = ", ".join(f"`{f.name}={f.default!r}`" for f in dataclasses.fields(cls)
-                             if f.name not in COMMON or f.default != base[f.name])
+        shown = []
+        for f in dataclasses.fields(cls):
+            if f.name in Method.flat_units:   # a capability: its settings where this method's default differs
+                unit = Method.flat_units[f.name]
+                before, after = flat_settings(unit, base[f.name]), flat_settings(unit, f.default)
+                shown.extend(f"`{k}={v!r}`" for k, v in after.items() if v != before[k])
+            elif f.name not in COMMON or f.default != base[f.name]:
+                shown.append(f"`{f.name}={f.default!r}`")
+        settings = ", ".join(shown)
         lines.append(f"| `{name}` | {summary} | {settings} |")
     return "\n".join(lines)
 

@@ -209,13 +209,12 @@ class DecodeBlocks:
 
 
 class ByteLedger:
-    """Bytes of the quantized parts per segment [S, parts], with a snapshot (and the full-precision row
-    counts) after every appended token, so the bytes at any earlier step can be read back."""
+    """Bytes of the quantized parts per segment [S, parts]; the full-precision rows are counted from the
+    store's window lengths when read."""
 
     def __init__(self, segments: int, row_bytes: int):
         self.quantized = torch.zeros(segments, len(BYTE_PARTS), dtype=torch.long)
         self.row_bytes = row_bytes              # one full-precision row of K and V
-        self.history: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def count(self, segments: torch.Tensor, keys: QuantizedBlock, values: QuantizedBlock,
               positions: Optional[torch.Tensor], channels: Optional[torch.Tensor] = None) -> None:
@@ -235,12 +234,8 @@ class ByteLedger:
             counted[segs[0], BYTE_PARTS.index("codebook")] += shared
         self.quantized = counted
 
-    def snapshot(self, fp_len: torch.Tensor) -> None:
-        self.history.append((self.quantized, fp_len.cpu().clone()))
-
-    def parts(self, segments: slice, step: int = -1) -> dict[str, int]:
-        """Bytes by part of some segments at a snapshot (default: the last)."""
-        quantized, fp_len = self.history[step]
-        totals = dict(zip(BYTE_PARTS, quantized[segments].sum(0).tolist()))
+    def parts(self, segments: slice, fp_len: torch.Tensor) -> dict[str, int]:
+        """Bytes by part of some segments now; fp_len [S]: the full-precision rows each segment holds."""
+        totals = dict(zip(BYTE_PARTS, self.quantized[segments].sum(0).tolist()))
         totals["residual"] = int(fp_len[segments].sum()) * self.row_bytes
         return totals
