@@ -36,6 +36,18 @@ FLOORS = {
 # product's scripts), measure/ (the measuring scripts behind docs/ figures) and examples/.
 
 
+# Core's own order (docs/architecture.md): the contract and helpers < the layer stores < the prefill pipeline and
+# decode-time compression < the cache. Inside core an import goes to its own group or a lower one.
+CORE_ORDER = {
+    **{f"pyramidkv.core.{m}": (0, "contract and helpers") for m in (
+        "context", "scoring", "selection", "kept", "layout", "rotary", "pages", "channels", "cross_layer",
+        "token_stats")},
+    **{f"pyramidkv.core.{m}": (1, "stores") for m in ("store", "full_precision", "paged", "quantized", "merged_pair")},
+    **{f"pyramidkv.core.{m}": (2, "pipeline and decoding") for m in ("prefill", "decoding")},
+    "pyramidkv.core.cache": (3, "cache"),
+}
+
+
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -124,6 +136,31 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
         if node not in index:
             visit(node)
     return found
+
+
+def core_upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports inside core that go up its own order (CORE_ORDER)."""
+    bad = []
+    for module, targets in graph.items():
+        if module not in CORE_ORDER:
+            continue
+        for target in sorted(t for t in targets if t in CORE_ORDER):
+            if CORE_ORDER[target][0] > CORE_ORDER[module][0]:
+                bad.append(f"{module} ({CORE_ORDER[module][1]}) imports {target} ({CORE_ORDER[target][1]})")
+    return bad
+
+
+def test_core_imports_go_down_its_own_order():
+    graph = import_graph()
+    core = {m for m in graph if m.startswith("pyramidkv.core.")}
+    assert core == set(CORE_ORDER), f"core modules without a row in CORE_ORDER (or rows for none): {core ^ set(CORE_ORDER)}"
+    bad = core_upward_imports(graph)
+    assert not bad, "imports against core's order:\n  " + "\n  ".join(bad)
+
+
+def test_core_order_check_can_fail():
+    graph = {"pyramidkv.core.store": {"pyramidkv.core.cache"}, "pyramidkv.core.cache": {"pyramidkv.core.store"}}
+    assert core_upward_imports(graph) == ["pyramidkv.core.store (stores) imports pyramidkv.core.cache (cache)"]
 
 
 def test_every_import_goes_down_the_floors():

@@ -7,20 +7,19 @@ Per segment (one prompt's stored head), in time order, a layer stores
   * decode : groups of G tokens that left the full-precision window while generating, one per event;
   * window : the most recent tokens, full precision: R to R + G - 1 of them (R = residual_length) once
              a segment holds R tokens or more, fewer before.
-KIVI windowing: the append that brings a window to R + G quantizes its oldest G tokens (once: a block
-is never touched again) and the window drops to R. At prefill, of k kept tokens (sink excluded)
-G * floor((k - R) / G) are quantized. Every block holds the segments of ONE prompt, so codebooks,
-low-rank starts and outlier budgets never depend on which prompts share a batch. Prefill blocks that
-split into G-token groups of the same bytes (no outliers, low-rank term or codebook: KIVI) are stacked
-group by group with the decode groups (`DecodeBlocks`); the others stay whole (`prefill`).
+KIVI windowing: the append that brings a window to R + G quantizes its oldest G tokens (once: a block is never
+touched again) and the window drops to R. At prefill, of k kept tokens (sink excluded) G * floor((k - R) / G) are
+quantized. Every block holds the segments of ONE prompt, so codebooks, low-rank starts and outlier budgets never
+depend on which prompts share a batch. Prefill blocks that split into G-token groups of the same bytes (no outliers,
+low-rank term or codebook: KIVI) are stacked group by group with the decode groups (`DecodeBlocks`); the others stay
+whole (`prefill`).
 
-Keys are stored after RoPE, except for quantizers with `keys_before_rope` (KVQuant): their quantized
-keys are un-rotated first (in float32, at the token's RoPE position, kept as int32) and rotated again
-when read. With ThinK the prefill-quantized keys are thin (after RoPE, which mixes channels c and
-c + D/2). Attention: scores per part, one joint softmax (float32), values per part; scale and zero fold
-into the query and the probabilities, so quantized parts are read as levels, never dequantized
-(pyramidkv.quantization.kernels), the stack in as few spans as the scratch bound allows. See
-docs/quantization.md.
+Keys are stored after RoPE, except for quantizers with `keys_before_rope` (KVQuant): their quantized keys are
+un-rotated first (in float32, at the token's RoPE position, kept as int32) and rotated again when read. With ThinK the
+prefill-quantized keys are thin (after RoPE, which mixes channels c and c + D/2). Attention: scores per part, one
+joint softmax (float32), values per part; scale and zero fold into the query and the probabilities, so quantized
+parts are read as levels, never dequantized (pyramidkv.quantization.kernels), the stack in as few spans as the
+scratch bound allows. See docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -44,15 +43,9 @@ CHUNK_ELEMENTS = 1 << 20
 class QuantizedStore(LayerStore):
     @classmethod
     def open(cls, kept: list[KeptKV], setup: StoreSetup, layer_idx: int) -> "QuantizedStore":
-        """Each kept row's RoPE position comes from the prompt's position ids (its padded position without them)."""
-        quantizer = setup.method.quant_method
-        quantizer.check_head_dim(kept[0].keys.shape[-1])
-        rope = []
-        for b, (kv, pad) in enumerate(zip(kept, setup.pad_lens)):
-            padded = torch.cat(kv.all_positions()) + pad
-            ids = setup.position_ids
-            rope.append(padded if ids is None else ids[min(b, ids.shape[0] - 1)][padded].long())
-        return cls(quantizer, kept, rope, setup.real_lens, setup.rotary, setup.scratch)
+        setup.method.quant_method.check_head_dim(kept[0].keys.shape[-1])
+        return cls(setup.method.quant_method, kept, setup.rope_positions(kept), setup.real_lens, setup.rotary,
+                   setup.scratch)
 
     def __init__(self, quantizer: Quantizer, kept: list[KeptKV], rope_positions: list[torch.Tensor],
                  real_lens: list[int], rotary: Optional[RotaryTable], scratch: Optional[Scratch] = None):
@@ -284,11 +277,8 @@ class QuantizedStore(LayerStore):
 
     def kept_kv(self, b: int) -> Heads:
         """Copies (dequantized), not views of the store."""
-        out = []
-        for h, positions in enumerate(self.kept_positions(b)):
-            _, keys, values = self._segment_kv(b * self.heads + h)
-            out.append((positions, keys[:len(positions)], values[:len(positions)]))
-        return out
+        segments = [self._segment_kv(b * self.heads + h) for h in range(self.heads)]
+        return [(p, k[:len(p)], v[:len(p)]) for p, (_, k, v) in zip(self.kept_positions(b), segments)]
 
     def held_counts(self) -> list[list[int]]:
         return [[n + self.appended for n in lengths] for lengths in self.kept_lengths]
