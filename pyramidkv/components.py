@@ -213,6 +213,28 @@ class Component:
                 out[f.name] = value.describe() if isinstance(value, Component) else value
         return out
 
+    def setting(self, name: str):
+        """A setting by the name a spec uses: a field, or a flat unit's setting (its off value when off)."""
+        if name in self.__dataclass_fields__:
+            return getattr(self, name)
+        for field, unit_class in self.flat_units.items():
+            if field not in vars(self):   # not built yet
+                break
+            unit = vars(self)[field]
+            values = flat_settings(type(unit) if unit is not None else unit_class, unit)
+            if name in values:
+                return values[name]
+        raise AttributeError(f"{type(self).__name__} has no setting {name!r}")
+
+    def settings_at_default(self) -> list[str]:
+        """Every setting (flat units' settings by their own names) left at its default."""
+        fields = self.__dataclass_fields__
+        names = [name for name, f in fields.items() if getattr(self, name) == f.default]
+        for field, unit in self.flat_units.items():
+            before, after = flat_settings(unit, fields[field].default), flat_settings(unit, getattr(self, field))
+            names += [name for name, value in after.items() if before.get(name) == value]
+        return names
+
     def changed_settings(self) -> list[tuple[str, object]]:
         """(setting, value) for every setting that differs from its default, in field order."""
         return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)

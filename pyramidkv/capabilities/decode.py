@@ -19,6 +19,8 @@ class DecodeBudget(Capability):
     decode_interval: new tokens between two decode-time compressions, only with decode_budget (the
         memory overshoot is at most this many tokens per head, and each re-selection is amortised over
         them).
+    decode_query_window: the most recent queries buffered as the observation window of a decode-time
+        re-selection (none: max(window_size, 1), the prefill window).
     """
 
     name = "decode"
@@ -29,11 +31,15 @@ class DecodeBudget(Capability):
     conflicts = (Conflict("key_channel_ratio", lambda m: m.channels is not None, "thin keys are not re-selected"),)
     decode_budget: Optional[int] = None
     decode_interval: int = 32
+    decode_query_window: Optional[int] = None
 
     def validate(self) -> None:
         if self.decode_interval < 1:
             raise ValueError(f"decode_interval must be an integer >= 1 (new tokens between two decode-time "
                              f"compressions), got {self.decode_interval!r}")
+        if self.decode_query_window is not None and self.decode_query_window < 1:
+            raise ValueError(f"decode_query_window must be an integer >= 1 (queries buffered for a decode-time "
+                             f"re-selection) or none, got {self.decode_query_window!r}")
         if self.decode_budget is None or self.decode_budget < 1:
             raise ValueError(f"decode_budget must be an integer >= 1 (tokens per head held while decoding), "
                              f"got {self.decode_budget!r}")

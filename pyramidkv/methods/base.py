@@ -26,7 +26,7 @@ from pyramidkv.allocation.base import HeadAllocation, LayerAllocation, ModelShap
 from pyramidkv.allocation.uniform import UniformHeads, UniformLayers
 from pyramidkv.capabilities import (Capability, DecodeBudget, MiniCacheSharing, QuestPages, Selection, ThinKChannels,
                                     capability_class, make_capability)
-from pyramidkv.components import Component, flat_settings
+from pyramidkv.components import Component
 from pyramidkv.core.context import DecodeScoreContext, ScoreContext
 from pyramidkv.merging import make_merge_rule
 from pyramidkv.merging.base import MergeRule
@@ -168,20 +168,6 @@ class Method(Component):
     def budget_pair(self) -> tuple[Optional[int], Optional[float]]:
         """(budget, budget_ratio) as the run folder and results name them (Quest: its page budget)."""
         return tuple(self.setting(self.budget_aliases.get(name, name)) for name in ("budget", "budget_ratio"))
-
-    def setting(self, name: str):
-        """A setting by the name a spec uses: a field, or a capability's setting (its off value when off), so
-        `method.setting("decode_budget")` and `method.decode_budget` read as make_method's names do."""
-        if name in self.__dataclass_fields__:
-            return getattr(self, name)
-        for axis in CAPABILITY_AXES:
-            if axis not in vars(self):
-                break
-            unit = vars(self)[axis]
-            values = flat_settings(type(unit) if unit is not None else capability_class(axis), unit)
-            if name in values:
-                return values[name]
-        raise AttributeError(f"{type(self).__name__} has no setting {name!r}")
 
     def __getattr__(self, name: str):   # only for names that are no attribute: a capability's settings
         if name.startswith("_"):

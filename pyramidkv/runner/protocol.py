@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import io
 import time
 from dataclasses import dataclass
@@ -176,7 +175,7 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
         fingerprint = run_fingerprint(args, method, model_check, benchmark.fingerprint_extra(args, tokenizer))
         lock = open_run_folder(out_dir, fingerprint, args.overwrite,
                                {action.dest: action.default for action in parser._actions},
-                               [f.name for f in dataclasses.fields(method) if getattr(method, f.name) == f.default])
+                               method.settings_at_default())
     except INPUT_ERRORS as e:
         fail(parser, e)
 
