@@ -15,6 +15,7 @@ import torch
 from pyramidkv import compress, load_model, make_method
 from pyramidkv.generation import generate
 from pyramidkv.methods.base import Method, ScoreContext
+from pyramidkv.capabilities import DecodeBudget
 from tests.prompts import STORY, passkey_prompt
 from tests.helpers import ROOT
 
@@ -146,7 +147,7 @@ class FirstTokensMethod(Method):
     make_method("zigzagkv", budget=128, window_size=16, decode_budget=64, decode_interval=8),  # layers deferred
     make_method("l2norm", budget=128, decode_budget=64, decode_interval=8),
     make_method("cam", budget=128, window_size=16, decode_budget=64, decode_interval=8),
-    FirstTokensMethod(budget=128, window_size=16, decode_budget=64, decode_interval=8),  # the default decode_score
+    FirstTokensMethod(budget=128, window_size=16, decode=DecodeBudget(64, 8)),  # the default decode_score
 ], ids=["pyramidkv", "zigzagkv", "l2norm", "cam", "user-method"])
 def test_other_methods_stay_within_the_bound(smollm2, method):
     model, tokenizer = smollm2
