@@ -58,7 +58,8 @@ class DecodeScoreContext(ScoreContext):
     else [1, H, m] False at each head's padding.
     queries [1, Hq, w, D]: the buffered queries of the w most recent tokens (w = min(query buffer, m)),
     the i-th at token m - w + i of every head, oldest first; none is padding.
-    positions: [1, H, m] true positions (0 = first real prompt token; -1 at padding).
+    positions: [1, H, m] true positions (0 = first real prompt token; -1 at padding). Each head keeps its
+    own tokens, so one slot of two heads is in general two positions.
     accumulated: [1, Hq, m] attention each held token has received from every query since it was appended
     (prompt queries included), per query head of its stored head, for methods with `accumulates_attention`;
     else None.
