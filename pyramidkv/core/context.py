@@ -3,7 +3,8 @@
 `pyramidkv.methods.Method` fulfils `CompressionMethod`; the engine (this package) never imports
 `pyramidkv.methods`, so any object with these attributes drives it.
 
-Shapes: B prompts, Hq query heads, Hkv KV heads, n prompt tokens, D head dim.
+Shapes: B prompts, Hq query heads, Hkv KV heads, H stored heads (Hkv in the kv_head layout, Hq in
+query_head), n prompt tokens, D head dim.
 """
 
 from __future__ import annotations
@@ -23,14 +24,18 @@ if TYPE_CHECKING:
 
 @dataclass
 class ScoreContext:
-    """Everything a scorer may look at for one layer at prefill.
+    """Everything a scorer may look at for one layer: the prompt at prefill, one prompt's held tokens at a
+    decode-time re-selection (`DecodeScoreContext`, the same layout). A scorer written for prefill is right
+    at decode when it reads the tokens through these shapes and `pyramidkv.core.scoring`'s helpers.
 
-    queries: [B, Hq, n, D] and keys/values: [B, Hkv, n, D], after RoPE.
-    real: [B, n] bool, False at left padding.
+    queries: [B, Hq, q, D], those of the last q tokens (q = n at prefill: every prompt query), after RoPE.
+    keys/values: [B, H, n, D] after RoPE: at prefill the KV heads (H = Hkv); at decode the stored heads.
+    real: False at left padding: [B, n] when every head pads alike (always at prefill), [B, H, n] per head
+    when the heads hold different token counts (ragged heads at decode). Helpers take either.
     pattern: the layer's sparse prefill pattern (MInference; its `mask(start, stop, n)` gives the entries the
-    model computed), None for dense prefill: attention statistics pass it to the scoring helpers.
+    model computed), None for dense prefill and at decode: attention statistics pass it to the scoring helpers.
     column_sums: [B, Hq, n] float32, each key's attention summed over the real prompt queries, computed by
-    the prefill attention pass itself for methods with `needs_column_sums` (None otherwise).
+    the prefill attention pass itself for methods with `needs_column_sums` (None otherwise and at decode).
     """
 
     layer_idx: int
@@ -45,19 +50,24 @@ class ScoreContext:
 
 @dataclass
 class DecodeScoreContext(ScoreContext):
-    """What `decode_score` sees when the cache re-selects during decoding (one layer, one prompt).
+    """What `decode_score` sees when the cache re-selects one prompt at one layer while decoding: the
+    prefill layout with B = 1 and the prompt's stored heads as H (Hkv in the kv_head layout, Hq in
+    query_head), scored the same way and brought to stored heads by the same `scores_per_stored_head`.
 
-    Each row is one stored head: keys/values [R, 1, m, D] hold the tokens the head holds now (kept
-    prompt tokens, then generated ones), in position order and left-padded to a common m (real [R, m]
-    False there). queries [R, g, m, D]: only the last min(window, m) rows are real queries, those of
-    the most recent tokens (g = the query heads of the stored head: the GQA group in the kv_head
-    layout, 1 in query_head); earlier rows are 0.
-    positions: [R, m] true positions (0 = first real prompt token; -1 at padding).
-    accumulated: [R, g, m] attention each held token has received from every query since it was
-    appended (prompt queries included), for methods with `accumulates_attention`; else None.
-    history: [R, g, w, m] each held token's attention from the last w queries (the last prompt rows,
-    then the decode queries; NaN where it was not there), history_levels: [R, w] the uniform level
-    1 / (tokens attended) of each of those queries, for methods with a `history_window`; else None.
+    keys/values [1, H, m, D]: every token each head holds now (kept prompt tokens, then generated ones), in
+    position order, left-padded to the longest head's count m; real [1, m] when every head holds m tokens,
+    else [1, H, m] False at each head's padding.
+    queries [1, Hq, w, D]: the buffered queries of the w most recent tokens (w = min(query buffer, m)),
+    the i-th at token m - w + i of every head, oldest first; none is padding.
+    positions: [1, H, m] true positions (0 = first real prompt token; -1 at padding). Each head keeps its
+    own tokens, so one slot of two heads is in general two positions.
+    accumulated: [1, Hq, m] attention each held token has received from every query since it was appended
+    (prompt queries included), per query head of its stored head, for methods with `accumulates_attention`;
+    else None.
+    history: [1, Hq, w_h, m] each held token's attention from the last w_h queries (the last prompt rows,
+    then the decode queries; NaN where it was not there), history_levels: [1, Hq, w_h] the uniform level
+    1 / (tokens its stored head attended) of each of those queries, for methods with a `history_window`;
+    else None.
     """
 
     positions: Optional[torch.Tensor] = None

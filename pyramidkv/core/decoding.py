@@ -4,8 +4,9 @@ Without `decode_budget` the prompt part of the cache is compressed once, at pref
 generated token is kept: a long generation grows the cache without bound. With it, the cache owns a
 `DecodeCompressor` that, at every layer and after every decode step:
 
-  1. the new queries go into a per-layer buffer of the last max(window_size, 1) queries (seeded
-     with the prompt's last queries at prefill), the observation window of the re-selection;
+  1. the new queries go into a per-layer buffer of the last `query_window` queries (default
+     max(window_size, 1); seeded with the prompt's last queries at prefill), the queries the
+     re-selection's scores read;
   2. methods with `accumulates_attention` (H2O) add the attention the new queries give every held
      token to its running total (prompt tokens start from their prefill column sums); methods with a
      `history_window` (Scissorhands) keep each held token's attention from the last w queries
@@ -14,7 +15,9 @@ generated token is kept: a long generation grows the cache without bound. With i
      holds decode_budget + decode_interval tokens or more (kept prompt + generated). Each
      of its heads then keeps decode_budget tokens: the most recent window_size (by position) plus
      the best of the rest by the method's `decode_score` (same tie-break as at prefill: the more
-     recent wins), evicted tokens folded in by the method's merge rule if it has one.
+     recent wins), evicted tokens folded in by the method's merge rule if it has one. The score sees
+     the prompt in the prefill layout (`DecodeScoreContext`: batch 1, its stored heads, the buffered
+     queries) and is brought to one row per stored head by the same `scores_per_stored_head`.
      This happens after the step's attention, so a head holds at most decode_budget +
      decode_interval tokens at any moment, for any number of new tokens, and exactly
      decode_budget right after a compression (every decode_interval tokens in steady state).
@@ -55,17 +58,21 @@ HeldHead = tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor
 class DecodeCompressor:
     """The decode-time state of one cache whose method has a decode_budget.
 
-    stores: the cache's list of layer stores (filled in as prefill stores each layer)."""
+    stores: the cache's list of layer stores (filled in as prefill stores each layer); query_window: how many
+    recent queries each layer buffers for the re-selection's scores (None: max(window_size, 1))."""
 
     def __init__(self, method: CompressionMethod, stores: list[Optional[FullPrecisionStore]], num_query_heads: int,
-                 stored_heads: int):
+                 stored_heads: int, query_window: Optional[int] = None):
+        if query_window is not None and query_window < 1:
+            raise ValueError(f"query_window must be >= 1 (recent queries buffered for decode-time scoring), "
+                             f"got {query_window}")
         self.method = method
         self.stores = stores
         self.num_layers = len(stores)
         self.budget: int = method.decode.decode_budget
         self.interval: int = method.decode.decode_interval
         self.limit = self.budget + self.interval  # a head holding this many tokens triggers a compression
-        self.buffer_size = max(method.window_size, 1)
+        self.buffer_size = max(method.window_size, 1) if query_window is None else query_window
         self.group = num_query_heads // stored_heads  # query heads per stored head
         self.compressions = [0] * self.num_layers   # how often each layer was compressed
         self.peak_kv_bytes = 0                      # the most bytes stored at any moment while decoding
@@ -139,47 +146,57 @@ class DecodeCompressor:
         if self.stats is not None:
             self.stats.replace(layer_idx, new_stats)
 
-    def _reselect(self, layer_idx: int, b: int, heads: list[HeldHead]) -> list[HeldHead]:
-        """Each head of prompt b keeps decode_budget tokens: the window + the best by decode_score."""
+    def _context(self, layer_idx: int, b: int, heads: list[HeldHead]) -> tuple[DecodeScoreContext, list[int]]:
+        """Prompt b's held tokens in the prefill layout (DecodeScoreContext), and each head's left padding."""
         method, g = self.method, self.group
         rows = len(heads)
         m = max(len(h[2]) for h in heads)
         first = heads[0][0]
         dim = first.shape[-1]
-        keys = first.new_zeros(rows, 1, m, dim)
-        values = first.new_zeros(rows, 1, m, dim)
-        real = torch.zeros(rows, m, dtype=torch.bool, device=first.device)
-        positions = torch.full((rows, m), -1, dtype=torch.long, device=first.device)
+        keys = first.new_zeros(1, rows, m, dim)
+        values = first.new_zeros(1, rows, m, dim)
+        real = torch.zeros(1, rows, m, dtype=torch.bool, device=first.device)
+        positions = torch.full((1, rows, m), -1, dtype=torch.long, device=first.device)
+        # Statistics per stored head and query head of its group ([H, g, ...]), then [1, H * g = Hq, ...].
         accumulated = first.new_zeros(rows, g, m, dtype=torch.float32) if method.accumulates_attention else None
         history = levels = None
         if isinstance(self.stats, AttentionHistory):
             history = first.new_full((rows, g, self.stats.window, m), float("nan"), dtype=torch.float32)
-            levels = self.stats.levels[layer_idx][b]  # [H, w]
+            levels = self.stats.levels[layer_idx][b].repeat_interleave(g, dim=0)[None]  # [1, Hq, w_h]
         pads = []
         for r, (k, v, p, a) in enumerate(heads):
             pad = m - len(p)
             pads.append(pad)
-            keys[r, 0, pad:], values[r, 0, pad:], real[r, pad:], positions[r, pad:] = k, v, True, p
+            keys[0, r, pad:], values[0, r, pad:], real[0, r, pad:], positions[0, r, pad:] = k, v, True, p
             if accumulated is not None:
                 accumulated[r, :, pad:] = a.T
             if history is not None:
                 history[r, :, :, pad:] = a.permute(1, 2, 0)
-        # The buffered queries of this prompt, g per stored head, as the last rows of the window.
-        buffered = self.queries[layer_idx][b]  # [Hq, w, D]
-        w = min(buffered.shape[1], m)
-        queries = first.new_zeros(rows, g, m, dim)
-        queries[:, :, m - w:] = buffered[:, -w:].reshape(rows, g, w, dim).to(first.dtype)
-        ctx = DecodeScoreContext(layer_idx, self.num_layers, queries, keys, values, real,
-                                 positions=positions, accumulated=accumulated, history=history,
-                                 history_levels=levels)
-        scores = scores_per_stored_head(method.decode_score(ctx), method, 1, g)[:, 0]  # [rows, m]
+        if not any(pads):  # every head holds m tokens: one mask for all, as at prefill
+            real = real[:, 0]
+        buffered = self.queries[layer_idx][b:b + 1]  # [1, Hq, <= buffer_size, D], oldest first
+        w = min(buffered.shape[2], m)
+        queries = buffered[:, :, buffered.shape[2] - w:].to(first.dtype)
+        ctx = DecodeScoreContext(
+            layer_idx, self.num_layers, queries, keys, values, real, positions=positions,
+            accumulated=None if accumulated is None else accumulated.reshape(1, rows * g, m),
+            history=None if history is None else history.reshape(1, rows * g, self.stats.window, m),
+            history_levels=levels)
+        return ctx, pads
+
+    def _reselect(self, layer_idx: int, b: int, heads: list[HeldHead]) -> list[HeldHead]:
+        """Each head of prompt b keeps decode_budget tokens: the window + the best by decode_score."""
+        method = self.method
+        ctx, pads = self._context(layer_idx, b, heads)
+        stored, query_heads = ctx.keys.shape[1], ctx.queries.shape[1]
+        scores = scores_per_stored_head(method.decode_score(ctx), method, stored, query_heads)[0]  # [H, m]
         attention = generator = None
         if method.merge is not None:
             if method.merge.needs_attention:
-                attention = window_attention(queries, keys, real, self.buffer_size).mean(dim=2)
-                attention = scores_per_stored_head(attention, method, 1, g)  # [rows, 1, m]
+                attention = window_attention(ctx.queries, ctx.keys, ctx.real, self.buffer_size).mean(dim=2)
+                attention = scores_per_stored_head(attention, method, stored, query_heads)[0]  # [H, m]
             seed = method.merge.seed_for(layer_idx)
-            generator = None if seed is None else torch.Generator(device=first.device).manual_seed(seed)
+            generator = None if seed is None else torch.Generator(device=ctx.keys.device).manual_seed(seed)
         kept = []
         for r, (k, v, p, a) in enumerate(heads):
             chosen = select_kept_positions(scores[r:r + 1], pads[r], [min(self.budget, len(p))], method.window_size,
@@ -187,8 +204,9 @@ class DecodeCompressor:
             index = chosen - pads[r]
             new_keys, new_values = k[index], v[index]
             if method.merge is not None and len(index) < len(p):
-                merged_keys, merged_values = merge_prompt(method.merge, keys[r], values[r], [chosen], pads[r],
-                                                          None if attention is None else attention[r],
+                merged_keys, merged_values = merge_prompt(method.merge, ctx.keys[0, r:r + 1], ctx.values[0, r:r + 1],
+                                                          [chosen], pads[r],
+                                                          None if attention is None else attention[r:r + 1],
                                                           method.window_size, generator)
                 new_keys, new_values = merged_keys[0], merged_values[0]
             kept.append((new_keys, new_values, p[index], None if a is None else a[index]))

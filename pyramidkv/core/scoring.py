@@ -1,10 +1,11 @@
 """Attention statistics the scorers share, computed without repeating K/V over GQA groups.
 
 Shapes: B batch, Hq query heads, Hkv key/value heads, g = Hq // Hkv,
-n prompt length, w window, D head dim. `real` is a [B, n] bool mask of
-non-padding positions. Softmax is taken in float32 as in the papers' code. With a sparse prefill
-pattern (MInference) the statistics are those of the attention the model ran: only the pattern's
-entries (`pattern.mask`), renormalised over them.
+n tokens, q <= n queries (those of the last q tokens: all n at prefill, the buffered recent ones at
+decode), w window, D head dim. `real` is a bool mask of non-padding entries, [B, n] when every head
+pads alike (always at prefill) or [B, Hkv, n] per head (ragged heads at decode). Softmax is taken in
+float32 as in the papers' code. With a sparse prefill pattern (MInference) the statistics are those of
+the attention the model ran: only the pattern's entries (`pattern.mask`), renormalised over them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ import torch.nn.functional as F
 def real_positions(pad_lens: list[int], n: int, device) -> torch.Tensor:
     """[B, n] bool: False at each prompt's left padding (pad_lens: per prompt its padding tokens)."""
     return torch.arange(n, device=device)[None, :] >= torch.tensor(pad_lens, device=device)[:, None]
+
+
+def real_per_query_head(real: torch.Tensor, num_query_heads: int) -> torch.Tensor:
+    """real [B, n] or [B, Hkv, n] -> [B, 1 or Hq, n]: each query head reads its KV head's mask."""
+    if real.dim() == 2:
+        return real[:, None, :]
+    return real.repeat_interleave(num_query_heads // real.shape[1], dim=1)
 
 
 def grouped_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -44,16 +52,16 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, real: torch.Tens
                      pattern=None) -> torch.Tensor:
     """Attention of the last `window_size` queries to all keys, causal inside the window.
 
-    queries: [B, Hq, n, D] (all prompt queries; only the last w are used);
-    keys: [B, Hkv, n, D]; real: [B, n]; pattern: the layer's sparse prefill pattern or None.
-    Returns [B, Hq, w, n] float32.
+    queries: [B, Hq, q, D], those of the last q tokens (only the last w are used, the i-th of them at
+    token n - w + i); keys: [B, Hkv, n, D]; real: [B, n] or [B, Hkv, n]; pattern: the layer's sparse
+    prefill pattern or None. Returns [B, Hq, w, n] float32, w = min(window_size, q, n).
     """
-    n = keys.shape[2]
-    w = min(window_size, n)
-    s = grouped_scores(queries[:, :, n - w :], keys)  # [B, Hq, w, n]
+    n, q = keys.shape[2], queries.shape[2]
+    w = min(window_size, q, n)
+    s = grouped_scores(queries[:, :, q - w :], keys)  # [B, Hq, w, n]
     query_pos = torch.arange(n - w, n, device=keys.device)[:, None]
     key_pos = torch.arange(n, device=keys.device)[None, :]
-    allowed = (key_pos <= query_pos)[None, None] & real[:, None, None, :]
+    allowed = (key_pos <= query_pos)[None, None] & real_per_query_head(real, queries.shape[1])[:, :, None, :]
     if pattern is not None:
         allowed = allowed & pattern.mask(n - w, n, n, keys.device)
     return masked_softmax(s, allowed)
@@ -62,23 +70,27 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, real: torch.Tens
 def attention_column_sums(
     queries: torch.Tensor, keys: torch.Tensor, real: torch.Tensor, max_chunk_elements: int = 1 << 24, pattern=None
 ) -> torch.Tensor:
-    """Sum over all real prompt queries of their causal attention to each key (H2O's score).
+    """Sum over all real queries of their causal attention to each key (H2O's score).
 
     Computed in query chunks so no [n, n] matrix per head is ever built.
-    queries: [B, Hq, n, D]; keys: [B, Hkv, n, D]; real: [B, n]. Returns [B, Hq, n] float32.
+    queries: [B, Hq, q, D], those of the last q tokens; keys: [B, Hkv, n, D]; real: [B, n] or [B, Hkv, n].
+    Returns [B, Hq, n] float32.
     """
-    bsz, num_q_heads, n, _ = queries.shape
+    bsz, num_q_heads, q, _ = queries.shape
+    n = keys.shape[2]
+    first = n - q  # the token of the first query
     chunk = max(1, max_chunk_elements // max(1, bsz * num_q_heads * n))
     key_pos = torch.arange(n, device=keys.device)
+    real = real_per_query_head(real, num_q_heads)  # [B, 1 or Hq, n]
     totals = torch.zeros(bsz, num_q_heads, n, dtype=torch.float32, device=keys.device)
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
+    for start in range(0, q, chunk):
+        stop = min(q, start + chunk)
         s = grouped_scores(queries[:, :, start:stop], keys)  # [B, Hq, c, n]
-        query_pos = torch.arange(start, stop, device=keys.device)
-        allowed = (key_pos[None, :] <= query_pos[:, None])[None, None] & real[:, None, None, :]
-        allowed = allowed & real[:, None, start:stop, None]  # padding queries contribute nothing
+        query_pos = torch.arange(first + start, first + stop, device=keys.device)
+        allowed = (key_pos[None, :] <= query_pos[:, None])[None, None] & real[:, :, None, :]
+        allowed = allowed & real[:, :, first + start:first + stop, None]  # padding queries contribute nothing
         if pattern is not None:
-            allowed = allowed & pattern.mask(start, stop, n, keys.device)
+            allowed = allowed & pattern.mask(first + start, first + stop, n, keys.device)
         totals += masked_softmax(s, allowed).sum(dim=2)
     return totals
 

@@ -41,9 +41,3 @@ class NACL(Method):
         n = ctx.keys.shape[2]
         proxies = window_attention(ctx.queries, ctx.keys, ctx.real, min(self.proxy_size, n), ctx.pattern)
         return proxies.sum(dim=2)  # [B, Hq, n]
-
-    def decode_score(self, ctx) -> torch.Tensor:
-        # While decoding only the buffered max(window_size, 1) queries exist: the proxies are the last of them.
-        m = ctx.keys.shape[2]
-        return window_attention(ctx.queries, ctx.keys, ctx.real, min(self.proxy_size, max(self.window_size, 1), m)
-                                ).sum(dim=2)

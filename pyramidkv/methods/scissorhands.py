@@ -61,5 +61,5 @@ class Scissorhands(Method):
         return -unimportant_counts(rows, levels[:, None]).float()
 
     def decode_score(self, ctx: DecodeScoreContext) -> torch.Tensor:
-        """Minus the unimportant counts over the last history_window queries. [R, g, m]"""
-        return -unimportant_counts(ctx.history, ctx.history_levels[:, None]).float()
+        """Minus the unimportant counts over the last history_window queries. [1, Hq, m]"""
+        return -unimportant_counts(ctx.history, ctx.history_levels).float()

@@ -37,5 +37,5 @@ class StreamingLLM(Method):
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         # Recency as the score (the sinks are protected by the core): top-B = sinks + most recent B - s.
-        bsz, n = ctx.real.shape
-        return torch.arange(n, device=ctx.real.device, dtype=torch.float32).expand(bsz, ctx.keys.shape[1], n)
+        bsz, heads, n, _ = ctx.keys.shape
+        return torch.arange(n, device=ctx.keys.device, dtype=torch.float32).expand(bsz, heads, n)
