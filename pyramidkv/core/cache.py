@@ -97,7 +97,7 @@ class CompressedCache(Cache):
         if missing:  # make_method refuses these; an object driving the engine directly is checked here
             raise ValueError(f"{method.name}: the {store_kind(method)} store lacks the abilities {missing} it needs")
         self.decoding = None if method.decode is None else \
-            DecodeCompressor(method, self.layers, num_query_heads, self.stored_heads)
+            DecodeCompressor(method, self.layers, num_query_heads, self.stored_heads, method.decode.decode_query_window)
         self.setup: Optional[StoreSetup] = None
         self.stopped_bytes: dict[int, int] = {}   # per prompt that stopped early, its bytes then (record_stop)
 
