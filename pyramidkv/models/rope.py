@@ -1,0 +1,73 @@
+"""The Llama family's glue: q_proj / k_proj / v_proj, and RoPE in the rotate_half convention.
+
+rotate_half pairs channel c with channel c + D/2: x at position p becomes x * cos(p) + turn(x) * sin(p),
+turn(x) = [-x[D/2:], x[:D/2]], with cos and sin [D] from the model's own rotary module (so its base, scaling
+and dtype are the model's). Undoing it is the same with -sin. Llama and Mistral (llama.py, mistral.py) are
+this glue with their own classes; a family that differs only in a detail overrides one method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from pyramidkv.models.glue import ModelGlue, decoder
+
+
+class HalfRotation:
+    """RoPE on keys outside the model (core/rotary.py's `KeyRotation`), rotate_half convention.
+
+    cos / sin [P, D] (float32) of positions 0..P-1 come from the model's rotary module, computed once for
+    at least 1,024 positions and recomputed, twice as many, when a larger position is asked for.
+    """
+
+    def __init__(self, rotary_emb):
+        self.rotary_emb = rotary_emb
+        self.cos = self.sin = None
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        needed = int(positions.max()) + 1 if positions.numel() else 1
+        if self.cos is None or self.cos.shape[0] < needed or self.cos.device != positions.device:
+            size = max(needed, 2 * (0 if self.cos is None else self.cos.shape[0]), 1024)
+            ids = torch.arange(size, device=positions.device).unsqueeze(0)
+            probe = torch.zeros(1, device=positions.device, dtype=torch.float32)
+            cos, sin = self.rotary_emb(probe, ids)
+            self.cos, self.sin = cos[0].float(), sin[0].float()
+        index = positions.long()
+        return self.cos[index], self.sin[index]
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """x [..., T, D] rotated (inverse: un-rotated) to positions [..., T], in float32."""
+        cos, sin = self.lookup(positions)
+        x = x.float()
+        half = x.shape[-1] // 2
+        turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos - turned * sin if inverse else x * cos + turned * sin
+
+
+@dataclass(frozen=True, kw_only=True)
+class RotateHalfGlue(ModelGlue):
+    """A Llama-family architecture.
+
+    apply_rotary_pos_emb: the modeling file's `(q, k, cos, sin) -> (q, k)`, so queries and keys are rotated
+        by the very function the unpatched model calls (bit-identical prefill).
+    """
+
+    apply_rotary_pos_emb: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+    def project_qkv(self, module, hidden_states, position_ids, position_embeddings):
+        bsz, n, _ = hidden_states.shape
+        q = module.q_proj(hidden_states).view(bsz, n, module.num_heads, module.head_dim).transpose(1, 2)
+        k = module.k_proj(hidden_states).view(bsz, n, module.num_key_value_heads, module.head_dim).transpose(1, 2)
+        v = module.v_proj(hidden_states).view(bsz, n, module.num_key_value_heads, module.head_dim).transpose(1, 2)
+        if position_embeddings is None:  # Mistral computes RoPE inside the module; Llama receives it
+            cos, sin = module.rotary_emb(v, position_ids)
+        else:
+            cos, sin = position_embeddings
+        q, k = self.apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def key_rotation(self, model) -> HalfRotation:
+        return HalfRotation(decoder(model).layers[0].self_attn.rotary_emb)
