@@ -107,11 +107,13 @@ def compressed_attention_forward(
         if cache is not None and use_cache:
             raise TypeError(f"a model patched by pyramidkv needs a CompressedCache, got {type(cache).__name__}")
         # No cache to compress (use_cache=False; generate() still passes a DynamicCache it never reads
-        # back): the model's own attention, exactly as unpatched.
+        # back): the model's own attention, exactly as unpatched, with the arguments its decoder gave (a
+        # module that computes its own RoPE, as Mistral's eager one, takes no position_embeddings).
+        if position_embeddings is not None:
+            kwargs["position_embeddings"] = position_embeddings
         return type(module).forward(module, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                     past_key_value=past_key_value, output_attentions=output_attentions,
-                                    use_cache=use_cache, cache_position=cache_position,
-                                    position_embeddings=position_embeddings, **kwargs)
+                                    use_cache=use_cache, cache_position=cache_position, **kwargs)
     bsz, q_len, _ = hidden_states.shape
     queries, keys, values = project_qkv(module, hidden_states, position_ids, position_embeddings)
 

@@ -3,11 +3,13 @@
 rotate_half pairs channel c with channel c + D/2: x at position p becomes x * cos(p) + turn(x) * sin(p),
 turn(x) = [-x[D/2:], x[:D/2]], with cos and sin [D] from the model's own rotary module (so its base, scaling
 and dtype are the model's). Undoing it is the same with -sin. Llama and Mistral (llama.py, mistral.py) are
-this glue with their own classes; a family that differs only in a detail overrides one method.
+this glue with their own classes; a family that differs only in a detail overrides that method (`rope_table`
+for a rotary module called another way, `project_qkv` for a fused projection).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,25 +18,35 @@ import torch
 from pyramidkv.models.glue import ModelGlue, decoder
 
 
+# (size, device) -> cos, sin [size, D] of positions 0..size-1, as the model computes them
+RopeTable = Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]
+
+
+def position_ids_table(rotary_emb, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table of a rotary module called as Llama's is in 4.44.2: rotary_emb(x, position_ids [1, size])."""
+    ids = torch.arange(size, device=device).unsqueeze(0)
+    probe = torch.zeros(1, device=device, dtype=torch.float32)
+    cos, sin = rotary_emb(probe, ids)
+    return cos[0], sin[0]
+
+
 class HalfRotation:
     """RoPE on keys outside the model (core/rotary.py's `KeyRotation`), rotate_half convention.
 
-    cos / sin [P, D] (float32) of positions 0..P-1 come from the model's rotary module, computed once for
-    at least 1,024 positions and recomputed, twice as many, when a larger position is asked for.
+    cos / sin [P, D] (float32) of positions 0..P-1 come from the model (`table`), computed once for at
+    least 1,024 positions and recomputed, twice as many, when a larger position is asked for.
     """
 
-    def __init__(self, rotary_emb):
-        self.rotary_emb = rotary_emb
+    def __init__(self, table: RopeTable):
+        self.table = table
         self.cos = self.sin = None
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         needed = int(positions.max()) + 1 if positions.numel() else 1
         if self.cos is None or self.cos.shape[0] < needed or self.cos.device != positions.device:
             size = max(needed, 2 * (0 if self.cos is None else self.cos.shape[0]), 1024)
-            ids = torch.arange(size, device=positions.device).unsqueeze(0)
-            probe = torch.zeros(1, device=positions.device, dtype=torch.float32)
-            cos, sin = self.rotary_emb(probe, ids)
-            self.cos, self.sin = cos[0].float(), sin[0].float()
+            cos, sin = self.table(size, positions.device)
+            self.cos, self.sin = cos.float(), sin.float()
         index = positions.long()
         return self.cos[index], self.sin[index]
 
@@ -69,5 +81,9 @@ class RotateHalfGlue(ModelGlue):
         q, k = self.apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v
 
+    def rope_table(self, model) -> RopeTable:
+        """The model's cos / sin by position, from its first attention module's rotary module."""
+        return functools.partial(position_ids_table, decoder(model).layers[0].self_attn.rotary_emb)
+
     def key_rotation(self, model) -> HalfRotation:
-        return HalfRotation(decoder(model).layers[0].self_attn.rotary_emb)
+        return HalfRotation(self.rope_table(model))

@@ -106,6 +106,22 @@ def test_projection_gives_the_keys_and_values_the_model_caches(model_type):
         torch.testing.assert_close(turned, keys, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("model_type", list(MODEL_GLUE))
+def test_without_a_cache_the_patched_model_runs_its_own_attention(model_type, attn):
+    """use_cache=False inside compress(): each implementation's own forward, called with the arguments its
+    decoder gives (Mistral's eager attention takes no position_embeddings)."""
+    glue = MODEL_GLUE[model_type]
+    model = tiny(glue, attn_implementation=attn)
+    assert model.config._attn_implementation == attn
+    ids = torch.randint(0, SIZES["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+        with compress(model, make_method("snapkv", budget=8, window_size=4)), pytest.warns(UserWarning):
+            got = model(ids, use_cache=False).logits
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("model_type", list(MODEL_GLUE))
 def test_patching_warns_for_each_setting_its_glue_does_not_apply(model_type, caplog):
     glue = MODEL_GLUE[model_type]
