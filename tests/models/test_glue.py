@@ -1,7 +1,7 @@
 """The model glue: its RoPE against transformers' own, and MODEL_GLUE as the one list of architectures.
 
-References: each architecture's modeling file (`apply_rotary_pos_emb`, the keys and values its unpatched
-forward caches); for the registry, an architecture transformers does not have (a Llama under another
+References: each architecture's own unpatched forward (the keys and values it caches, rotated by its modeling
+file's apply_rotary_pos_emb); for the registry, an architecture transformers does not have (a Llama under another
 model_type) registered in MODEL_GLUE alone, with no other edit, must load, patch and show on the command line.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -39,25 +38,48 @@ def patch_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "pyramidkv.models.patch"]
 
 
-def own_apply_rotary(glue):
-    """The architecture's own apply_rotary_pos_emb, from its modeling file."""
-    return sys.modules[glue.causal_lm.__module__].apply_rotary_pos_emb
+def own_forward(glue, model, n: int = 1300):
+    """The unpatched forward of two random prompts of n tokens at RoPE positions in no order (each a
+    permutation of 0..n-1: past the first table of 1,024), with what the glue makes of each attention
+    module's input. Returns (positions [2, n], per layer: k_proj's output [2, Hkv, n, D], project_qkv's
+    (q, k, v), the keys and values the model cached)."""
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, SIZES["vocab_size"], (2, n), generator=generator)
+    positions = torch.stack([torch.randperm(n, generator=generator) for _ in range(2)])
+    projected, before_rope = {}, {}
+
+    def grab(module, args, kwargs):
+        projected[module.layer_idx] = glue.project_qkv(module, kwargs["hidden_states"], kwargs.get("position_ids"),
+                                                       kwargs.get("position_embeddings"))
+
+    def keep(layer, output):
+        before_rope[layer] = output.view(2, n, SIZES["num_key_value_heads"], -1).transpose(1, 2)
+
+    layers = model.model.layers
+    hooks = [layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True) for layer in layers]
+    hooks += [layer.self_attn.k_proj.register_forward_hook(lambda m, i, o, layer=l: keep(layer, o))
+              for l, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            cached = model(ids, position_ids=positions, past_key_values=DynamicCache(), use_cache=True).past_key_values
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return positions, [(before_rope[l], projected[l], cached[l]) for l in range(len(layers))]
 
 
 @pytest.mark.parametrize("model_type", list(MODEL_GLUE))
-def test_key_rotation_is_the_models_own_rope(model_type):
-    """Rotating keys at positions (past the first table of 1,024, in no order, several rows) gives what the
-    modeling file's apply_rotary_pos_emb gives with the model's cos and sin at those positions."""
+def test_key_rotation_is_the_rope_of_the_models_own_forward(model_type):
+    """The keys the unpatched model caches (rotated by its modeling file's apply_rotary_pos_emb) are the
+    glue's rotation of k_proj's output at their positions, and un-rotating them gives that output back."""
     glue = MODEL_GLUE[model_type]
     model = tiny(glue)
+    positions, layers = own_forward(glue, model)
     rotation = glue.key_rotation(model)
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randn(3, 7, 16, generator=generator)
-    for high in (3000, 50, 5000):
-        positions = torch.randint(0, high, (3, 7), generator=generator)
-        cos, sin = model.model.layers[0].self_attn.rotary_emb(x, positions)        # [3, 7, 16] each
-        expected, _ = own_apply_rotary(glue)(x[:, None], x[:, None], cos, sin)   # [3, 1, 7, 16]
-        torch.testing.assert_close(rotation.rotate(x, positions), expected[:, 0], rtol=1e-6, atol=1e-6)
+    at = positions[:, None].expand(-1, SIZES["num_key_value_heads"], -1)   # [2, Hkv, n]
+    for raw, _, (keys, _) in layers:
+        torch.testing.assert_close(rotation.rotate(raw, at), keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rotation.rotate(keys, at, inverse=True), raw, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("model_type", list(MODEL_GLUE))
@@ -76,34 +98,11 @@ def test_unrotating_undoes_rotating(model_type):
 
 @pytest.mark.parametrize("model_type", list(MODEL_GLUE))
 def test_projection_gives_the_keys_and_values_the_model_caches(model_type):
-    """project_qkv on each attention module's input: the keys and values of the unpatched forward, exactly;
-    and the keys are the glue's rotation of k_proj's output at positions 0..n-1."""
+    """project_qkv on each attention module's input: the keys and values of the unpatched forward, exactly."""
     glue = MODEL_GLUE[model_type]
-    model = tiny(glue)
-    ids = torch.randint(0, SIZES["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(3))
-    projected, before_rope = {}, {}
-
-    def grab(module, args, kwargs):
-        projected[module.layer_idx] = glue.project_qkv(module, kwargs["hidden_states"], kwargs.get("position_ids"),
-                                                       kwargs.get("position_embeddings"))
-
-    layers = model.model.layers
-    hooks = [layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True) for layer in layers]
-    hooks += [layer.self_attn.k_proj.register_forward_hook(lambda m, i, o, layer=l: before_rope.update({layer: o}))
-              for l, layer in enumerate(layers)]
-    try:
-        with torch.no_grad():
-            cached = model(ids, past_key_values=DynamicCache(), use_cache=True).past_key_values
-    finally:
-        for hook in hooks:
-            hook.remove()
-    rotation = glue.key_rotation(model)
-    for layer in range(len(layers)):
-        _, keys, values = projected[layer]
-        assert torch.equal(keys, cached[layer][0]) and torch.equal(values, cached[layer][1])
-        raw = before_rope[layer].view(2, 40, SIZES["num_key_value_heads"], 16).transpose(1, 2)
-        turned = rotation.rotate(raw, torch.arange(40).expand(2, 2, 40))
-        torch.testing.assert_close(turned, keys, rtol=1e-5, atol=1e-5)
+    _, layers = own_forward(glue, tiny(glue), n=200)
+    for _, (_, keys, values), (cached_keys, cached_values) in layers:
+        assert torch.equal(keys, cached_keys) and torch.equal(values, cached_values)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
