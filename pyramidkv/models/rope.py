@@ -3,8 +3,8 @@
 rotate_half pairs channel c with channel c + D/2: x at position p becomes x * cos(p) + turn(x) * sin(p),
 turn(x) = [-x[D/2:], x[:D/2]], with cos and sin [D] from the model's own rotary module (so its base, scaling
 and dtype are the model's). Undoing it is the same with -sin. Llama and Mistral (llama.py, mistral.py) are
-this glue with their own classes; a family that differs only in a detail overrides that method (`rope_table`
-for a rotary module called another way, `project_qkv` for a fused projection).
+this glue with their own classes; a family that differs only in a detail overrides that method: `project`
+(a fused qkv_proj), `rotate_qk` and `rope_table` (a rotary module or apply_rotary_pos_emb called another way).
 """
 
 from __future__ import annotations
@@ -70,16 +70,25 @@ class RotateHalfGlue(ModelGlue):
     apply_rotary_pos_emb: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
     def project_qkv(self, module, hidden_states, position_ids, position_embeddings):
+        q, k, v = self.project(module, hidden_states)
+        q, k = self.rotate_qk(module, q, k, v, position_ids, position_embeddings)
+        return q, k, v
+
+    def project(self, module, hidden_states):
+        """q [B, Hq, n, D], k and v [B, Hkv, n, D] before RoPE: three separate projections."""
         bsz, n, _ = hidden_states.shape
         q = module.q_proj(hidden_states).view(bsz, n, module.num_heads, module.head_dim).transpose(1, 2)
         k = module.k_proj(hidden_states).view(bsz, n, module.num_key_value_heads, module.head_dim).transpose(1, 2)
         v = module.v_proj(hidden_states).view(bsz, n, module.num_key_value_heads, module.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def rotate_qk(self, module, q, k, v, position_ids, position_embeddings):
+        """q and k with RoPE applied by the modeling file's function, cos / sin as the decoder or module has them."""
         if position_embeddings is None:  # Mistral computes RoPE inside the module; Llama receives it
             cos, sin = module.rotary_emb(v, position_ids)
         else:
             cos, sin = position_embeddings
-        q, k = self.apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v
+        return self.apply_rotary_pos_emb(q, k, cos, sin)
 
     def rope_table(self, model) -> RopeTable:
         """The model's cos / sin by position, from its first attention module's rotary module."""
