@@ -28,7 +28,8 @@ from pyramidkv.models.glue import ModelGlue, decoder
 logger = logging.getLogger(__name__)
 
 # The supported architectures by config.model_type: loading, patching, the command line's --model_class and
-# the model tests read this, nothing else lists them. A family is a glue file (models/glue.py) and a row here.
+# the model tests read this, nothing else lists them. A family is a glue file (models/<arch>.py: a ModelGlue,
+# models/glue.py) and a row here.
 MODEL_GLUE: dict[str, ModelGlue] = {
     "llama": llama.GLUE,
     "mistral": mistral.GLUE,
