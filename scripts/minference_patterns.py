@@ -41,7 +41,6 @@ def calibration_ids(tokenizer, length: int) -> list[int]:
 
 def layer_qk(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer the post-RoPE queries [Hq, n, D] and keys [Hkv, n, D] of one plain forward of ids [1, n]."""
-    from pyramidkv.models.attention import project_qkv
     from pyramidkv.models.patch import MODEL_GLUE
 
     glue = MODEL_GLUE[model.config.model_type]
@@ -49,8 +48,7 @@ def layer_qk(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.T
 
     def grab(module, args, kwargs):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
-        q, k, _ = project_qkv(module, hidden, kwargs.get("position_ids"), kwargs.get("position_embeddings"),
-                              glue.apply_rotary_pos_emb)
+        q, k, _ = glue.project_qkv(module, hidden, kwargs.get("position_ids"), kwargs.get("position_embeddings"))
         queries[module.layer_idx], keys[module.layer_idx] = q[0], k[0]
 
     hooks = [layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True) for layer in model.model.layers]

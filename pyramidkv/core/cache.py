@@ -30,7 +30,7 @@ from pyramidkv.core.merged_pair import PairedLayerStore
 from pyramidkv.core.paged import PagedStore
 from pyramidkv.core.prefill import PromptCompressor
 from pyramidkv.core.quantized import QuantizedStore
-from pyramidkv.core.rotary import RotaryTable
+from pyramidkv.core.rotary import KeyRotation
 from pyramidkv.core.store import Heads, LayerStore, StoreSetup
 from pyramidkv.quantization.kernels import Scratch
 
@@ -71,8 +71,9 @@ class CompressedCache(Cache):
     """A transformers `Cache` whose prompt part is compressed by a method at prefill."""
 
     def __init__(self, method: CompressionMethod, num_layers: int, num_kv_heads: int, num_query_heads: int,
-                 model_name: str = "", rotary_emb=None):
-        """rotary_emb: the model's rotary module (needed by quantizers that store keys before RoPE)."""
+                 model_name: str = "", rotation: Optional[KeyRotation] = None):
+        """rotation: the model's RoPE on keys (the model glue's `key_rotation`), needed by quantizers that store
+        keys before RoPE."""
         super().__init__()
         self.method = method
         self.num_layers = num_layers
@@ -88,9 +89,9 @@ class CompressedCache(Cache):
         self.prefill_density: list[Optional[list[float]]] = [None] * num_layers  # sparse prefill: per prompt the
         # fraction of its causal attention entries computed at each layer (None: dense)
         quantizer = method.quant_method
-        if quantizer is not None and quantizer.keys_before_rope and rotary_emb is None:
-            raise ValueError(f"{quantizer.name} stores keys before RoPE: the cache needs the model's rotary module")
-        self.rotary = None if rotary_emb is None else RotaryTable(rotary_emb)
+        if quantizer is not None and quantizer.keys_before_rope and rotation is None:
+            raise ValueError(f"{quantizer.name} stores keys before RoPE: the cache needs the model's key rotation")
+        self.rotary = rotation
         self.scratch = None if quantizer is None else Scratch()  # dequantization buffers shared by the layers
         self.store_class = STORES[store_kind(method)]
         missing = [a for a in self._abilities_needed() if a not in self.store_class.abilities]

@@ -30,7 +30,7 @@ import torch
 
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.layout import softmax
-from pyramidkv.core.rotary import RotaryTable
+from pyramidkv.core.rotary import KeyRotation
 from pyramidkv.core.store import Heads, LayerStore, StoreSetup
 from pyramidkv.quantization.base import Quantizer
 from pyramidkv.quantization.kernels import Scratch, dequantize_span, key_scores, weighted_values
@@ -48,7 +48,7 @@ class QuantizedStore(LayerStore):
                    setup.scratch)
 
     def __init__(self, quantizer: Quantizer, kept: list[KeptKV], rope_positions: list[torch.Tensor],
-                 real_lens: list[int], rotary: Optional[RotaryTable], scratch: Optional[Scratch] = None):
+                 real_lens: list[int], rotary: Optional[KeyRotation], scratch: Optional[Scratch] = None):
         """kept: per prompt what the prefill kept; rope_positions: per prompt, long [T] RoPE position of
         each kept row; real_lens: per prompt its real length; scratch: buffers shared by a cache's layers."""
         q = self.quantizer = quantizer

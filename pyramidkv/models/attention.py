@@ -1,4 +1,4 @@
-"""The attention forward every patched model uses; model files only say how to get q, k, v.
+"""The attention forward every patched model uses; the model's glue (models/glue.py) only says how to get q, k, v.
 
 Prefill (the first forward of a `generate()`): attention over the whole prompt
 is computed exactly as the model's own implementation does it (eager, sdpa or
@@ -23,22 +23,8 @@ from pyramidkv.core.cache import CompressedCache
 from pyramidkv.core.scoring import attention_with_column_sums, real_positions
 from pyramidkv.sparse_prefill.attention import sparse_prefill_attention
 
-# (q, k, cos, sin) -> (q, k) with RoPE applied: the model file's apply_rotary_pos_emb
-RotaryFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-
-def project_qkv(module, hidden_states, position_ids, position_embeddings, apply_rotary: RotaryFn):
-    """q: [B, Hq, n, D], k and v: [B, Hkv, n, D], RoPE applied, as the module's own forward computes them."""
-    bsz, n, _ = hidden_states.shape
-    q = module.q_proj(hidden_states).view(bsz, n, module.num_heads, module.head_dim).transpose(1, 2)
-    k = module.k_proj(hidden_states).view(bsz, n, module.num_key_value_heads, module.head_dim).transpose(1, 2)
-    v = module.v_proj(hidden_states).view(bsz, n, module.num_key_value_heads, module.head_dim).transpose(1, 2)
-    if position_embeddings is None:  # Mistral computes RoPE inside the module; Llama receives it
-        cos, sin = module.rotary_emb(v, position_ids)
-    else:
-        cos, sin = position_embeddings
-    q, k = apply_rotary(q, k, cos, sin)
-    return q, k, v
+# (module, hidden_states, position_ids, position_embeddings) -> (q, k, v), RoPE applied: the glue's project_qkv
+ProjectFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def repeat_kv(states: torch.Tensor, group: int) -> torch.Tensor:
@@ -111,23 +97,25 @@ def compressed_attention_forward(
     cache_position: Optional[torch.LongTensor] = None,
     position_embeddings=None,
     *,
-    apply_rotary: RotaryFn,
+    project_qkv: ProjectFn,
     implementation: str,
     **kwargs,
 ):
-    """Drop-in replacement for the forward of Llama/Mistral attention modules (4.44.2 signature)."""
+    """Drop-in replacement for the forward of a glued attention module (transformers 4.44.2's Llama signature)."""
     cache = past_key_value
     if not isinstance(cache, CompressedCache):
         if cache is not None and use_cache:
             raise TypeError(f"a model patched by pyramidkv needs a CompressedCache, got {type(cache).__name__}")
         # No cache to compress (use_cache=False; generate() still passes a DynamicCache it never reads
-        # back): the model's own attention, exactly as unpatched.
+        # back): the model's own attention, exactly as unpatched, with the arguments its decoder gave (a
+        # module that computes its own RoPE, as Mistral's eager one, takes no position_embeddings).
+        if position_embeddings is not None:
+            kwargs["position_embeddings"] = position_embeddings
         return type(module).forward(module, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                     past_key_value=past_key_value, output_attentions=output_attentions,
-                                    use_cache=use_cache, cache_position=cache_position,
-                                    position_embeddings=position_embeddings, **kwargs)
+                                    use_cache=use_cache, cache_position=cache_position, **kwargs)
     bsz, q_len, _ = hidden_states.shape
-    queries, keys, values = project_qkv(module, hidden_states, position_ids, position_embeddings, apply_rotary)
+    queries, keys, values = project_qkv(module, hidden_states, position_ids, position_embeddings)
 
     weights = None
     if not cache.is_prefilled(module.layer_idx):

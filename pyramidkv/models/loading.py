@@ -77,7 +77,7 @@ def check_model(model_path: str = DEFAULT_MODEL_NAME, attn_implementation: str =
     path = resolve_model_path(model_path)
     config = AutoConfig.from_pretrained(path)
     if model_class is not None:
-        config = _config_as(config, model_class)
+        config = config_as(config, model_class)
     if config.model_type not in MODEL_GLUE:
         raise ValueError(f"unsupported model type {config.model_type!r} ({model_path}); "
                          f"supported: {', '.join(MODEL_GLUE)}")
@@ -94,14 +94,14 @@ def load_model(
     """Return (model, tokenizer), model in eval mode on `device`, tokenizer left-padding.
 
     dtype: float32|float16|bfloat16; default float32 on CPU, bfloat16 on CUDA.
-    model_class: None (from the config), or "llama"/"mistral" to load the weights
+    model_class: None (from the config), or a type in MODEL_GLUE (models/patch.py) to load the weights
         into that architecture (SmolLM2's weights load as Mistral too).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path, config, device, dtype = check_model(model_path, attn_implementation, device, dtype, model_class)
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, torch_dtype=DTYPES[dtype],
-                                                 attn_implementation=attn_implementation)
+    model = MODEL_GLUE[config.model_type].causal_lm.from_pretrained(path, config=config, torch_dtype=DTYPES[dtype],
+                                                                    attn_implementation=attn_implementation)
     model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
@@ -110,23 +110,14 @@ def load_model(
     return model, tokenizer
 
 
-def _config_as(config, model_class: str):
-    """Re-express a config as another supported architecture with the same weights layout."""
-    from transformers import LlamaConfig, MistralConfig
-
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig}
-    if model_class not in classes:
-        raise ValueError(f"unknown model_class {model_class!r}; choose one of {', '.join(classes)}")
+def config_as(config, model_class: str):
+    """Re-express a config as another supported architecture with the same weights layout (its glue's
+    `config_as`)."""
+    if model_class not in MODEL_GLUE:
+        raise ValueError(f"unknown model_class {model_class!r}; choose one of {', '.join(MODEL_GLUE)}")
     if config.model_type == model_class:
         return config
-    values = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")}
-    if model_class == "mistral":
-        if values.get("rope_scaling") or values.get("attention_bias") or values.get("mlp_bias"):
-            raise ValueError("this Llama config uses rope_scaling or biases, which Mistral does not have")
-        values["sliding_window"] = None
-    new = classes[model_class](**values)
-    new.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}[model_class]]
-    return new
+    return MODEL_GLUE[model_class].config_as(config)
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -23,22 +23,22 @@ from pyramidkv.core.cache import CompressedCache
 from pyramidkv.methods.base import Method
 from pyramidkv.models import llama, mistral
 from pyramidkv.models.attention import compressed_attention_forward
+from pyramidkv.models.glue import ModelGlue, decoder
 
 logger = logging.getLogger(__name__)
 
-MODEL_GLUE = {"llama": llama, "mistral": mistral}
+# The supported architectures by config.model_type: loading, patching, the command line's --model_class and
+# the model tests read this, nothing else lists them. A family is a glue file (models/<arch>.py: a ModelGlue,
+# models/glue.py) and a row here.
+MODEL_GLUE: dict[str, ModelGlue] = {
+    "llama": llama.GLUE,
+    "mistral": mistral.GLUE,
+}
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 
 
 class UncompressedWarning(UserWarning):
     """A forward inside compress() that runs without a cache, so nothing is compressed."""
-
-
-def _decoder(model):
-    decoder = getattr(model, "model", model)
-    if not hasattr(decoder, "layers"):
-        raise TypeError(f"{type(model).__name__} has no decoder layers to patch")
-    return decoder
 
 
 class CompressionPatch:
@@ -56,29 +56,31 @@ class CompressionPatch:
             raise TypeError(f"method must be a pyramidkv Method (see pyramidkv.make_method), got {type(method).__name__}")
         if getattr(model, "_pyramidkv_patch", None) is not None:
             raise RuntimeError("this model is already patched by pyramidkv; remove that patch first")
-        sliding = getattr(model.config, "sliding_window", None)
-        if model_type == "mistral" and sliding is not None:
-            logger.warning("config.sliding_window=%s is not applied to the compressed cache during decoding", sliding)
+        glue = MODEL_GLUE[model_type]
+        for name in glue.unapplied_settings:
+            value = getattr(model.config, name, None)
+            if value is not None:
+                logger.warning("config.%s=%s is not applied to the compressed cache during decoding", name, value)
         # e.g. HeadKV's table, a quantizer's group size or bytes, l2norm's skipped layers: fail here, not mid-run
         method.check_model(model_shape(model.config, next(model.parameters()).dtype.itemsize))
         self.model = model
         self.method = method
-        self.glue = MODEL_GLUE[model_type]
+        self.glue = glue
         self.implementation = implementation
         self._modules = []
         self._hook = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def apply(self) -> "CompressionPatch":
-        forward = functools.partial(compressed_attention_forward, apply_rotary=self.glue.apply_rotary_pos_emb,
+        forward = functools.partial(compressed_attention_forward, project_qkv=self.glue.project_qkv,
                                     implementation=self.implementation)
-        for layer in _decoder(self.model).layers:
+        for layer in decoder(self.model).layers:
             attention = layer.self_attn
-            if not isinstance(attention, self.glue.ATTENTION_CLASSES):
+            if not isinstance(attention, self.glue.attention_classes):
                 raise TypeError(f"unexpected attention class {type(attention).__name__}")
             attention.forward = types.MethodType(forward, attention)
             self._modules.append(attention)
-        self._hook = _decoder(self.model).register_forward_pre_hook(self._provide_cache, with_kwargs=True)
+        self._hook = decoder(self.model).register_forward_pre_hook(self._provide_cache, with_kwargs=True)
         self.model._pyramidkv_patch = self
         return self
 
@@ -101,10 +103,10 @@ class CompressionPatch:
     # ---- cache provisioning -------------------------------------------------------------------
     def new_cache(self) -> CompressedCache:
         config = self.model.config
-        rotary = _decoder(self.model).layers[0].self_attn.rotary_emb if self.method.quant_method is not None else None
+        rotation = self.glue.key_rotation(self.model) if self.method.quant_method is not None else None
         return CompressedCache(self.method, config.num_hidden_layers, config.num_key_value_heads,
                                config.num_attention_heads, model_name=getattr(config, "_name_or_path", "") or "",
-                               rotary_emb=rotary)
+                               rotation=rotation)
 
     def _provide_cache(self, module, args, kwargs):
         cache = kwargs.get("past_key_values")

@@ -22,6 +22,7 @@ from pyramidkv.components import flat_settings
 from pyramidkv.methods.settings import (AXES, AXIS_BY_FIELD, SWITCHES, bare_unit_names, build_method, read_settings,
                                         split_spec)
 from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
+from pyramidkv.models.patch import ATTENTION_IMPLEMENTATIONS, MODEL_GLUE
 
 # The public PyramidKV harness's flag names (and earlier ones of ours), by the setting they set.
 FLAG_ALIASES = {
@@ -160,9 +161,9 @@ def add_model_and_method_args(parser: argparse.ArgumentParser) -> list[str]:
     g = parser.add_argument_group("model")
     g.add_argument("--model_path", default=DEFAULT_MODEL_NAME,
                    help=f"local HF directory, hub id, or {DEFAULT_MODEL_NAME!r} (embedded default)")
-    g.add_argument("--model_class", choices=["llama", "mistral"], default=None,
+    g.add_argument("--model_class", choices=list(MODEL_GLUE), default=None,
                    help="load the weights into this architecture instead of the config's")
-    g.add_argument("--attn_implementation", default="sdpa", choices=["eager", "sdpa", "flash_attention_2"])
+    g.add_argument("--attn_implementation", default="sdpa", choices=list(ATTENTION_IMPLEMENTATIONS))
     g.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto")
     g.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="when not given: float32 on CPU, bfloat16 on CUDA")

@@ -19,7 +19,6 @@ import torch
 from pyramidkv.core.context import ScoreContext
 from pyramidkv.core.scoring import scores_per_stored_head
 from pyramidkv.methods.base import Method
-from pyramidkv.models.attention import project_qkv
 from pyramidkv.models.patch import MODEL_GLUE, compress
 
 
@@ -209,8 +208,8 @@ def prefill(model, prompt: Prompt, method: Method, capture_layers: Sequence[int]
         layer = check_index("layer", layer, len(layers))
 
         def capture(module, args, kwargs, layer=layer):
-            captured[layer] = project_qkv(module, kwargs["hidden_states"], kwargs.get("position_ids"),
-                                          kwargs.get("position_embeddings"), glue.apply_rotary_pos_emb)
+            captured[layer] = glue.project_qkv(module, kwargs["hidden_states"], kwargs.get("position_ids"),
+                                               kwargs.get("position_embeddings"))
 
         handles.append(layers[layer].self_attn.register_forward_pre_hook(capture, with_kwargs=True))
     try:

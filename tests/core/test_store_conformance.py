@@ -126,6 +126,5 @@ def test_the_cache_refuses_an_engine_object_that_skipped_the_method_checks(rando
     object.__setattr__(method, "quant_method", make_method("snapkv", budget=64, quant_method="kivi").quant_method)
     config = model.config
     with pytest.raises(ValueError, match="quantized store lacks the abilities \\['reselect'\\]"):
-        CompressedCache(method, config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads,
-                        rotary_emb=model.model.rotary_emb)
+        CompressedCache(method, config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads)
     assert dataclasses.is_dataclass(method)

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from pyramidkv import METHODS, compress, load_model, make_method
 from pyramidkv.generation import generate
+from pyramidkv.models.patch import MODEL_GLUE
 from tests.prompts import STORY
 
 
@@ -38,7 +39,7 @@ def step_logits(model, ids, steps, cache):
     return out
 
 
-@pytest.mark.parametrize("model_class", ["llama", "mistral"])
+@pytest.mark.parametrize("model_class", list(MODEL_GLUE))
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_fullkv_logits_equal_unpatched(models, attn, model_class):
     model, tokenizer = models(attn, model_class)
@@ -74,14 +75,16 @@ def test_budget_at_least_prompt_generates_like_full_cache(models, name):
         assert got.text == full.text, (name, budget)
 
 
-def test_llama_and_mistral_classes_agree(models):
+@pytest.mark.parametrize("model_class", [name for name in MODEL_GLUE if name != "llama"])
+def test_every_class_keeps_and_generates_what_llama_does(models, model_class):
+    """SmolLM2's weights loaded into each glued architecture: the same kept tokens, the same text."""
     llama, tokenizer = models("sdpa", "llama")
-    mistral, _ = models("sdpa", "mistral")
+    other, _ = models("sdpa", model_class)
     ids = tokenizer(STORY, return_tensors="pt", add_special_tokens=False).input_ids
     for name in ("snapkv", "h2o", "pyramidkv"):
         method = make_method(name, budget=96, window_size=16)
         caches = []
-        for model in (llama, mistral):
+        for model in (llama, other):
             with compress(model, method) as patch:
                 cache = patch.new_cache()
                 with torch.no_grad():
@@ -90,7 +93,7 @@ def test_llama_and_mistral_classes_agree(models):
         for layer in range(llama.config.num_hidden_layers):
             for a, b in zip(caches[0].kept_positions(layer), caches[1].kept_positions(layer)):
                 assert torch.equal(a, b), (name, layer)
-        texts = [generate(m, tokenizer, [STORY], method, 20)[0].text for m in (llama, mistral)]
+        texts = [generate(m, tokenizer, [STORY], method, 20)[0].text for m in (llama, other)]
         assert texts[0] == texts[1]
 
 

@@ -1,0 +1,83 @@
+"""The seam between pyramidkv and one model architecture: a `ModelGlue`, one per family (models/<arch>.py).
+
+Everything the package does with a model that depends on its architecture goes through the glue:
+
+  project_qkv(module, hidden, ...)  q, k, v of an attention module, RoPE applied (the patched attention);
+  key_rotation(model)               RoPE on keys at given positions, and undone (the cache, for stores that
+                                    keep keys before RoPE: core/rotary.py's `KeyRotation`);
+  config_as(config)                 another family's config re-expressed as this one (load_model's
+                                    `model_class`);
+  causal_lm, attention_classes      the model class loaded and the attention modules patched;
+  unapplied_settings                config settings the compressed cache does not apply (patching warns).
+
+`MODEL_GLUE` (models/patch.py) lists the glues by `config.model_type`; loading, patching, the command line
+and the tests read it, so a family is one glue file and one row there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pyramidkv.core.rotary import KeyRotation
+
+# Entries of a config's to_dict() that name its family rather than describe the model.
+FAMILY_ENTRIES = ("model_type", "architectures", "transformers_version")
+
+
+def decoder(model):
+    """The decoder (the module holding `layers`) of a causal LM, or the model itself when it is one."""
+    inner = getattr(model, "model", model)
+    if not hasattr(inner, "layers"):
+        raise TypeError(f"{type(model).__name__} has no decoder layers to patch")
+    return inner
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelGlue:
+    """One architecture as pyramidkv drives it (transformers 4.44.2); a family implements `project_qkv` and
+    `key_rotation` (models/rope.py does both for the Llama family's q/k/v projections and RoPE).
+
+    causal_lm: the transformers causal-LM class (its `config_class` is the family's config).
+    attention_classes: the attention modules patched (the eager class: the sdpa and flash classes subclass it).
+    unapplied_settings: config settings the compressed cache does not apply during decoding; patching a model
+        that sets one (not None) logs a warning naming it (Mistral's sliding_window).
+    refused_settings: settings of another family's config that this family's weights layout or RoPE lacks:
+        `config_as` refuses a config that sets one.
+    config_overrides: values `config_as` sets over those of the other family's config (so that it gains
+        nothing that family does not have).
+    """
+
+    causal_lm: type
+    attention_classes: tuple[type, ...]
+    unapplied_settings: tuple[str, ...] = ()
+    refused_settings: tuple[str, ...] = ()
+    config_overrides: dict = field(default_factory=dict)
+
+    @property
+    def config_class(self) -> type:
+        return self.causal_lm.config_class
+
+    def project_qkv(self, module, hidden_states: torch.Tensor, position_ids, position_embeddings
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, Hq, n, D], k and v [B, Hkv, n, D] of hidden_states [B, n, hidden], RoPE applied, as the
+        attention module's own forward computes them (position_embeddings: the (cos, sin) the decoder passes
+        its layers, None where the module computes them itself)."""
+        raise NotImplementedError
+
+    def key_rotation(self, model) -> KeyRotation:
+        """The model's RoPE applied to keys at given positions, and undone; fresh per cache (it may grow a
+        table as positions grow)."""
+        raise NotImplementedError
+
+    def config_as(self, config):
+        """`config`, another family's with the same weights layout, as this family's config."""
+        values = {k: v for k, v in config.to_dict().items() if k not in FAMILY_ENTRIES}
+        refused = [name for name in self.refused_settings if values.get(name)]
+        if refused:
+            raise ValueError(f"this {config.model_type} config sets {', '.join(refused)}, which "
+                             f"{self.causal_lm.__name__} does not have")
+        new = self.config_class(**{**values, **self.config_overrides})
+        new.architectures = [self.causal_lm.__name__]
+        return new

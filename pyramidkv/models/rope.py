@@ -1,0 +1,98 @@
+"""The Llama family's glue: q_proj / k_proj / v_proj, and RoPE in the rotate_half convention.
+
+rotate_half pairs channel c with channel c + D/2: x at position p becomes x * cos(p) + turn(x) * sin(p),
+turn(x) = [-x[D/2:], x[:D/2]], with cos and sin [D] from the model's own rotary module (so its base, scaling
+and dtype are the model's). Undoing it is the same with -sin. Llama and Mistral (llama.py, mistral.py) are
+this glue with their own classes; a family that differs only in a detail overrides that method: `project`
+(a fused qkv_proj), `rotate_qk` and `rope_table` (a rotary module or apply_rotary_pos_emb called another way).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from pyramidkv.models.glue import ModelGlue, decoder
+
+
+# (size, device) -> cos, sin [size, D] of positions 0..size-1, as the model computes them
+RopeTable = Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]
+
+
+def position_ids_table(rotary_emb, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table of a rotary module called as Llama's is in 4.44.2: rotary_emb(x, position_ids [1, size])."""
+    ids = torch.arange(size, device=device).unsqueeze(0)
+    probe = torch.zeros(1, device=device, dtype=torch.float32)
+    cos, sin = rotary_emb(probe, ids)
+    return cos[0], sin[0]
+
+
+class HalfRotation:
+    """RoPE on keys outside the model (core/rotary.py's `KeyRotation`), rotate_half convention.
+
+    cos / sin [P, D] (float32) of positions 0..P-1 come from the model (`table`), computed once for at
+    least 1,024 positions and recomputed, twice as many, when a larger position is asked for.
+    """
+
+    def __init__(self, table: RopeTable):
+        self.table = table
+        self.cos = self.sin = None
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        needed = int(positions.max()) + 1 if positions.numel() else 1
+        if self.cos is None or self.cos.shape[0] < needed or self.cos.device != positions.device:
+            size = max(needed, 2 * (0 if self.cos is None else self.cos.shape[0]), 1024)
+            cos, sin = self.table(size, positions.device)
+            self.cos, self.sin = cos.float(), sin.float()
+        index = positions.long()
+        return self.cos[index], self.sin[index]
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """x [..., T, D] rotated (inverse: un-rotated) to positions [..., T], in float32."""
+        cos, sin = self.lookup(positions)
+        x = x.float()
+        half = x.shape[-1] // 2
+        turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos - turned * sin if inverse else x * cos + turned * sin
+
+
+@dataclass(frozen=True, kw_only=True)
+class RotateHalfGlue(ModelGlue):
+    """A Llama-family architecture.
+
+    apply_rotary_pos_emb: the modeling file's `(q, k, cos, sin) -> (q, k)`, so queries and keys are rotated
+        by the very function the unpatched model calls (bit-identical prefill).
+    """
+
+    apply_rotary_pos_emb: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+    def project_qkv(self, module, hidden_states, position_ids, position_embeddings):
+        q, k, v = self.project(module, hidden_states)
+        q, k = self.rotate_qk(module, q, k, v, position_ids, position_embeddings)
+        return q, k, v
+
+    def project(self, module, hidden_states):
+        """q [B, Hq, n, D], k and v [B, Hkv, n, D] before RoPE: three separate projections."""
+        bsz, n, _ = hidden_states.shape
+        q = module.q_proj(hidden_states).view(bsz, n, module.num_heads, module.head_dim).transpose(1, 2)
+        k = module.k_proj(hidden_states).view(bsz, n, module.num_key_value_heads, module.head_dim).transpose(1, 2)
+        v = module.v_proj(hidden_states).view(bsz, n, module.num_key_value_heads, module.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def rotate_qk(self, module, q, k, v, position_ids, position_embeddings):
+        """q and k with RoPE applied by the modeling file's function, cos / sin as the decoder or module has them."""
+        if position_embeddings is None:  # Mistral computes RoPE inside the module; Llama receives it
+            cos, sin = module.rotary_emb(v, position_ids)
+        else:
+            cos, sin = position_embeddings
+        return self.apply_rotary_pos_emb(q, k, cos, sin)
+
+    def rope_table(self, model) -> RopeTable:
+        """The model's cos / sin by position, from its first attention module's rotary module."""
+        return functools.partial(position_ids_table, decoder(model).layers[0].self_attn.rotary_emb)
+
+    def key_rotation(self, model) -> HalfRotation:
+        return HalfRotation(self.rope_table(model))
