@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pyramidkv import compress, make_method
+from pyramidkv.capabilities import DecodeBudget
 from pyramidkv.core.context import DecodeScoreContext, ScoreContext
 from pyramidkv.core.decoding import DecodeCompressor
 from pyramidkv.core.scoring import attention_column_sums, window_attention
@@ -95,7 +96,7 @@ def test_head_averaging_scorer_keeps_what_a_float64_reference_keeps(smollm2, mon
     head budgets (from its head-importance table, not from the scores) leave heads holding different counts."""
     model, tokenizer = smollm2
     budget, window = 48, 8
-    method = HeadMean(budget=96, window_size=window, decode_budget=budget, decode_interval=8, **settings)
+    method = HeadMean(budget=96, window_size=window, decode=DecodeBudget(budget, 8), **settings)
     records = spy_reselections(monkeypatch)
     generate(model, tokenizer, [STORY], method, 17, min_new_tokens=17)
     layers = model.config.num_hidden_layers
@@ -143,7 +144,7 @@ def test_decode_context_has_the_prefill_layout_per_prompt(random_llama, monkeypa
     query_heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     stored = query_heads if settings.get("gqa_layout") == "query_head" else kv_heads
     head_dim = cfg.hidden_size // query_heads
-    method = RecordingSnapKV(budget=96, window_size=8, decode_budget=48, decode_interval=8, **settings)
+    method = RecordingSnapKV(budget=96, window_size=8, decode=DecodeBudget(48, 8), **settings)
     records = spy_reselections(monkeypatch)
     CONTEXTS.clear()
     prompts = [passkey_prompt(41872, 12), STORY, passkey_prompt(90311, 0)]
@@ -192,7 +193,7 @@ def test_accumulated_and_history_follow_the_layout(random_llama):
 
     for layout in ("kv_head", "query_head"):
         for cls, extra in ((H2O, {}), (Scissorhands, dict(history_window=6))):
-            method = recording(cls)(budget=64, window_size=8, decode_budget=40, decode_interval=8,
+            method = recording(cls)(budget=64, window_size=8, decode=DecodeBudget(40, 8),
                                     gqa_layout=layout, **extra)
             generate(model, tokenizer, [STORY], method, 4, min_new_tokens=4)
     for (name, layout), ctx in seen.items():
@@ -209,17 +210,19 @@ def test_accumulated_and_history_follow_the_layout(random_llama):
 
 
 def test_query_window_sets_the_buffer(random_llama):
-    """DecodeCompressor's query_window buffers that many recent queries, independent of window_size; the
-    re-selection's context gets them (the cache passes None: max(window_size, 1))."""
+    """The decode budget's decode_query_window buffers that many recent queries, independent of window_size
+    (none: max(window_size, 1)); the re-selection's context gets them."""
     model, tokenizer, _ = random_llama
     ids = tokenizer(STORY, return_tensors="pt", add_special_tokens=False).input_ids
     CONTEXTS.clear()
-    method = RecordingSnapKV(budget=64, window_size=4, decode_budget=40, decode_interval=8)
+    with compress(model, RecordingSnapKV(budget=64, window_size=4, decode=DecodeBudget(40, 8))) as patch:
+        assert patch.new_cache().decoding.buffer_size == 4
+    method = RecordingSnapKV(budget=64, window_size=4, decode=DecodeBudget(40, 8, decode_query_window=12))
+    assert make_method("snapkv", budget=64, window_size=4, decode_budget=40, decode_interval=8,
+                       decode_query_window=12).decode == method.decode
     with compress(model, method) as patch, torch.no_grad():
         cache = patch.new_cache()
-        assert cache.decoding.buffer_size == 4
-        cache.decoding = DecodeCompressor(method, cache.layers, cache.num_query_heads, cache.stored_heads,
-                                          query_window=12)
+        assert cache.decoding.buffer_size == 12
         out = model(ids, past_key_values=cache, use_cache=True)  # 64 kept >= 48: re-selected at once
         for _ in range(3):
             out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
