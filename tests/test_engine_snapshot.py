@@ -9,8 +9,8 @@ Bitwise equality holds where the record was made: the same torch build and CPU k
 one thread.
 Elsewhere float rounding differs in the last bits, so there the tokens, bytes and float summaries are
 compared (summaries to 1e-3), and a kept position may differ only where rounding can flip a near-tie:
-at most 2% of the (layer, prompt) kept sets, or one set; with a quantizer, as many sets' stored sums may
-differ by a level step (a value on a level boundary rounds to the next level).
+at most 2% of the (layer, prompt) kept sets, or one set; with a quantizer a set's stored sum may differ by
+level steps (a value on a level boundary rounds to the next level: `_level_steps_close`).
 
 H2O's prefill attention is, since the record, one chunked pass that also returns the column sums it
 scores by (tests/core/test_column_sums_pass.py): its output equals the model's sdpa kernel to float
@@ -62,6 +62,16 @@ def _close(a: list[float], b: list[float]) -> bool:
     return all(math.isclose(x, y, rel_tol=1e-3, abs_tol=1e-3) for x, y in zip(a, b))
 
 
+def _level_steps_close(a: list[float], b: list[float]) -> bool:
+    """[sum, sum of squares] of a quantized set on another platform. Where rounding moved a value across a level
+    boundary the store holds the next level: the sum moves by a level step or a few, a small fraction of the
+    values' norm, and the sum of squares hardly moves (measured on an AVX2 CPU against the AVX512 record, in the
+    sets beyond 1e-3: at most 0.0095 of the norm and 6.4e-5 relative); another token or block moves both."""
+    (sum_a, squares_a), (sum_b, squares_b) = a, b
+    return _close(a, b) or (math.isclose(squares_a, squares_b, rel_tol=1e-3)
+                            and abs(sum_a - sum_b) <= 0.02 * math.sqrt(squares_b))
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_engine_matches_the_record(smollm2, reference, name):
     model, tokenizer = smollm2
@@ -84,10 +94,7 @@ def test_engine_matches_the_record(smollm2, reference, name):
     sets = [(a, b) for la, lb in zip(layers_got, layers_expected) for a, b in zip(la, lb)]
     moved = sum(a["positions"] != b["positions"] for a, b in sets)
     assert moved <= max(1, FOREIGN_POSITION_SHARE * len(sets)), f"{name}: {moved} of {len(sets)} kept sets differ"
+    close = _level_steps_close if "quant_method" in CONFIGS[name][1] else _close
     off = [i for i, (a, b) in enumerate(sets) if a["positions"] == b["positions"]
-           and not (_close(a["keys_sum"], b["keys_sum"]) and _close(a["values_sum"], b["values_sum"]))]
-    # A quantized store rounds each value to a level: where rounding moved a value across a level boundary it
-    # stores the next level (one quantization step), so a few sets' sums differ beyond 1e-3 on another platform
-    # while tokens, bytes and positions are exact (measured on an AVX2 CPU against the AVX512 record: 1 of 30).
-    allowed = max(1, FOREIGN_POSITION_SHARE * len(sets)) if "quant_method" in CONFIGS[name][1] else 0
-    assert len(off) <= allowed, f"{name}: stored K/V sums of kept sets {off} differ from the record"
+           and not (close(a["keys_sum"], b["keys_sum"]) and close(a["values_sum"], b["values_sum"]))]
+    assert not off, f"{name}: stored K/V sums of kept sets {off} differ from the record"

@@ -24,7 +24,8 @@ from pyramidkv.components import Component, ModelShape
 
 @dataclass(frozen=True)
 class Conflict:
-    """`setting` (a method setting, flat names included) refused next to the unit when `applies(method)`."""
+    """`setting` (a method setting, flat names included) refused next to the unit when `applies(method)`; `why`
+    may name the method's values as `{m.<setting>}` (str.format with m = the method)."""
 
     setting: str
     applies: Callable[[object], bool]

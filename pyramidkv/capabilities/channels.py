@@ -29,8 +29,8 @@ class ThinKChannels(Capability):
     conflicts = (
         Conflict("quant_method", lambda m: m.quant_method is not None
                  and m.quant_method.residual_length < m.channels.key_recent_size,
-                 "the quantizer's residual_length must be >= key_recent_size: the recent keys stay full width, "
-                 "so they cannot be quantized thin"),
+                 "the quantizer's residual_length {m.quant_method.residual_length} must be >= key_recent_size "
+                 "{m.channels.key_recent_size}: the recent keys stay full width, so they cannot be quantized thin"),
     )
     key_channel_ratio: float = 0.4
     key_recent_size: int = 32

@@ -27,7 +27,7 @@ def check_units(method) -> None:
         for conflict in unit.conflicts:
             if conflict.applies(method):
                 raise ValueError(f"{unit.title} does not combine with {conflict.setting}="
-                                 f"{shown(method.setting(conflict.setting))} ({conflict.why}); use one of them")
+                                 f"{shown(method.setting(conflict.setting))} ({conflict.why.format(m=method)}); use one of them")
     namers = [(name, unit) for name, unit in (("page_budget", method.pages), ("cross_layer_merge", method.layer_sharing),
                                               ("quant_method", method.quant_method)) if unit is not None]
     if len(namers) > 1:

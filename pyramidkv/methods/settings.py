@@ -238,8 +238,8 @@ def _switch_on(axis: Axis, key: str, setting: str, value, chosen: dict, own: dic
             return None
         chosen[axis.field] = own[axis.field] = unit
         return unit
-    raise ValueError(f"{label(key)}={value!r} only applies with {unit.switch} ({unit.title}); set it too, or leave "
-                     f"{label(key)} out")
+    raise ValueError(f"{label(key)}={value!r} has no effect without {unit.switch} ({unit.title}): {label(key)}="
+                     f"{value!r} only applies with {unit.switch}; set {unit.switch} too, or leave {label(key)} out")
 
 
 # --- the spec: one line for a whole configuration -----------------------------------------------

@@ -232,7 +232,7 @@ def test_held_and_read_bytes(smollm2):
     (dict(name="snapkv", budget=64, page_size=8), "page_size=8 only applies with page_budget"),
     (dict(name="snapkv", budget=64, page_budget=32, quant_method="kivi"), "does not combine with quant_method"),
     (dict(name="h2o", budget=64, page_budget=32, decode_budget=64), "decode-time attention statistics"),
-    (dict(name="quest", budget=64, page_budget=32), "budget and page_budget name the same setting"),
+    (dict(name="quest", budget=64, page_budget=32), "page_budget and budget name the same setting \\(page_budget\\)"),
     (dict(name="quest", budget=64, decode_budget=64), "quest evicts nothing"),
     (dict(name="snapkv", budget=64, page_budget=32, page_selection="max"), "page_selection must be one of"),
 ])
