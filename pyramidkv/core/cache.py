@@ -40,6 +40,16 @@ STORES: dict[str, type[LayerStore]] = {"full_precision": FullPrecisionStore, "pa
                                        "quantized": QuantizedStore, "paired": PairedLayerStore}
 
 
+def store_abilities(method: CompressionMethod) -> tuple[str, ...]:
+    """The optional store abilities a configuration needs: its units' (a decode budget: reselect), and attention
+    statistics when a decode budget re-selects by them (H2O, Scissorhands)."""
+    units = (method.decode, method.selection, method.channels, method.pages, method.layer_sharing)
+    needed = tuple(ability for unit in units if unit is not None for ability in unit.store_abilities)
+    if method.decode is not None and (method.accumulates_attention or method.history_window is not None):
+        needed += ("attention_statistics",)
+    return needed
+
+
 def store_kind(method: CompressionMethod) -> str:
     """The store kind the method's units name (the first of them; a method refuses two different ones)."""
     for unit in (method.pages, method.layer_sharing, method.quant_method):
@@ -94,19 +104,13 @@ class CompressedCache(Cache):
         self.rotary = rotation
         self.scratch = None if quantizer is None else Scratch()  # dequantization buffers shared by the layers
         self.store_class = STORES[store_kind(method)]
-        missing = [a for a in self._abilities_needed() if a not in self.store_class.abilities]
+        missing = [a for a in store_abilities(method) if a not in self.store_class.abilities]
         if missing:  # make_method refuses these; an object driving the engine directly is checked here
             raise ValueError(f"{method.name}: the {store_kind(method)} store lacks the abilities {missing} it needs")
         self.decoding = None if method.decode is None else \
             DecodeCompressor(method, self.layers, num_query_heads, self.stored_heads, method.decode.decode_query_window)
         self.setup: Optional[StoreSetup] = None
         self.stopped_bytes: dict[int, int] = {}   # per prompt that stopped early, its bytes then (record_stop)
-
-    def _abilities_needed(self) -> list[str]:
-        if self.method.decode is None:
-            return []
-        statistics = self.method.accumulates_attention or self.method.history_window is not None
-        return ["reselect"] + (["attention_statistics"] if statistics else [])
 
     # ---- transformers Cache API -------------------------------------------------------------
     def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:

@@ -5,19 +5,10 @@ is one line naming both settings and why; nothing here is a hand-written pair of
 from __future__ import annotations
 
 from pyramidkv.capabilities.base import shown
-from pyramidkv.core.cache import STORES, store_kind
+from pyramidkv.core.cache import STORES, store_abilities, store_kind
 
 # What each store ability means, for refusals.
 ABILITY_TEXT = {"reselect": "re-select while decoding", "attention_statistics": "keep decode-time attention statistics"}
-
-
-def store_abilities(method) -> tuple[str, ...]:
-    """The optional store abilities the configuration needs: its capabilities', and attention statistics when a
-    decode budget re-selects by them (H2O, Scissorhands)."""
-    needed = tuple(ability for unit in method.capabilities for ability in unit.store_abilities)
-    if method.decode is not None and (method.accumulates_attention or method.history_window is not None):
-        needed += ("attention_statistics",)
-    return needed
 
 
 def check_units(method) -> None:
