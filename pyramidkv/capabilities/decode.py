@@ -43,6 +43,11 @@ class DecodeBudget(Capability):
         if self.decode_budget is None or self.decode_budget < 1:
             raise ValueError(f"decode_budget must be an integer >= 1 (tokens per head held while decoding), "
                              f"got {self.decode_budget!r}")
+        most = self.decode_budget + self.decode_interval
+        if self.decode_query_window is not None and self.decode_query_window > most:
+            raise ValueError(f"decode_query_window {self.decode_query_window} is more than a head ever holds at a "
+                             f"re-selection (decode_budget + decode_interval = {most}): it would act as {most}; use "
+                             f"at most {most}")
 
     def check_with(self, method) -> None:
         if not method.needs_budget:

@@ -220,6 +220,9 @@ def test_query_window_sets_the_buffer(random_llama):
     method = RecordingSnapKV(budget=64, window_size=4, decode=DecodeBudget(40, 8, decode_query_window=12))
     assert make_method("snapkv", budget=64, window_size=4, decode_budget=40, decode_interval=8,
                        decode_query_window=12).decode == method.decode
+    for window, message in ((0, "must be an integer >= 1"), (49, "decode_query_window 49 is more than")):
+        with pytest.raises(ValueError, match=message):
+            make_method("snapkv", budget=64, decode_budget=40, decode_interval=8, decode_query_window=window)
     with compress(model, method) as patch, torch.no_grad():
         cache = patch.new_cache()
         assert cache.decoding.buffer_size == 12
