@@ -297,7 +297,8 @@ def minference_kernel_columns(offsets: set[int], n: int, block: int) -> list[set
 
 def minference_block_sparse(queries: np.ndarray, keys: np.ndarray, block: int, top_k: int) -> list[set[int]]:
     """Per query block, the key blocks it reads: zero-padded mean pooling, causal block scores, the top
-    max(1, min(top_k, n // block)) (all causal blocks when there are no more); ties to the later block."""
+    min(top_k, ceil(n / block)) (the official code counts the padded length; all causal blocks when there are
+    no more); ties to the later block."""
     n, dim = keys.shape
     count = -(-n // block)
 
@@ -307,7 +308,7 @@ def minference_block_sparse(queries: np.ndarray, keys: np.ndarray, block: int, t
         return padded.reshape(count, block, dim).mean(axis=1)
 
     scores = pool(queries) @ pool(keys).T
-    k = max(1, min(top_k, n // block))
+    k = min(top_k, count)
     return [set(range(m + 1)) if m + 1 <= k else set(sorted(range(m + 1), key=lambda c: (-scores[m, c], -c))[:k])
             for m in range(count)]
 

@@ -10,8 +10,9 @@ one head of one prompt at a time, in the prompt's own coordinates (n real tokens
   kernel coverage The official CUDA index builder (`convert_vertical_slash_indexes`) turns the diagonals into
                   64-column blocks per 64-row block; `diagonal_blocks` reproduces the columns it covers.
   block-sparse    Queries and keys mean-pooled over blocks (zero-padded), block scores q_pool . k_pool,
-                  causal; each query block reads its top min(top_k, n // block) key blocks (at least 1; all its
-                  causal blocks when it has no more than that). Ties: the later block.
+                  causal; each query block reads its top min(top_k, ceil(n / block)) key blocks (all its causal
+                  blocks when it has no more than that): the official code pads the prompt to whole blocks
+                  before counting, so a last partial block counts. Ties: the later block.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def block_sparse_blocks(queries: torch.Tensor, keys: torch.Tensor, block: int, t
     scores = pool(queries) @ pool(keys).T                                               # [R, R]
     causal = torch.arange(count, device=keys.device)[None, :] <= torch.arange(count, device=keys.device)[:, None]
     scores = scores.masked_fill(~causal, float("-inf"))
-    k = max(1, min(top_k, n // block))
+    k = min(top_k, count)
     chosen = torch.zeros(count, count, dtype=torch.bool, device=keys.device)
     for r in range(count):
         if r + 1 <= k:

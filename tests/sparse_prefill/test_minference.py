@@ -19,6 +19,7 @@ from pyramidkv.models.patch import model_shape
 from pyramidkv.sparse_prefill.attention import minference_kernels, sparse_prefill_attention
 from pyramidkv.sparse_prefill.base import HeadMasks, PrefillPattern
 from pyramidkv.sparse_prefill.indices import block_sparse_blocks, diagonal_blocks, vertical_slash_sets
+from pyramidkv.sparse_prefill.minference import MInference
 from pyramidkv.sparse_prefill.tables import load_pattern_table
 from tests.engine_snapshot import assert_batch_equals_alone
 from tests.helpers import prefill
@@ -100,6 +101,35 @@ def test_block_sparse_hand_made_case():
                                [False, True, True, False], [False, True, False, True]]
     reference = minference_block_sparse(queries.double().numpy(), keys.double().numpy(), 2, 2)
     assert [set(torch.nonzero(row).flatten().tolist()) for row in chosen] == reference
+
+
+@pytest.mark.parametrize("n, last_block_reads", [(100, 2), (2000, 32), (2048, 32)])
+def test_block_sparse_counts_the_padded_length_as_the_official_code(n, last_block_reads):
+    """The official block_sparse_attention pads the prompt to whole blocks of 64 before it counts blocks:
+    top min(100, ceil(n / 64)), so the last query block reads ceil(100 / 64) = 2, ceil(2000 / 64) = 32,
+    2048 / 64 = 32 blocks (n // 64 would give 1, 31, 32)."""
+    generator = torch.Generator().manual_seed(n)
+    queries, keys = torch.randn(n, 4, generator=generator), torch.randn(n, 4, generator=generator)
+    chosen = block_sparse_blocks(queries, keys, 64, 100)
+    assert chosen.shape == (last_block_reads, last_block_reads)
+    assert int(chosen[-1].sum()) == last_block_reads
+
+
+def test_block_sparse_last_partial_block_reads_every_block_on_random_qkv():
+    """n = 10, blocks of 4, top 100: ceil(10 / 4) = 3 blocks are read, so every query block reads all its
+    causal blocks and the block-sparse head equals dense causal attention, computed here from softmax over
+    explicit q.k (with n // 4 = 2 the last block, rows 8 and 9, would read 2 of its 3 blocks)."""
+    generator = torch.Generator().manual_seed(3)
+    n, dim = 10, 4
+    q, k, v = (torch.randn(1, 1, n, dim, generator=generator) for _ in range(3))
+    masks = MInference(block_size=4, block_top_k=100).head_masks([("block_sparse", 0, 0)], q[0], k[0])
+    out, _, density = sparse_prefill_attention(q, k, v, PrefillPattern([masks], [0]))
+    qd, kd, vd = (x[0, 0].double().numpy() for x in (q, k, v))
+    logits = [[float(qd[i] @ kd[j]) / math.sqrt(dim) for j in range(i + 1)] for i in range(n)]
+    expected = np.stack([np.exp(np.array(row) - max(row)) @ vd[:len(row)] / np.exp(np.array(row) - max(row)).sum()
+                         for row in logits])
+    assert np.allclose(out[0, :, 0].double().numpy(), expected, atol=1e-5)
+    assert density[0] == 1.0
 
 
 def mixed_table(path, layers=30, heads=9):
