@@ -49,8 +49,9 @@ def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 
 def window_attention(queries: torch.Tensor, keys: torch.Tensor, real: torch.Tensor, window_size: int,
-                     pattern=None) -> torch.Tensor:
-    """Attention of the last `window_size` queries to all keys, causal inside the window.
+                     pattern=None, causal: bool = True) -> torch.Tensor:
+    """Attention of the last `window_size` queries to all keys, causal inside the window (causal=False: each
+    row's softmax also covers the window's later keys, a separate dense pass, so no pattern).
 
     queries: [B, Hq, q, D], those of the last q tokens (only the last w are used, the i-th of them at
     token n - w + i); keys: [B, Hkv, n, D]; real: [B, n] or [B, Hkv, n]; pattern: the layer's sparse
@@ -59,9 +60,12 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, real: torch.Tens
     n, q = keys.shape[2], queries.shape[2]
     w = min(window_size, q, n)
     s = grouped_scores(queries[:, :, q - w :], keys)  # [B, Hq, w, n]
+    allowed = real_per_query_head(real, queries.shape[1])[:, :, None, :]
+    if not causal:
+        return masked_softmax(s, allowed)
     query_pos = torch.arange(n - w, n, device=keys.device)[:, None]
     key_pos = torch.arange(n, device=keys.device)[None, :]
-    allowed = (key_pos <= query_pos)[None, None] & real_per_query_head(real, queries.shape[1])[:, :, None, :]
+    allowed = (key_pos <= query_pos)[None, None] & allowed
     if pattern is not None:
         allowed = allowed & pattern.mask(n - w, n, n, keys.device)
     return masked_softmax(s, allowed)

@@ -25,11 +25,16 @@ class NACL(Method):
     """Proxy-token scores plus seeded random eviction, at the end of prefill: 4 sinks, and 7/19 of the
     selected tokens drawn from softmax(score) (the official 7 % at random next to 12 % by score).
 
-    proxy_size: the prompt's last queries (the proxy tokens) whose attention, summed, scores the tokens."""
+    proxy_size: the prompt's last queries (the proxy tokens) whose attention, summed, scores the tokens.
+    proxy_causal: True (default): each proxy row's softmax covers the tokens up to its own, the attention the
+        model ran (with a sparse prefill, the entries it computed); False: the official code's second pass
+        (flash_attn with causal=False), each row's softmax also covering the later proxy tokens, dense. The
+        default stays causal: every result so far was made with it, and a row then reads what the model read."""
 
     name = "nacl"
     selection: Selection = Selection(num_sinks=4, random_fraction=7 / 19)
     proxy_size: int = 32
+    proxy_causal: bool = True
 
     def validate(self) -> None:
         super().validate()
@@ -39,5 +44,6 @@ class NACL(Method):
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         n = ctx.keys.shape[2]
-        proxies = window_attention(ctx.queries, ctx.keys, ctx.real, min(self.proxy_size, n), ctx.pattern)
+        proxies = window_attention(ctx.queries, ctx.keys, ctx.real, min(self.proxy_size, n),
+                                   ctx.pattern if self.proxy_causal else None, self.proxy_causal)
         return proxies.sum(dim=2)  # [B, Hq, n]

@@ -25,7 +25,7 @@ def test_a_configuration_keeps_its_folder_label_spec_and_description(entry):
     assert parse_method_spec(entry["spec"]) == method
     stored = {"method": entry["describe"]}
     now = json.loads(json.dumps({"method": method.describe()}, default=str))
-    assert fingerprint_differences(stored, now, {}, ["page_budget_ratio", "decode_query_window"]) == []
+    assert fingerprint_differences(stored, now, {}, ["page_budget_ratio", "decode_query_window", "proxy_causal"]) == []
 
 
 def test_the_record_covers_every_capability_setting():

@@ -136,3 +136,31 @@ def test_bad_settings_are_refused_in_one_line(settings, message):
     with pytest.raises(ValueError, match=message) as e:
         make_method("nacl", **{**base, **settings})
     assert "\n" not in str(e.value)
+
+
+def test_the_proxy_pass_causal_by_default_and_the_official_non_causal_one():
+    """Four tokens, two proxies (tokens 2 and 3), D = 2, by hand: causal, row 2's softmax covers keys 0..2 and
+    row 3's keys 0..3; non-causal (the official flash_attn pass with causal=False) row 2's also covers key 3.
+    Each score is the sum over the rows of softmax(q.k / sqrt(2)), computed here from the explicit products."""
+    from pyramidkv.core.context import ScoreContext
+
+    keys = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [2.0, 0.0]]
+    queries = [[0.0, 0.0], [0.0, 0.0], [1.0, 0.0], [0.0, 1.0]]
+
+    def proxy_sums(causal: bool) -> list[float]:
+        totals = [0.0] * 4
+        for i in (2, 3):
+            seen = range(i + 1) if causal else range(4)
+            e = {j: math.exp(sum(a * b for a, b in zip(queries[i], keys[j])) / math.sqrt(2)) for j in seen}
+            for j in seen:
+                totals[j] += e[j] / sum(e.values())
+        return totals
+
+    ctx = ScoreContext(0, 1, torch.tensor([[queries]]), torch.tensor([[keys]]), torch.zeros(1, 1, 4, 2),
+                       torch.ones(1, 4, dtype=torch.bool))
+    causal = make_method("nacl", budget=3, window_size=0, num_sinks=0, proxy_size=2).score(ctx)[0, 0]
+    official = make_method("nacl", budget=3, window_size=0, num_sinks=0, proxy_size=2,
+                           proxy_causal=False).score(ctx)[0, 0]
+    assert np.allclose(causal.double().numpy(), proxy_sums(True), atol=1e-6)
+    assert np.allclose(official.double().numpy(), proxy_sums(False), atol=1e-6)
+    assert abs(proxy_sums(True)[3] - proxy_sums(False)[3]) > 0.3   # the case tells the two passes apart
