@@ -55,10 +55,16 @@ class ScoredLayer:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
 
 
+SEED_MODULUS = 2 ** 64   # torch seeds are 64-bit
+
+
 def sampling_generator(method: CompressionMethod, layer_idx: int, head: int) -> torch.Generator:
     """The generator of one stored head's random share (CPU, so draws are the same on every device): seeded
-    by (random_seed, layer, head) and fresh for each prompt, so a prompt draws the same in any batch."""
-    return torch.Generator().manual_seed((method.selection.random_seed * 1_000_003 + layer_idx) * 1_009 + head)
+    by (random_seed, layer, head) and fresh for each prompt, so a prompt draws the same in any batch. The mix
+    is taken modulo 2^64, the range torch seeds take: every random_seed in [0, 2^63) works, each gives a
+    head its own seed (the multipliers are odd), and a seed below about 1.8e10 keeps the seed it had."""
+    return torch.Generator().manual_seed(
+        ((method.selection.random_seed * 1_000_003 + layer_idx) * 1_009 + head) % SEED_MODULUS)
 
 
 class PromptCompressor:

@@ -164,3 +164,31 @@ def test_the_proxy_pass_causal_by_default_and_the_official_non_causal_one():
     assert np.allclose(causal.double().numpy(), proxy_sums(True), atol=1e-6)
     assert np.allclose(official.double().numpy(), proxy_sums(False), atol=1e-6)
     assert abs(proxy_sums(True)[3] - proxy_sums(False)[3]) > 0.3   # the case tells the two passes apart
+
+
+@pytest.mark.parametrize("seed", [0, 2 ** 40, 2 ** 63 - 1])
+def test_every_documented_seed_runs_through_the_selection(random_llama, seed):
+    """random_seed is documented as [0, 2^63): the per-head generator seeds mix it with the layer and head
+    without overflowing torch's 64-bit seed (2 ** 40 and 2 ** 63 - 1 overflowed it before)."""
+    model, tokenizer, _ = random_llama
+    ids = tokenizer(STORY, return_tensors="pt", add_special_tokens=False).input_ids[:, :120]
+    method = make_method("nacl", budget=40, window_size=8, num_sinks=2, proxy_size=8, random_seed=seed)
+    cache = prefill(model, ids, method)
+    for layer in range(model.config.num_hidden_layers):
+        assert all(len(p) == 40 for p in cache.kept_positions(layer, 0))
+
+
+def test_heads_with_equal_scores_draw_their_own_random_share():
+    """Two heads, equal flat scores over 200 candidates, 20 drawn each: their generators are seeded with the
+    head's index, so the draws differ (a shared stream would draw the same 20 for both; by chance two
+    independent uniform draws of 20 of 200 agree with probability 1 / C(200, 20))."""
+    from pyramidkv.core.prefill import sampling_generator
+    from pyramidkv.core.selection import select_kept_positions
+
+    method = make_method("nacl", budget=40, window_size=0, num_sinks=0, random_fraction=0.5, random_seed=7)
+    scores = torch.zeros(2, 200)
+    for layer in (0, 3):
+        kept = select_kept_positions(scores, 0, [40, 40], 0, 0, 0.5, lambda h: sampling_generator(method, layer, h))
+        top = set(range(180, 200))   # the top share: of equal scores, the latest
+        assert top <= set(kept[0].tolist()) and top <= set(kept[1].tolist())
+        assert set(kept[0].tolist()) != set(kept[1].tolist())
