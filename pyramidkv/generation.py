@@ -7,6 +7,7 @@ before the answer is generated (Quest's protocol: the question is seen by decode
 
 from __future__ import annotations
 
+import operator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -39,7 +40,10 @@ def generate(
     questions: Optional[Sequence[str] | Sequence[Sequence[int]]] = None,
     decode_threads: Optional[int] = None,
 ) -> list[Generation]:
-    """Greedy-decode a batch of prompts (strings, or token-id lists) under `method`.
+    """Greedy-decode a batch of prompts (a list of strings, or of token-id lists) under `method`.
+
+    A bare string is refused (it would be one prompt per character: pass [text]); token ids must be integers
+    in [0, the model's input embedding rows): a bad one is named by prompt index, position and value.
 
     Prompts are left-padded into one batch; each prompt's output equals what it
     gives alone, and so does its `kv_bytes_per_prompt` (tokens decoded for the batch
@@ -62,16 +66,18 @@ def generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if decode_threads is not None and decode_threads < 1:
         raise ValueError(f"decode_threads must be >= 1, got {decode_threads}")
-    if len(prompts) == 0:
+    vocab_size = _vocab_size(model)
+    token_lists = _token_lists(tokenizer, prompts, "prompt", vocab_size)
+    if not token_lists:
         return []
-    token_lists = _token_lists(tokenizer, prompts, "prompt")
     for tokens in token_lists:
         method.check_prompt(len(tokens))
     if questions is not None:
-        if len(questions) != len(prompts):
-            raise ValueError(f"got {len(questions)} questions for {len(prompts)} prompts")
-        return _generate_after_questions(model, tokenizer, token_lists, _token_lists(tokenizer, questions, "question"),
-                                         method, max_new_tokens, stop_token_ids, min_new_tokens, decode_threads)
+        question_lists = _token_lists(tokenizer, questions, "question", vocab_size)
+        if len(question_lists) != len(token_lists):
+            raise ValueError(f"got {len(question_lists)} questions for {len(token_lists)} prompts")
+        return _generate_after_questions(model, tokenizer, token_lists, question_lists, method, max_new_tokens,
+                                         stop_token_ids, min_new_tokens, decode_threads)
     input_ids, attention_mask, width, pad_id = _left_padded(model, tokenizer, token_lists)
     eos = default_stop_token_ids(model, tokenizer) if stop_token_ids is None else [int(t) for t in stop_token_ids]
     with compress(model, method) as patch, _prompt_then_decode(model, decode_threads):
@@ -93,8 +99,15 @@ def generate(
     return results
 
 
-def _token_lists(tokenizer, texts, what: str) -> list[list[int]]:
-    """Each text's token ids: all strings (tokenized without special tokens) or all token-id lists; none empty."""
+def _token_lists(tokenizer, texts, what: str, vocab_size: int) -> list[list[int]]:
+    """Each text's token ids: all strings (tokenized without special tokens) or all token-id lists; none empty,
+    every id an integer in [0, vocab_size). A bare string (not a list of them) is refused: iterated, it would
+    make one prompt per character."""
+    if isinstance(texts, (str, bytes)):
+        raise ValueError(f"{what}s is one string ({texts!r:.40}), not a list of {what}s: pass [text] (or token-id "
+                         f"lists)")
+    if texts is None or isinstance(texts, dict) or not hasattr(texts, "__len__"):
+        raise ValueError(f"{what}s must be a list of strings or of token-id lists, got {texts!r:.60}")
     is_text = [isinstance(t, str) for t in texts]
     if any(is_text) and not all(is_text):
         raise ValueError(f"{what}s mix text ({what} {is_text.index(True)}) and token ids ({what} "
@@ -102,14 +115,38 @@ def _token_lists(tokenizer, texts, what: str) -> list[list[int]]:
     if all(is_text):
         token_lists = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
     else:
-        token_lists = [list(t) for t in texts]
-        bad = [i for i, t in enumerate(token_lists) if any(isinstance(x, (str, bytes, float)) for x in t)]
-        if bad:
-            raise ValueError(f"{what} {bad[0]} is neither text nor a list of token ids: {texts[bad[0]]!r:.60}")
+        token_lists = [_token_ids(t, f"{what} {i}", vocab_size) for i, t in enumerate(texts)]
     empty = [i for i, t in enumerate(token_lists) if len(t) == 0]
     if empty:
         raise ValueError(f"{what} {empty[0]} is empty")
     return token_lists
+
+
+def _token_ids(tokens, name: str, vocab_size: int) -> list[int]:
+    """One token-id list (ints, numpy or 0-d torch integers) as ints, each checked against the vocabulary."""
+    if isinstance(tokens, (bytes, dict)) or not hasattr(tokens, "__iter__"):
+        raise ValueError(f"{name} is neither text nor a list of token ids: {tokens!r:.60}")
+    ids = []
+    for position, token in enumerate(tokens):
+        try:
+            if isinstance(token, bool):
+                raise TypeError
+            value = operator.index(token)
+        except TypeError:
+            raise ValueError(f"{name} holds {token!r:.40} at position {position}, not a token id (an integer in "
+                             f"[0, {vocab_size}))") from None
+        if not 0 <= value < vocab_size:
+            raise ValueError(f"{name} holds token id {value} at position {position}, outside the model's "
+                             f"vocabulary [0, {vocab_size})")
+        ids.append(value)
+    return ids
+
+
+def _vocab_size(model) -> int:
+    """The rows of the model's input embedding: the ids it can read."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    return int(rows) if rows is not None else int(model.config.vocab_size)
 
 
 def split_prompt(tokenizer, prompt: str, question_start: int) -> tuple[list[int], list[int]]:

@@ -106,3 +106,31 @@ def test_questions_of_different_lengths_in_a_batch_equal_single_runs(smollm2):
         pages = -(-held // 8)
         metadata = (cfg.num_hidden_layers - 2) * cfg.num_key_value_heads * pages * 2 * 64 * 4
         assert b.kv_bytes_per_prompt == per_token * held + metadata
+
+
+@pytest.mark.parametrize("prompts, questions, message", [
+    ("hello there", None, r"prompts is one string \('hello there'\), not a list of prompts: pass \[text\]"),
+    (None, None, r"prompts must be a list of strings or of token-id lists, got None"),
+    ([None], None, r"prompt 0 is neither text nor a list of token ids: None"),
+    ([[5, 6], [5, None, 7]], None, r"prompt 1 holds None at position 1, not a token id \(an integer in \[0, 49152\)\)"),
+    ([[5, 6], [5, 49152]], None, r"prompt 1 holds token id 49152 at position 1, outside the model's vocabulary "
+                                 r"\[0, 49152\)"),
+    ([[-1, 6]], None, r"prompt 0 holds token id -1 at position 0, outside the model's vocabulary \[0, 49152\)"),
+    ([[5, 6]], [[7, 10 ** 9]], r"question 0 holds token id 1000000000 at position 1, outside"),
+    ([[5, 6]], "why", r"questions is one string \('why'\), not a list of questions"),
+])
+def test_bad_prompts_are_refused_at_the_entry(random_llama, prompts, questions, message):
+    """SmolLM2's tokenizer and embedding have 49,152 rows (ids 0..49151): one ValueError naming the prompt
+    and the value, before any forward (which would fail deep in torch, or, for a bare string, run one prompt
+    per character)."""
+    model, tokenizer, _ = random_llama
+    assert model.get_input_embeddings().num_embeddings == 49152
+    with pytest.raises(ValueError, match=message):
+        generate(model, tokenizer, prompts, make_method("fullkv"), max_new_tokens=1, questions=questions)
+
+
+def test_token_ids_as_tensors_and_the_last_vocabulary_id_run(random_llama):
+    model, tokenizer, _ = random_llama
+    ids = torch.tensor([[5, 6, 49151], [7, 8, 9]])
+    got = generate(model, tokenizer, ids, make_method("fullkv"), max_new_tokens=1, stop_token_ids=[])
+    assert [g.prompt_tokens for g in got] == [3, 3]
