@@ -24,7 +24,8 @@ class QuestPages(Capability):
     page_budget_ratio: Quest: the page budget as a fraction of each prompt's length (at least one page), instead
         of page_budget.
     page_size: Quest: held tokens per page.
-    page_min_count: Quest: the fewest pages attended per step.
+    page_min_count: Quest: the fewest pages attended per step; at most the pages of the model's context
+        window, ceil(max_position_embeddings / page_size).
     page_keep_last: Quest: the newest token's page is always attended.
     page_dense_layers: Quest: the first layers, which attend densely (the official code: 2).
     page_selection: Quest: query_head (each query head its own pages, as the official code), group_max or
@@ -77,6 +78,11 @@ class QuestPages(Capability):
                              f"reads) or page_budget_ratio")
 
     def check_model(self, model: ModelShape) -> None:
+        if model.context_window and self.page_min_count > -(-model.context_window // self.page_size):
+            most = -(-model.context_window // self.page_size)
+            raise ValueError(f"page_min_count {self.page_min_count} is more pages than the model's context window "
+                             f"holds ({model.context_window} tokens = {most} pages of page_size {self.page_size}); "
+                             f"allowed: 1 <= page_min_count <= {most}")
         layers = model.num_layers
         if self.page_dense_layers >= layers:
             raise ValueError(f"page_dense_layers {self.page_dense_layers} leaves no layer of this {layers}-layer "

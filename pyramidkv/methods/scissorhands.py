@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pyramidkv.components import ModelShape
 from pyramidkv.core.context import DecodeScoreContext, ScoreContext
 from pyramidkv.core.scoring import window_attention
 from pyramidkv.methods.base import Method
@@ -34,7 +35,8 @@ class Scissorhands(Method):
     """Counts of unimportance over a history window, dropping the most unimportant while decoding.
 
     history_window: the last queries (prompt rows, then decode steps) whose attention counts how often a
-        token was unimportant."""
+        token was unimportant; at most the model's context window (max_position_embeddings), the most
+        queries a sequence has."""
 
     name = "scissorhands"
     history_window: int = 64
@@ -47,6 +49,13 @@ class Scissorhands(Method):
         if self.decode is None:
             raise ValueError("scissorhands compresses while decoding: it needs decode_budget (the budget B = "
                              "decode_budget + decode_interval, m = decode_interval), e.g. --decode_budget 256")
+
+    def check_model(self, model: ModelShape) -> None:
+        super().check_model(model)
+        if model.context_window and self.history_window > model.context_window:
+            raise ValueError(f"history_window {self.history_window} is longer than the model's context window "
+                             f"({model.context_window} tokens), the most queries a sequence has; allowed: 1 <= "
+                             f"history_window <= {model.context_window}")
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """Prefill: minus the unimportant counts over the prompt's last history_window rows. [B, Hq, n]"""

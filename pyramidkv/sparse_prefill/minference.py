@@ -32,7 +32,8 @@ def _table(path: Optional[str], model_name: str):
 class MInference(SparsePrefill):
     """pattern_table: a table in MInference's JSON layout (None: the one packaged for the model).
     last_q: queries whose attention estimates the vertical-slash index (official 64).
-    block_size: block-sparse heads' block (official 64), also the block of the kernel's diagonal coverage.
+    block_size: block-sparse heads' block (official 64), also the block of the kernel's diagonal coverage; at
+        most the model's context window (max_position_embeddings).
     block_top_k: blocks a block-sparse head reads per query block (official 100).
     slash_coverage: "kernel" computes what the official CUDA kernel computes for a diagonal (the 64-column
         blocks around it, per 64-row block); "lines" only the diagonal's own entries (the paper's mask).
@@ -58,6 +59,10 @@ class MInference(SparsePrefill):
             raise ValueError(f"pattern_table {self.pattern_table!r} is not a file")
 
     def check_model(self, model: ModelShape) -> None:
+        if model.context_window and self.block_size > model.context_window:
+            raise ValueError(f"block_size {self.block_size} is longer than the model's context window "
+                             f"({model.context_window} tokens): one block would hold every prompt; allowed: 1 <= "
+                             f"block_size <= {model.context_window}")
         source = self.pattern_table or default_pattern_table(model.name)
         check_table_shape(_table(self.pattern_table, model.name), model.num_layers, model.num_query_heads, source)
 

@@ -241,3 +241,21 @@ def test_bad_settings_fail_with_one_line(settings, message):
     with pytest.raises(ValueError, match=message) as error:
         make_method(settings.pop("name"), **settings)
     assert "\n" not in str(error.value)
+
+
+def test_page_min_count_is_bounded_by_the_pages_of_the_context_window(random_llama):
+    """8192 positions in pages of 16 are 512 pages: a larger minimum is refused in one line when compress()
+    checks the model (2 ** 63 overflowed torch.clamp in generate); 512 itself runs."""
+    from pyramidkv.generation import generate
+
+    model, tokenizer, _ = random_llama
+    assert model.config.max_position_embeddings == 8192
+    ids = [list(range(10, 90))]
+    for count in (513, 2 ** 63):
+        method = make_method("quest", page_budget=32, page_size=16, page_min_count=count)
+        with pytest.raises(ValueError, match=rf"page_min_count {count} is more pages than the model's context window "
+                                             r"holds \(8192 tokens = 512 pages of page_size 16\); allowed: 1 <= "
+                                             r"page_min_count <= 512"):
+            generate(model, tokenizer, ids, method, max_new_tokens=2)
+    method = make_method("quest", page_budget=32, page_size=16, page_min_count=512)
+    assert generate(model, tokenizer, ids, method, max_new_tokens=2, stop_token_ids=[])[0].new_tokens == 2

@@ -136,3 +136,21 @@ def test_bad_settings_are_refused_in_one_line(settings, message):
     with pytest.raises(ValueError, match=message) as e:
         make_method("scissorhands", **{**base, **settings})
     assert "\n" not in str(e.value)
+
+
+def test_history_window_is_bounded_by_the_context_window_before_generate(random_llama):
+    """The random Llama has max_position_embeddings 8192: no sequence has more queries, so a longer history
+    is refused in one line when compress() checks the model (2 ** 62 overflowed a tensor size in generate);
+    8192 itself runs."""
+    from pyramidkv.generation import generate
+
+    model, tokenizer, _ = random_llama
+    assert model.config.max_position_embeddings == 8192
+    ids = [list(range(10, 90))]
+    for window in (8193, 2 ** 62):
+        method = make_method("scissorhands", budget=32, window_size=4, decode_budget=32, history_window=window)
+        with pytest.raises(ValueError, match=rf"history_window {window} is longer than the model's context window "
+                                             r"\(8192 tokens\).*allowed: 1 <= history_window <= 8192"):
+            generate(model, tokenizer, ids, method, max_new_tokens=2)
+    method = make_method("scissorhands", budget=32, window_size=4, decode_budget=32, history_window=8192)
+    assert generate(model, tokenizer, ids, method, max_new_tokens=2, stop_token_ids=[])[0].new_tokens == 2

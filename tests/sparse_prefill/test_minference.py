@@ -304,3 +304,20 @@ def test_cuda_kernels_equal_the_masked_reference():
                                                PrefillPattern([HeadMasks(masks.columns.cpu(), masks.diagonals.cpu(),
                                                                          masks.blocks.cpu(), 64)], [0]))
     assert torch.allclose(kernel_out.float().cpu(), reference, atol=2e-2)
+
+
+def test_block_size_is_bounded_by_the_context_window(random_llama):
+    """The random Llama has max_position_embeddings 8192: a longer block is refused in one line when
+    compress() checks the model (2 ** 62 overflowed a tensor size in generate); 8192 itself runs."""
+    from pyramidkv.generation import generate
+
+    model, tokenizer, tables = random_llama
+    assert model.config.max_position_embeddings == 8192
+    ids = [list(range(10, 90))]
+    for block in (8193, 2 ** 62):
+        method = make_method("minference", pattern_table=tables["pattern_table"], block_size=block)
+        with pytest.raises(ValueError, match=rf"block_size {block} is longer than the model's context window "
+                                             r"\(8192 tokens\).*allowed: 1 <= block_size <= 8192"):
+            generate(model, tokenizer, ids, method, max_new_tokens=2)
+    method = make_method("minference", pattern_table=tables["pattern_table"], block_size=8192)
+    assert generate(model, tokenizer, ids, method, max_new_tokens=2, stop_token_ids=[])[0].new_tokens == 2
