@@ -17,7 +17,7 @@ from pyramidkv.generation import generate
 from pyramidkv.methods.base import Method, ScoreContext
 from pyramidkv.capabilities import DecodeBudget
 from tests.prompts import STORY, passkey_prompt
-from tests.helpers import ROOT
+from tests.helpers import ROOT, prefill
 
 
 class StepObserver:
@@ -325,3 +325,18 @@ def test_flags_reach_the_method_folder_name_and_run_meta():
     assert (described["decode_budget"], described["decode_interval"]) == (256, 64)
     plain = method_from_args(parser.parse_args(["--method", "h2o", "--max_capacity_prompts", "128"]))
     assert plain.decode_budget is None and run_dir("s", "m", plain) == Path("s/m_128/h2o")
+
+
+@pytest.mark.parametrize("name", ["snapkv", "scissorhands"])
+@pytest.mark.parametrize("budget, held_after_prefill", [(48, 40), (47, 47)])
+def test_a_kept_prompt_exactly_at_the_bound_is_reselected_right_after_prefill(random_llama, name, budget,
+                                                                              held_after_prefill):
+    """decode_budget 40 + decode_interval 8: the bound is 48 and the rule fires at >= 48. A prompt kept at
+    exactly 48 is re-selected to 40 before the first step (else the step's attention would read 49, over the
+    bound); kept at 47 it is left alone (and grows to the bound first)."""
+    model, tokenizer, _ = random_llama
+    ids = tokenizer(STORY, return_tensors="pt", add_special_tokens=False).input_ids[:, :120]
+    method = make_method(name, budget=budget, window_size=8, decode_budget=40, decode_interval=8)
+    cache = prefill(model, ids, method)
+    for layer in range(model.config.num_hidden_layers):
+        assert cache.held_counts(layer) == [[held_after_prefill] * model.config.num_key_value_heads], layer

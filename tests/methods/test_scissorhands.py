@@ -11,6 +11,7 @@ from pyramidkv import compress, make_method
 from pyramidkv.core.cache import CompressedCache
 from pyramidkv.core.selection import select_kept_positions
 from pyramidkv.methods.scissorhands import unimportant_counts
+from tests.helpers import prefill
 from tests.prompts import STORY
 
 BUDGET, WINDOW, HISTORY, DECODE_BUDGET, INTERVAL, STEPS = 64, 8, 16, 40, 8, 30
@@ -154,3 +155,25 @@ def test_history_window_is_bounded_by_the_context_window_before_generate(random_
             generate(model, tokenizer, ids, method, max_new_tokens=2)
     method = make_method("scissorhands", budget=32, window_size=4, decode_budget=32, history_window=8192)
     assert generate(model, tokenizer, ids, method, max_new_tokens=2, stop_token_ids=[])[0].new_tokens == 2
+
+
+def test_prefill_counts_over_exactly_history_window_rows(eager_setup):
+    """The prefill choice, left as it is: budget 48 with decode_budget 48 + decode_interval 8 stays below the
+    re-selection bound 56, so the held tokens right after prefill are the prefill selection. Reference from
+    transformers' eager attention (float64): per query head, the rows of the last 16 prompt queries, a token
+    counted when below its row's level 1 / (row + 1); counts averaged over the GQA group; the 8 most recent
+    kept, then the 40 lowest counts (ties: the more recent)."""
+    model, ids, attentions, _ = eager_setup
+    n, history, window, budget = ids.shape[1], 16, 8, 48
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    method = make_method("scissorhands", budget=budget, window_size=window, history_window=history,
+                         decode_budget=48, decode_interval=8)
+    cache = prefill(model, ids, method)
+    for layer in range(0, model.config.num_hidden_layers, 3):
+        for h, positions in enumerate(cache.held_positions(layer, 0)):
+            rows = attentions[layer][h * group:(h + 1) * group, n - history:, :]      # [g, 16, n]
+            levels = 1.0 / np.arange(n - history + 1, n + 1)                          # row i attends i + 1 tokens
+            visible = np.arange(n)[None, :] <= np.arange(n - history, n)[:, None]     # [16, n]
+            counts = ((rows < levels[None, :, None]) & visible[None]).sum(axis=1).mean(axis=0)
+            best = sorted(range(n - window), key=lambda p: (counts[p], -p))[:budget - window]
+            assert positions.tolist() == sorted(best) + list(range(n - window, n)), (layer, h)
