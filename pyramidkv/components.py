@@ -66,12 +66,35 @@ def check_setting_type(owner: str, setting: str, value, annotation) -> None:
 
 
 _BOOL_TEXT = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
+# What a number may look like as text: ASCII only (Python's int() and float() also take other scripts' digits,
+# `1_0`, surrounding blanks, `inf` and `nan`).
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def read_int(text: str) -> int:
+    """An integer written in ASCII digits with an optional sign; ValueError saying so for anything else
+    (`٨`, `1_0`, `1e3`, `8.0`)."""
+    if not _INTEGER.fullmatch(text):
+        raise ValueError(f"expected an integer (ASCII digits, e.g. 128), got {text!r}")
+    return int(text)
+
+
+def read_float(text: str) -> float:
+    """A finite number written in ASCII (`0.5`, `.5`, `1e-3`, `3`); ValueError for anything else (`nan`, `inf`,
+    `1_0`, other scripts' digits) and for a value too large to be finite (`1e400`)."""
+    if not _NUMBER.fullmatch(text):
+        raise ValueError(f"expected a finite number (ASCII, e.g. 0.5), got {text!r}")
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {text!r} (too large)")
+    return value
 
 
 def parse_setting(text: str, annotation):
     """A setting's value from text (a spec item or a command-line word), converted by the field's annotation:
-    int, float, bool (true/false/yes/no/1/0), str, Optional[...] ("none" is None), or a unit class (its name,
-    kept as text: the method builds the unit). ValueError naming what was expected."""
+    int (read_int), float (read_float), bool (true/false/yes/no/1/0), str, Optional[...] ("none" is None), or a
+    unit class (its name, kept as text: the method builds the unit). ValueError naming what was expected."""
     if typing.get_origin(annotation) is typing.Union:
         if text.strip().lower() == "none":
             return None
@@ -82,15 +105,9 @@ def parse_setting(text: str, annotation):
             raise ValueError(f"expected true or false, got {text!r}")
         return _BOOL_TEXT[key]
     if annotation is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"expected an integer, got {text!r}") from None
+        return read_int(text.strip())
     if annotation is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"expected a number, got {text!r}") from None
+        return read_float(text.strip())
     return text
 
 

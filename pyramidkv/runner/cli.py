@@ -19,12 +19,15 @@ from pathlib import Path
 from pyramidkv.components import parse_setting, setting_help
 from pyramidkv.methods import METHODS, Method, get_method_class
 from pyramidkv.components import flat_settings
-from pyramidkv.methods.settings import (AXES, AXIS_BY_FIELD, SWITCHES, bare_unit_names, build_method, read_settings,
-                                        split_spec)
+from pyramidkv.methods.settings import (AXES, AXIS_BY_FIELD, COMPRESSION_RATIO, SWITCHES, bare_unit_names,
+                                        build_method, read_settings, split_spec)
 from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
 from pyramidkv.models.patch import ATTENTION_IMPLEMENTATIONS, MODEL_GLUE
 
-# The public PyramidKV harness's flag names (and earlier ones of ours), by the setting they set.
+# The public PyramidKV harness's flag names (and earlier ones of ours), by the setting they set; each means
+# exactly what the setting means (the harness's ThinK --pruning_ratio is lambda, the share of key channels
+# pruned, as key_channel_ratio; its --kv_cache_granularity and --gqa_score_agg take the values of gqa_layout
+# and gqa_reduce). kvpress's compression_ratio, the fraction removed, is no alias: see COMPRESSION_RATIO.
 FLAG_ALIASES = {
     "budget": ("--max_capacity_prompts",),
     "budget_ratio": ("--max_capacity_prompts_ratio",),
@@ -33,7 +36,21 @@ FLAG_ALIASES = {
     "head_floor_ratio": ("--floor",),
     "head_scores": ("--head_path",),
     "quant_group_size": ("--q_group_size",),
+    "key_channel_ratio": ("--pruning_ratio",),
+    "key_recent_size": ("--recent_size",),
+    "gqa_layout": ("--kv_cache_granularity",),
+    "gqa_reduce": ("--gqa_score_agg",),
 }
+# What --help adds after a setting's own text when it has a public-harness alias.
+ALIAS_HELP = {
+    "key_channel_ratio": "--pruning_ratio: the public ThinK harness's lambda, the same share pruned",
+    "key_recent_size": "--recent_size: the public ThinK harness's name",
+    "gqa_layout": "--kv_cache_granularity: the public harness's name, same values (its default: query_head)",
+    "gqa_reduce": "--gqa_score_agg: the public harness's name, same values",
+}
+COMPRESSION_HELP = (f"kvpress's compression ratio: the fraction of each prompt's cache REMOVED, in [0, 1); it sets "
+                    f"budget_ratio = 1 - it (--max_capacity_prompts_ratio is the fraction KEPT); not with a budget "
+                    f"or budget_ratio")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +60,33 @@ class SettingFlag:
     annotation: object
     help: str
     choices: tuple[str, ...] = ()
+    shown: bool = True            # False: parsed, but left out of a method's --help
+
+
+@dataclasses.dataclass(frozen=True)
+class HelpScope:
+    """The settings `--method NAME --help` shows: the method's own, those of the unit it has on each axis
+    (its defaults, or the spec's choice), its capabilities' (only the switch of one that is off)."""
+
+    cls: type
+    units: dict                   # axis field -> the unit class chosen (None: none)
+
+    @classmethod
+    def of(cls, spec: str) -> "HelpScope | None":
+        """The scope of a --method value; None when it names no method (then --help shows every setting)."""
+        try:
+            name, items = split_spec(spec)
+            method = get_method_class(name)
+        except ValueError:
+            return None
+        given = dict(items)
+        units = {}
+        for axis in AXES:
+            value = given.get(axis.field, {f.name: f.default for f in dataclasses.fields(method)}[axis.field])
+            if isinstance(value, str):
+                value = None if value.lower() == "none" else axis.registry.get(value.lower())
+            units[axis.field] = value if value is None or isinstance(value, type) else type(value)
+        return cls(method, units)
 
 
 def _defaults_text(owners: dict[str, object]) -> str:
@@ -58,14 +102,20 @@ def _defaults_text(owners: dict[str, object]) -> str:
     return "; ".join([common] + others) if others else common
 
 
-def setting_flags(taken: set[str] = frozenset()) -> list[SettingFlag]:
+def setting_flags(taken: set[str] = frozenset(), scope: HelpScope | None = None) -> list[SettingFlag]:
     """One flag per setting of every registered method and unit (read from the registries at call time, so a
     new field or unit gets its flag with no edit here). Option strings in `taken` (a benchmark's own flags)
-    are left to the benchmark."""
+    are left to the benchmark. With a scope the flags are the same, their help only the scope's (the others
+    `shown=False`)."""
     method_fields: dict[str, dict[str, object]] = {}
     docs: dict[str, str] = {}
     annotations: dict[str, object] = {}
     for name, cls in METHODS.items():
+        if scope is not None and cls is not scope.cls:   # its fields get their flags below, hidden
+            for f in dataclasses.fields(cls):
+                method_fields.setdefault(f.name, {})
+                annotations.setdefault(f.name, typing.get_type_hints(cls)[f.name])
+            continue
         hints = typing.get_type_hints(cls)
         helps = setting_help(cls)
         for f in dataclasses.fields(cls):
@@ -76,18 +126,28 @@ def setting_flags(taken: set[str] = frozenset()) -> list[SettingFlag]:
     for key, owners in method_fields.items():
         if key == "method" or (key in AXIS_BY_FIELD and AXIS_BY_FIELD[key].flat):  # a capability: by its settings
             continue
-        which = "" if len(owners) == len(METHODS) else f"{', '.join(owners)}: "
-        default = _defaults_text(owners)
         axis = AXIS_BY_FIELD.get(key)
         choices = tuple(axis.registry) + ("none",) if axis is not None else ()
         flags = [f for f in (*FLAG_ALIASES.get(key, ()), f"--{key}") if f not in taken]
-        out.append(SettingFlag(key, tuple(flags), annotations[key], f"{which}{docs[key]} [{default}]", choices))
+        if not owners:
+            out.append(SettingFlag(key, tuple(flags), annotations[key], "", choices, shown=False))
+            continue
+        which = "" if len(owners) == len(METHODS) or scope is not None else f"{', '.join(owners)}: "
+        text = f"{which}{docs[key]}" + (f" ({ALIAS_HELP[key]})" if key in ALIAS_HELP else "")
+        out.append(SettingFlag(key, tuple(flags), annotations[key], f"{text} [{_defaults_text(owners)}]", choices))
+    if "--compression_ratio" not in taken:
+        budgeted = scope is None or "budget_ratio" in {f.name for f in dataclasses.fields(scope.cls)}
+        out.append(SettingFlag(COMPRESSION_RATIO, ("--compression_ratio",), float, COMPRESSION_HELP, shown=budgeted))
     bare = bare_unit_names(method_fields)
     for axis in AXES:
         if axis.flat:
-            out.extend(_capability_flags(axis, taken))
+            out.extend(_capability_flags(axis, taken, scope))
             continue
         for setting, units in axis.fields().items():
+            chosen = scope.units[axis.field] if scope is not None else None
+            shown = scope is None or (chosen is not None and setting in {f.name for f in dataclasses.fields(chosen)})
+            if scope is not None and shown:
+                units = [chosen.name]
             key = axis.qualified(setting)
             names = [*FLAG_ALIASES.get(key, ())]
             if bare.get(setting) is axis:
@@ -102,18 +162,22 @@ def setting_flags(taken: set[str] = frozenset()) -> list[SettingFlag]:
             unit_defaults = {unit: {f.name: f.default for f in dataclasses.fields(axis.registry[unit])}[setting]
                         for unit in units}
             hints = typing.get_type_hints(axis.registry[units[0]])
-            out.append(SettingFlag(key, flags, hints[setting], f"{text} [{_defaults_text(unit_defaults)}]"))
+            out.append(SettingFlag(key, flags, hints[setting], f"{text} [{_defaults_text(unit_defaults)}]",
+                                   shown=shown))
     return out
 
 
-def _capability_flags(axis, taken: set[str]) -> list[SettingFlag]:
+def _capability_flags(axis, taken: set[str], scope: HelpScope | None = None) -> list[SettingFlag]:
     """A capability's settings as the method's own flags, each default read from every method's own unit (the
-    unit's when the method has it on, its off value when off): `[0; streamingllm: 4, nacl: 4]`."""
+    unit's when the method has it on, its off value when off): `[0; streamingllm: 4, nacl: 4]`. With a scope:
+    its method's values, every setting when the method has the capability on, else only the switch."""
     unit = axis.unit
     helps = setting_help(unit)
     hints = typing.get_type_hints(unit)
+    methods = {scope.cls.name: scope.cls} if scope is not None else METHODS
     per_method = {name: flat_settings(unit, {f.name: f.default for f in dataclasses.fields(cls)}[axis.field])
-                  for name, cls in METHODS.items()}
+                  for name, cls in methods.items()}
+    is_on = scope is None or scope.units[axis.field] is not None
     names = list(next(iter(per_method.values())))
     out = []
     for setting in names:
@@ -124,7 +188,9 @@ def _capability_flags(axis, taken: set[str]) -> list[SettingFlag]:
             annotation = bool
         else:
             text, annotation = helps.get(setting, ""), hints[setting]
-        out.append(SettingFlag(setting, flags, annotation, f"{text} [{_defaults_text(defaults)}]"))
+        text += f" ({ALIAS_HELP[setting]})" if setting in ALIAS_HELP else ""
+        out.append(SettingFlag(setting, flags, annotation, f"{text} [{_defaults_text(defaults)}]",
+                               shown=is_on or setting == unit.switch))
     return out
 
 
@@ -155,8 +221,9 @@ class _Typed(argparse.Action):
         typed[self.dest] = option_string
 
 
-def add_model_and_method_args(parser: argparse.ArgumentParser) -> list[str]:
-    """The model, method and run flags; returns the dests of the method settings."""
+def add_model_and_method_args(parser: argparse.ArgumentParser, scope: HelpScope | None = None) -> list[str]:
+    """The model, method and run flags; returns the dests of the method settings. With a scope, --help shows
+    only that method's settings (the flags parsed are the same)."""
     taken = set(parser._option_string_actions)
     g = parser.add_argument_group("model")
     g.add_argument("--model_path", default=DEFAULT_MODEL_NAME,
@@ -169,14 +236,16 @@ def add_model_and_method_args(parser: argparse.ArgumentParser) -> list[str]:
                    help="when not given: float32 on CPU, bfloat16 on CUDA")
     m = parser.add_argument_group(
         "compression method", "every setting of every method and unit; [..] shows the dataclass defaults, a flag "
-        "left out keeps them")
+        "left out keeps them (`--method NAME --help`: only NAME's settings)" if scope is None else
+        f"the settings of {scope.cls.name} and its units; [..] shows their defaults, a flag left out keeps them "
+        f"(--help without --method: every method's)")
     m.add_argument("--method", required=True,
                    help=f"a method ({', '.join(METHODS)}) or a whole spec, e.g. snapkv:window_size=8,merge=cam")
     dests = []
-    for flag in setting_flags(taken):
+    for flag in setting_flags(taken, scope):
         if not flag.flags:
             continue
-        kwargs = dict(dest=flag.key, default=None, action=_Typed, help=flag.help)
+        kwargs = dict(dest=flag.key, default=None, action=_Typed, help=flag.help if flag.shown else argparse.SUPPRESS)
         if flag.choices:
             kwargs.update(type=str.lower, choices=flag.choices, metavar="{" + ",".join(flag.choices) + "}")
         elif _is_bool(flag.annotation):
@@ -323,3 +392,28 @@ def run_fingerprint(args: argparse.Namespace, method: Method, model_check, extra
     arguments = {k: v for k, v in vars(args).items() if k not in setting_args and not k.startswith("_")}
     return generation_fingerprint(arguments, method, model_fingerprint(path),
                                   {"device": device.split(":")[0], "dtype": dtype}, extra)
+
+
+def check_shared_names(parser: argparse.ArgumentParser, method: Method) -> None:
+    """One name, one meaning: a benchmark flag the user typed under a name that is also a setting of the
+    method as chosen (RULER's --seed with the merge rule cam, whose seed is --merge_seed) is refused, naming
+    the benchmark's other name for it and the setting's qualified name. ValueError."""
+    benchmark_flags = getattr(parser, "benchmark_flags", set())
+    for dest, option in getattr(parser, "given", {}).items():
+        if option not in benchmark_flags:
+            continue
+        name = option.lstrip("-")
+        owners = [f"{method.name}'s {name}" for f in dataclasses.fields(method) if f.name == name]
+        for axis in AXES:
+            unit = getattr(method, axis.field)
+            if unit is not None and name in {f.name for f in dataclasses.fields(unit)}:
+                qualified = axis.qualified(name)
+                owners.append(f"the {axis.kind} {unit.name}'s {name}" + (f" (write --{qualified})"
+                                                                         if qualified != name else ""))
+        if owners:
+            action = parser._option_string_actions[option]
+            other = next((o for o in action.option_strings if o != option), None)
+            benchmark = getattr(parser, "benchmark_name", "the benchmark")
+            raise ValueError(f"{option} names two settings here: {benchmark}'s {dest}"
+                             f"{f' (write {other})' if other else ''} and {' and '.join(owners)}; write the one you "
+                             f"mean")

@@ -19,14 +19,17 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from pyramidkv.runner.arguments import ArgumentParser
 from pyramidkv.runner.cli import (
-    INPUT_ERRORS, QUESTION_AS_DECODE_SUFFIX, add_model_and_method_args, apply_num_threads, check_model_args,
-    check_run_args, fail, method_from_args, model_label, run_dir, run_fingerprint,
+    INPUT_ERRORS, QUESTION_AS_DECODE_SUFFIX, HelpScope, add_model_and_method_args, apply_num_threads,
+    check_model_args, check_run_args, check_shared_names, fail, method_from_args, model_label, run_dir,
+    run_fingerprint,
 )
 
 
@@ -65,6 +68,7 @@ class Benchmark:
     prog = ""
     description = ""
     key = "index"
+    given: dict = {}        # {dest: the option as typed} of this run's command line (set before check_arguments)
     # Batches of more than one sample are formed longest prompt first (see `batches`), so the rows of a file
     # come batch by batch; only for a benchmark whose scores do not depend on the order of the rows.
     batch_by_length = False
@@ -123,11 +127,15 @@ def write_results(out_dir: Path, result: dict, header: Sequence[str], rows: Sequ
     atomic_write_text(out_dir / "results.csv", text.getvalue())
 
 
-def build_parser(benchmark: Benchmark) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=benchmark.prog, description=benchmark.description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) -> ArgumentParser:
+    """The runner's parser (runner/arguments.py: no abbreviations, no setting given twice, ASCII numbers);
+    when `argv` asks for --help with a --method, the help shows that method's settings only."""
+    parser = ArgumentParser(prog=benchmark.prog, description=benchmark.description,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     benchmark.add_arguments(parser)
-    add_model_and_method_args(parser)
+    parser.benchmark_flags = set(parser._option_string_actions) - {"-h", "--help"}
+    parser.benchmark_name = benchmark.name
+    add_model_and_method_args(parser, _help_scope(argv))
     p = parser.add_argument_group("protocol")
     p.add_argument("--question_as_decode", action="store_true",
                    help="prefill only each prompt's context and feed its question part (everything after the "
@@ -140,14 +148,29 @@ def build_parser(benchmark: Benchmark) -> argparse.ArgumentParser:
     return parser
 
 
+def _help_scope(argv: Optional[Sequence[str]]) -> Optional[HelpScope]:
+    """The method whose settings --help shows: the --method value when argv asks for help (None: all)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not {"-h", "--help"} & set(argv):
+        return None
+    for i, word in enumerate(argv):
+        if word.startswith("--method="):
+            return HelpScope.of(word.partition("=")[2])
+        if word == "--method" and i + 1 < len(argv):
+            return HelpScope.of(argv[i + 1])
+    return None
+
+
 def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) -> int:
     """The whole run (see the module docstring); returns the exit status."""
-    parser = build_parser(benchmark)
+    parser = build_parser(benchmark, argv)
     args = parser.parse_args(argv)
+    benchmark.given = parser.given
     try:
         check_run_args(parser, args)
         benchmark.check_arguments(args)
         method = method_from_args(args, parser)
+        check_shared_names(parser, method)
         out_dir = run_dir(args.save_dir, benchmark.model_label(args), method, args.question_as_decode)
     except (ValueError, TypeError) as e:
         fail(parser, e)

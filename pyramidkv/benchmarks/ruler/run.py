@@ -62,7 +62,9 @@ class Ruler(Benchmark):
                        help=f"target lengths in tokens (prompt after the chat template + tokens to generate); when "
                             f"not given: {DEFAULT_CONTEXT_LENGTH}")
         r.add_argument("--num_samples", type=int, default=25, help="samples per task and length")
-        r.add_argument("--seed", type=int, default=42, help="generator seed (same seed -> identical samples)")
+        r.add_argument("--seed", "--generator_seed", type=int, default=42,
+                       help="the sample generator's seed (same seed -> identical samples); --generator_seed when the "
+                            "method has a seed of its own (CaM's, GEAR's: --merge_seed, --quant_seed)")
         r.add_argument("--eval_batch_size", type=int, default=1, help="prompts decoded together (left padding)")
         r.add_argument("--save_dir", default="results/ruler",
                        help="predictions go to {save_dir}/{model}_{budget}/{method}/{task}_{length}.jsonl")
