@@ -9,12 +9,15 @@ what argparse lets through refused in one line (`<prog>: error: ...`, exit statu
   (components.py), which refuse `٨`, `1_0`, `1e3` for an integer, `nan` and `inf` for a number.
 
 The flags a user typed, by dest, are in `parser.given` after parsing ({"budget": "--max_capacity_prompts"}).
+`output_file` is the type of a flag naming a file written at the end: checked before the work.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from pyramidkv.components import read_float, read_int
 
@@ -34,6 +37,20 @@ def number(text: str) -> float:
 
 
 STRICT_TYPES = {int: integer, float: number}
+
+
+def output_file(text: str) -> str:
+    """An argparse type for a file the script writes when it is done: refused at once when its folder does
+    not exist or cannot be written, or when it is a folder, not after the work."""
+    path = Path(text)
+    folder = path.parent
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file path")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: its folder {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written (permissions)")
+    return text
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -31,6 +31,7 @@ import numpy as np
 from matplotlib.colors import LinearSegmentedColormap
 
 from pyramidkv.benchmarks.needle import SCORES
+from pyramidkv.runner.arguments import ArgumentParser
 from pyramidkv.runner.results import read_jsonl
 from pyramidkv.viz.plots import Plot
 
@@ -217,8 +218,8 @@ def plot_grid(paths: Sequence[Path], out: Optional[Path] = None, metric: str = "
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line (scripts/scripts_needle/visualize.py)."""
-    p = argparse.ArgumentParser(prog="visualize.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="visualize.py", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results_dir", nargs="?", help="a run folder (holding needle.jsonl)")
     p.add_argument("--grid", nargs="+", metavar="DIR", help="run folders (or parents to search) to draw side by side")
     p.add_argument("--out", default=None, help="PNG path (default: next to the results)")

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from pyramidkv.runner.arguments import ArgumentParser
 from pyramidkv.runner.results import iter_jsonl
 from pyramidkv.benchmarks.longbench.metrics import (
     DATASET2METRIC, LENGTH_BUCKETS, length_bucket, score_dataset, score_dataset_e,
@@ -218,7 +219,7 @@ def format_table(results: Sequence[dict]) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from pyramidkv.runner.results import atomic_write_text
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="eval.py",
         description="Score LongBench predictions with the official metrics. Give a run folder "
                     "({save_dir}/{model}_{budget}/{method}) or a tree of them (e.g. the --save_dir).",
