@@ -11,8 +11,13 @@ by its field when no other axis and no method has a field of that name
 qualified name (`head_beta`). A bare name that units on two axes share (`seed`: CaM and GEAR) must be
 qualified when both are chosen; otherwise it goes to the one chosen unit that has it.
 
-The spec `NAME[:setting=value,...]` uses these names; values are read by each field's type (booleans
-true/false, none for None; a string holding `,` `=` `:` or `"` is written in double quotes). `method_spec`
+Aliases: a method's budget aliases (Quest: `budget` is its `page_budget`) and kvpress's `compression_ratio`,
+the fraction of the cache removed, read as `budget_ratio = 1 - compression_ratio` (refused with a budget or
+budget_ratio). A name is given once (an alias and its setting together are refused).
+
+The spec `NAME[:setting=value,...]` uses these names; values are read by each field's type (integers in ASCII
+digits, finite numbers in ASCII, booleans true/false, none for None; a string holding `,` `=` `:` or `"` is
+written in double quotes). docs/method_spec.md shows each rule with examples (tested). `method_spec`
 prints a method back in canonical form: the settings that differ from the method's defaults, in field order,
 each unit's changed settings right after it, so a spec that spells out default values names the same
 configuration as one that leaves them out, and `parse(print(m)) == m`.

@@ -6,7 +6,15 @@ axis-qualified name, `--quant_rank`, `--merge_seed`), its help from the field's 
 default from the dataclass (shown in the help, never restated here: a flag left out is not passed). The
 public harness's names stay as aliases (`--max_capacity_prompts`, `--window_sizes`, `--floor`, ...).
 `--method` takes a method name or a whole spec (`snapkv:window_size=8,merge=cam`); flags add to it. An
-error names the flag (or spec item) the user typed, the value and what is allowed.
+error names the flag (or spec item) the user typed, the value and what is allowed (docs/method_spec.md).
+
+One name, one meaning. A setting is given once: by the spec or by one of its flags (a repeated flag, a flag
+and its alias, `--max_capacity_prompts 128 --budget 64`, are refused by runner/arguments.py's parser, which
+also refuses shortened flags and numbers not in ASCII). A benchmark's own flag keeps its name and meaning
+(RULER's `--seed` seeds its generator); where it has a setting's bare name it also has a name of its own
+(`--generator_seed`), and typed under the shared name while the method has that setting (`--merge cam`,
+whose seed is `--merge_seed`) it is refused (`check_shared_names`). kvpress's `compression_ratio`, the
+fraction removed, is `1 - budget_ratio` (methods/settings.py). `--method NAME --help` shows NAME's settings only.
 """
 
 from __future__ import annotations
