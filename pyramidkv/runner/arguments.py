@@ -80,10 +80,10 @@ class ArgumentParser(argparse.ArgumentParser):
                 break
             option, eq, value = token.partition("=")
             action = self._option_string_actions.get(option if option.startswith("--") else token)
-            if action is None or isinstance(action, argparse._HelpAction):
+            if action is None or action.dest == argparse.SUPPRESS:      # --help
                 continue
             if not eq:
-                value = " ".join(_values(args[i + 1:], action, self))
+                value = " ".join(self._values(args[i + 1:], action))
             shown = f"{option} {value}".strip()
             if action in seen:
                 earlier = seen[action]
@@ -93,16 +93,15 @@ class ArgumentParser(argparse.ArgumentParser):
             seen[action], given[action.dest] = shown, option
         return given
 
-
-def _values(rest: list[str], action: argparse.Action, parser: argparse.ArgumentParser) -> list[str]:
-    """The words after an option that argparse gives it (for the message only)."""
-    if action.nargs == 0:
-        return []
-    words = []
-    for word in rest:
-        if word.startswith("-") and not parser._negative_number_matcher.match(word):
-            break
-        words.append(word)
-        if action.nargs in (None, "?"):
-            break
-    return words
+    def _values(self, rest: list[str], action: argparse.Action) -> list[str]:
+        """The words after an option that argparse gives it (for the message only)."""
+        if action.nargs == 0:
+            return []
+        words = []
+        for word in rest:
+            if word.startswith("-") and not self._negative_number_matcher.match(word):
+                break
+            words.append(word)
+            if action.nargs in (None, "?"):
+                break
+        return words

@@ -21,8 +21,10 @@ runner = load_script("run_needle_in_haystack", ROOT / "run_needle_in_haystack.py
 
 
 def _args(model_dir, save_dir, *extra, method=("--method", "snapkv", "--max_capacity_prompts", "64")):
-    return [*method, "--model_path", str(model_dir), "--device", "cpu", "--save_dir", str(save_dir),
-            "--s_len", "400", "--e_len", "600", "--step", "200", "--num_depths", "3", "--max_new_tokens", "3",
+    """The test grid's flags, those in `extra` replacing the defaults (a runner refuses a flag given twice)."""
+    grid = {"--s_len": "400", "--e_len": "600", "--step": "200", "--num_depths": "3", "--max_new_tokens": "3"}
+    defaults = [word for flag, value in grid.items() if flag not in extra for word in (flag, value)]
+    return [*method, "--model_path", str(model_dir), "--device", "cpu", "--save_dir", str(save_dir), *defaults,
             *extra]
 
 
