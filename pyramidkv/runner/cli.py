@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 
 from pyramidkv.components import parse_setting, setting_help
-from pyramidkv.methods import METHODS, Method, get_method_class
+from pyramidkv.methods import METHODS, Method, canonical, get_method_class
 from pyramidkv.components import flat_settings
 from pyramidkv.methods.settings import (AXES, AXIS_BY_FIELD, SWITCHES, bare_unit_names, build_method, read_settings,
                                         split_spec)
@@ -242,11 +242,12 @@ def method_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser |
         labels[key], shown[key] = flag, f"{flag} {value}"
     label = lambda key: labels.get(key, key)  # noqa: E731
     try:
-        return build_method(cls, settings, label)
+        method = build_method(cls, settings, label)
     except ValueError as error:
         culprits = [key for key in settings if _error_without(cls, settings, key) != str(error)]
         named = [shown[key] for key in culprits if f"{labels[key]} " not in f"{error} "]
         raise ValueError(f"{', '.join(named)}: {error}" if named else str(error)) from None
+    return canonical(method)
 
 
 def _error_without(cls, settings: dict, key: str) -> str:
@@ -307,6 +308,16 @@ def check_model_args(args: argparse.Namespace, method: Method | None = None):
     if method is not None and config is not None:
         method.check_model(model_shape(config, DTYPES[dtype].itemsize))
     return checked
+
+
+def effective_method(method: Method, model_check) -> Method:
+    """The method as it runs on the checked model: a setting given at what its default resolves to there written
+    as the default (Method.normalized: cross_layer_start=15 of a 30-layer model is minicache's default)."""
+    from pyramidkv.models.loading import DTYPES
+    from pyramidkv.models.patch import model_shape
+
+    config, dtype = model_check[1], model_check[3]
+    return method if config is None else method.normalized(model_shape(config, DTYPES[dtype].itemsize))
 
 
 def run_fingerprint(args: argparse.Namespace, method: Method, model_check, extra: dict | None = None) -> dict:

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 from pyramidkv.runner.cli import (
     INPUT_ERRORS, QUESTION_AS_DECODE_SUFFIX, add_model_and_method_args, apply_num_threads, check_model_args,
-    check_run_args, fail, method_from_args, model_label, run_dir, run_fingerprint,
+    check_run_args, effective_method, fail, method_from_args, model_label, run_dir, run_fingerprint,
 )
 
 
@@ -148,8 +148,18 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
         check_run_args(parser, args)
         benchmark.check_arguments(args)
         method = method_from_args(args, parser)
-        out_dir = run_dir(args.save_dir, benchmark.model_label(args), method, args.question_as_decode)
     except (ValueError, TypeError) as e:
+        fail(parser, e)
+    # The folder is named after the model's config is read: the method's settings are checked against the model
+    # and written as what they are on it (effective_method), so one configuration has one folder.
+    try:
+        try:
+            model_check = check_model_args(args, method)
+        except ValueError as e:
+            raise ValueError(_with_typed_flags(parser, args, str(e))) from None
+        method = effective_method(method, model_check)
+        out_dir = run_dir(args.save_dir, benchmark.model_label(args), method, args.question_as_decode)
+    except INPUT_ERRORS as e:
         fail(parser, e)
     if args.print_run_dir:
         print(out_dir)
@@ -161,10 +171,6 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
         from transformers import AutoTokenizer
 
         check_writable(out_dir)
-        try:
-            model_check = check_model_args(args, method)
-        except ValueError as e:
-            raise ValueError(_with_typed_flags(parser, args, str(e))) from None
         config = model_check[1]
         tokenizer = AutoTokenizer.from_pretrained(model_check[0])
         files = benchmark.prepare(args, tokenizer, config, out_dir)

@@ -46,6 +46,9 @@ def load_pattern_table(path) -> list[list[HeadPattern]]:
                 raise ValueError(f"pattern table {path}: layer {layer} head {head}: expected [pattern, vertical_size, "
                                  f"slash_size, score] with pattern one of {', '.join(PATTERNS)} and sizes integers "
                                  f">= 0, got {entry!r}")
+            if entry[0] != "block_sparse" and entry[1] + entry[2] == 0:
+                raise ValueError(f"pattern table {path}: layer {layer} head {head}: {entry[0]} with vertical_size 0 and "
+                                 f"slash_size 0 computes no attention entry; give at least one column or diagonal")
             row.append((entry[0], entry[1], entry[2]))
         table.append(row)
     return table
