@@ -45,6 +45,7 @@ class MInference(SparsePrefill):
     block_top_k: int = 100
     slash_coverage: str = "kernel"
     start_layer: int = 0
+    path_settings = ("pattern_table",)
 
     def validate(self) -> None:
         for setting in ("last_q", "block_size", "block_top_k"):
@@ -56,6 +57,12 @@ class MInference(SparsePrefill):
             raise ValueError(f"slash_coverage must be one of {'|'.join(SLASH_COVERAGES)}, got {self.slash_coverage!r}")
         if self.pattern_table is not None and not Path(self.pattern_table).is_file():
             raise ValueError(f"pattern_table {self.pattern_table!r} is not a file")
+
+    def packaged_files(self, model: Optional[ModelShape]) -> dict[str, str]:
+        if self.pattern_table is not None or model is None or not model.name:
+            return {}
+        path = default_pattern_table(model.name)
+        return {f"pattern_table=packaged {path.name}": str(path)}
 
     def check_model(self, model: ModelShape) -> None:
         source = self.pattern_table or default_pattern_table(model.name)
