@@ -280,6 +280,20 @@ def budget_value(method: Method):
     return None
 
 
+def recorded_method_label(meta: dict, folder: Path) -> str:
+    """The method label (as results.json and the folder name give it: snapkv_merge=pivot) of a run from its
+    run_meta.json's method_spec; the method folder's name where the record has none."""
+    from pyramidkv.methods import parse_method_spec
+
+    spec = meta.get("method_spec") if isinstance(meta, dict) else None
+    if isinstance(spec, str):
+        try:
+            return parse_method_spec(spec).label()
+        except (ValueError, TypeError):
+            pass
+    return Path(folder).name
+
+
 def model_label(model_path: str) -> str:
     return Path(model_path.rstrip("/")).name
 
@@ -320,17 +334,25 @@ def effective_method(method: Method, model_check) -> Method:
     return method if config is None else method.normalized(model_shape(config, DTYPES[dtype].itemsize))
 
 
-def run_fingerprint(args: argparse.Namespace, method: Method, model_check, extra: dict | None = None) -> dict:
-    """The generation fingerprint of this invocation (see pyramidkv/runner/run_folder.py)."""
-    from pyramidkv.runner.run_folder import file_digest, generation_fingerprint, model_fingerprint
+def method_inputs(method: Method, config) -> dict[str, str]:
+    """{name: path} of the files the method reads for the model of `config` (None: those it names)."""
+    from pyramidkv.models.patch import model_shape
 
-    path, _, device, dtype = model_check
-    table = getattr(method.head_allocation, "head_scores", None)
-    if table is not None and Path(table).is_file():  # the table's content: one edited in place under the same path shows
-        extra = {**(extra or {}), "head_scores_file": file_digest(Path(table))}
+    return method.files_read(model_shape(config) if config is not None else None)
+
+
+def run_fingerprint(args: argparse.Namespace, method: Method, model_check, extra: dict | None = None,
+                    inputs: dict[str, str] | None = None) -> dict:
+    """The generation fingerprint of this invocation (see pyramidkv/runner/run_folder.py); `inputs`: the files
+    it reads (run_folder.input_files), by default the method's."""
+    from pyramidkv.runner.run_folder import generation_fingerprint, input_digests, input_files, model_fingerprint
+
+    path, config, device, dtype = model_check
+    if inputs is None:
+        inputs = input_files(method_inputs(method, config))
     # The method's settings are in the fingerprint's method section (its full description), whichever flags or
     # spec gave them: spelling out a default value is the same configuration as leaving it out.
     setting_args = {"method", *getattr(args, "_setting_dests", ())}
     arguments = {k: v for k, v in vars(args).items() if k not in setting_args and not k.startswith("_")}
     return generation_fingerprint(arguments, method, model_fingerprint(path),
-                                  {"device": device.split(":")[0], "dtype": dtype}, extra)
+                                  {"device": device.split(":")[0], "dtype": dtype}, extra, input_digests(inputs))

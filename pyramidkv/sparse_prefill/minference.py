@@ -45,6 +45,7 @@ class MInference(SparsePrefill):
     block_top_k: int = 100
     slash_coverage: str = "kernel"
     start_layer: int = 0
+    path_settings = ("pattern_table",)
 
     def validate(self) -> None:
         for setting in ("last_q", "block_size", "block_top_k"):
@@ -62,6 +63,12 @@ class MInference(SparsePrefill):
             raise ValueError(f"last_q {self.last_q} is longer than the {prompt_len}-token prompt: the run would estimate "
                              f"the index with all {prompt_len} queries under a label that says {self.last_q}; use "
                              f"last_q <= {prompt_len}")
+
+    def packaged_files(self, model: Optional[ModelShape]) -> dict[str, str]:
+        if self.pattern_table is not None or model is None or not model.name:
+            return {}
+        path = default_pattern_table(model.name)
+        return {f"pattern_table=packaged {path.name}": str(path)}
 
     def check_model(self, model: ModelShape) -> None:
         context = getattr(model, "context_window", None)
