@@ -25,7 +25,7 @@ import typing
 from pathlib import Path
 
 from pyramidkv.components import parse_setting, setting_help
-from pyramidkv.methods import METHODS, Method, get_method_class
+from pyramidkv.methods import METHODS, Method, canonical, get_method_class
 from pyramidkv.components import flat_settings
 from pyramidkv.methods.settings import (AXES, AXIS_BY_FIELD, COMPRESSION_RATIO, SWITCHES, bare_unit_names,
                                         build_method, read_settings, split_spec)
@@ -319,11 +319,12 @@ def method_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser |
         labels[key], shown[key] = flag, f"{flag} {value}"
     label = lambda key: labels.get(key, key)  # noqa: E731
     try:
-        return build_method(cls, settings, label)
+        method = build_method(cls, settings, label)
     except ValueError as error:
         culprits = [key for key in settings if _error_without(cls, settings, key) != str(error)]
         named = [shown[key] for key in culprits if f"{labels[key]} " not in f"{error} "]
         raise ValueError(f"{', '.join(named)}: {error}" if named else str(error)) from None
+    return canonical(method)
 
 
 def _error_without(cls, settings: dict, key: str) -> str:
@@ -356,6 +357,20 @@ def budget_value(method: Method):
     return None
 
 
+def recorded_method_label(meta: dict, folder: Path) -> str:
+    """The method label (as results.json and the folder name give it: snapkv_merge=pivot) of a run from its
+    run_meta.json's method_spec; the method folder's name where the record has none."""
+    from pyramidkv.methods import parse_method_spec
+
+    spec = meta.get("method_spec") if isinstance(meta, dict) else None
+    if isinstance(spec, str):
+        try:
+            return parse_method_spec(spec).label()
+        except (ValueError, TypeError):
+            pass
+    return Path(folder).name
+
+
 def model_label(model_path: str) -> str:
     return Path(model_path.rstrip("/")).name
 
@@ -386,20 +401,38 @@ def check_model_args(args: argparse.Namespace, method: Method | None = None):
     return checked
 
 
-def run_fingerprint(args: argparse.Namespace, method: Method, model_check, extra: dict | None = None) -> dict:
-    """The generation fingerprint of this invocation (see pyramidkv/runner/run_folder.py)."""
-    from pyramidkv.runner.run_folder import file_digest, generation_fingerprint, model_fingerprint
+def effective_method(method: Method, model_check) -> Method:
+    """The method as it runs on the checked model: a setting given at what its default resolves to there written
+    as the default (Method.normalized: cross_layer_start=15 of a 30-layer model is minicache's default)."""
+    from pyramidkv.models.loading import DTYPES
+    from pyramidkv.models.patch import model_shape
 
-    path, _, device, dtype = model_check
-    table = getattr(method.head_allocation, "head_scores", None)
-    if table is not None and Path(table).is_file():  # the table's content: one edited in place under the same path shows
-        extra = {**(extra or {}), "head_scores_file": file_digest(Path(table))}
+    config, dtype = model_check[1], model_check[3]
+    return method if config is None else method.normalized(model_shape(config, DTYPES[dtype].itemsize))
+
+
+def method_inputs(method: Method, config) -> dict[str, str]:
+    """{name: path} of the files the method reads for the model of `config` (None: those it names)."""
+    from pyramidkv.models.patch import model_shape
+
+    return method.files_read(model_shape(config) if config is not None else None)
+
+
+def run_fingerprint(args: argparse.Namespace, method: Method, model_check, extra: dict | None = None,
+                    inputs: dict[str, str] | None = None) -> dict:
+    """The generation fingerprint of this invocation (see pyramidkv/runner/run_folder.py); `inputs`: the files
+    it reads (run_folder.input_files), by default the method's."""
+    from pyramidkv.runner.run_folder import generation_fingerprint, input_digests, input_files, model_fingerprint
+
+    path, config, device, dtype = model_check
+    if inputs is None:
+        inputs = input_files(method_inputs(method, config))
     # The method's settings are in the fingerprint's method section (its full description), whichever flags or
     # spec gave them: spelling out a default value is the same configuration as leaving it out.
     setting_args = {"method", *getattr(args, "_setting_dests", ())}
     arguments = {k: v for k, v in vars(args).items() if k not in setting_args and not k.startswith("_")}
     return generation_fingerprint(arguments, method, model_fingerprint(path),
-                                  {"device": device.split(":")[0], "dtype": dtype}, extra)
+                                  {"device": device.split(":")[0], "dtype": dtype}, extra, input_digests(inputs))
 
 
 def check_shared_names(parser: argparse.ArgumentParser, method: Method) -> None:

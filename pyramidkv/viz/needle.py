@@ -51,13 +51,18 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def run_identity(run_dir: Path) -> dict:
-    """model, method, budget: from results.json, else run_meta.json, else the folder names."""
+    """model, method (its label: snapkv_merge=pivot), budget: from results.json, else run_meta.json, else the
+    folder names."""
+    from pyramidkv.runner.cli import recorded_method_label
+
     run_dir = Path(run_dir)
     results = run_dir / "results.json"
     if results.is_file():
         try:
             data = json.loads(results.read_text(encoding="utf-8"))
-            return {"model": data.get("model"), "method": data.get("method"), "budget": data.get("budget")}
+            # A results.json from before it carried the label names only the method: its folder has the label.
+            method = data.get("method") if "method_spec" in data else run_dir.resolve().name
+            return {"model": data.get("model"), "method": method, "budget": data.get("budget")}
         except (json.JSONDecodeError, AttributeError):
             pass
     meta = run_dir / "run_meta.json"
@@ -68,7 +73,7 @@ def run_identity(run_dir: Path) -> dict:
             budget = method.get("budget")
             if budget is None and method.get("budget_ratio") is not None:
                 budget = f"r{method['budget_ratio']:g}"
-            return {"model": data.get("model_version"), "method": method.get("method", run_dir.name),
+            return {"model": data.get("model_version"), "method": recorded_method_label(data, run_dir.resolve()),
                     "budget": budget}
         except (json.JSONDecodeError, AttributeError):
             pass

@@ -72,8 +72,9 @@ def test_end_to_end_rows_and_results(finished_run):
     # Every score is a percent of its full scale: harness_rouge1_x10 (0..10) is divided by 10.
     mean_x10 = 10 * sum(r["harness_rouge1_x10"] for r in rows) / len(rows)
     assert result["scores"]["harness_rouge1_x10"] == pytest.approx(mean_x10, abs=0.01)
-    assert result["average"] == pytest.approx((result["scores"]["rouge1_f"] + result["scores"]["recall"]) / 2,
-                                              abs=0.01)
+    # The average is one named metric (recall over the cells), never a mean across metrics.
+    assert result["average_metric"] == "recall"
+    assert result["average"] == pytest.approx(100 * sum(r["recall"] for r in rows) / len(rows), abs=0.01)
     assert meta["context_lengths"] == [400, 600] and meta["depth_percents"] == [0, 50, 100]
     assert meta["method"]["budget"] == 64
 

@@ -320,6 +320,7 @@ class LongBench(Benchmark):
     prog = "run_longbench.py"
     description = "Run LongBench v1 with a KV-cache compression method; `--eval` scores the run afterwards."
     key = "_id"
+    input_paths = ("data_dir",)
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         d = parser.add_argument_group("LongBench")
