@@ -74,8 +74,9 @@ def _behaviour(cls: type[Method]) -> tuple:
 
 def canonical(method: Method) -> Method:
     """The method under the name that says what it computes: among the registered methods that compute the
-    same as its class (same scorer and rules, only other defaults) and take its settings, the one that needs
-    the fewest changed settings to state them (then the most derived class, then registration order). So one computation has one
+    same as its class (same scorer and rules, only other defaults) and take its settings, the one whose fields
+    differ least from its defaults (a unit counts once however many of its settings changed; then the most
+    derived class, then registration order). So one computation has one
     name, one label and one results folder: snapkv with layer_allocation=pyramid is pyramidkv, fullkv with
     cross_layer_merge=true is minicache, minicache with cross_layer_merge=false is fullkv."""
     values = {f.name: getattr(method, f.name) for f in dataclasses.fields(method)}
@@ -91,7 +92,8 @@ def canonical(method: Method) -> Method:
                 candidate = cls(**values)
             except (ValueError, TypeError):
                 continue
-        count = (len(split_spec(method_spec(candidate))[1]), -len(cls.__mro__))
+        changed = sum(getattr(candidate, f.name) != f.default for f in dataclasses.fields(candidate))
+        count = (changed, -len(cls.__mro__))
         if best_count is None or count < best_count:
             best, best_count = candidate, count
     return best
