@@ -72,11 +72,18 @@ def _behaviour(cls: type[Method]) -> tuple:
     return tuple(fields), tuple((n, id(getattr(cls, n, None))) for n in names)
 
 
+def _distance(value, default) -> float:
+    """How far a field is from its default: 0 equal, 0.5 a unit of the default's kind with other settings, 1."""
+    if value == default:
+        return 0.0
+    return 0.5 if value is not None and type(value) is type(default) and dataclasses.is_dataclass(value) else 1.0
+
+
 def canonical(method: Method) -> Method:
     """The method under the name that says what it computes: among the registered methods that compute the
     same as its class (same scorer and rules, only other defaults) and take its settings, the one whose fields
-    differ least from its defaults (a unit counts once however many of its settings changed; then the most
-    derived class, then registration order). So one computation has one
+    differ least from its defaults (a unit of the default's kind with other settings counts half, another
+    unit one; then the most derived class, then registration order). So one computation has one
     name, one label and one results folder: snapkv with layer_allocation=pyramid is pyramidkv, fullkv with
     cross_layer_merge=true is minicache, minicache with cross_layer_merge=false is fullkv."""
     values = {f.name: getattr(method, f.name) for f in dataclasses.fields(method)}
@@ -92,8 +99,8 @@ def canonical(method: Method) -> Method:
                 candidate = cls(**values)
             except (ValueError, TypeError):
                 continue
-        changed = sum(getattr(candidate, f.name) != f.default for f in dataclasses.fields(candidate))
-        count = (changed, -len(cls.__mro__))
+        count = (sum(_distance(getattr(candidate, f.name), f.default) for f in dataclasses.fields(candidate)),
+                 -len(cls.__mro__))
         if best_count is None or count < best_count:
             best, best_count = candidate, count
     return best
