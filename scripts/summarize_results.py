@@ -26,6 +26,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from pyramidkv.runner.arguments import ArgumentParser
 from pyramidkv.runner.cli import QUESTION_AS_DECODE_SUFFIX
 from pyramidkv.runner.results import (
     PREDICTION_KEYS, atomic_write_text, read_jsonl, read_unique_rows,
@@ -280,7 +281,7 @@ def plot(results: list[dict], title: str, path: Path):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results_dir", type=Path)
     parser.add_argument("--out", type=Path, default=None, help="where to write the summaries (default: RESULTS_DIR)")
     parser.add_argument("--no_plot", action="store_true")
