@@ -15,10 +15,11 @@ from pyramidkv import load_model, make_method
 from pyramidkv.generation import generate
 
 from pyramidkv.benchmarks.prompting import passkey_prompt
+from pyramidkv.runner.arguments import ArgumentParser
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--method", default="snapkv")
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--max_new_tokens", type=int, default=8)

@@ -20,6 +20,7 @@ from pyramidkv.methods import Method, register_method
 from pyramidkv.methods.__main__ import method_table
 
 from pyramidkv.benchmarks.prompting import passkey_prompt
+from pyramidkv.runner.arguments import ArgumentParser
 
 
 # ---- the method: 9 lines ------------------------------------------------------------------------------
@@ -37,7 +38,7 @@ register_method(MeanKeyDistance)  # noqa: E305
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--out", default=None, help="write the kept positions (per layer, per head) as JSON")
     args = parser.parse_args(argv)

@@ -15,6 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 from pyramidkv import load_model, make_method
+from pyramidkv.runner.arguments import ArgumentParser
 from pyramidkv.viz import (
     allocation_variants, plot_attention_map, plot_budget_maps, plot_kept_tokens, plot_score_curve, tokenize,
 )
@@ -25,7 +26,7 @@ PASS_KEY = 73691
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--figures_dir", default="results/figures", help="where the PNGs go")
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--layer", type=int, default=12)

@@ -23,6 +23,7 @@ from pyramidkv import load_model, make_method
 from pyramidkv.generation import generate
 
 from pyramidkv.benchmarks.prompting import passkey_prompt
+from pyramidkv.runner.arguments import ArgumentParser
 
 KEYS = (73691, 40422, 58213)
 DEPTHS = (0.1, 0.5, 0.9)
@@ -68,7 +69,7 @@ def plot(rows, budgets) -> plt.Figure:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/examples", help="folder for sweep.md, sweep.json, sweep.png")
     parser.add_argument("--methods", nargs="+", default=["snapkv", "pyramidkv", "streamingllm"])
     parser.add_argument("--budgets", nargs="+", type=int, default=[48, 96, 192])

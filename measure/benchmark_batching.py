@@ -33,6 +33,8 @@ from contextlib import contextmanager
 
 import torch
 
+from pyramidkv.runner.arguments import ArgumentParser
+
 
 class PhaseClock:
     """Seconds spent in the prompt forward, in the cache's prefill step and in the decode forwards of `model`."""
@@ -110,7 +112,7 @@ def tokenise_seconds(tokenizer, benchmark) -> float:
 def main() -> int:
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv[:cut])

@@ -54,6 +54,7 @@ from pyramidkv import DEFAULT_MODEL_NAME, METHODS, compress, load_model
 from pyramidkv.benchmarks.measure import method_from_spec, prompt_ids, unquantized_spec
 from pyramidkv.methods.base import Method
 from pyramidkv.models.loading import check_model
+from pyramidkv.runner.arguments import ArgumentParser
 from pyramidkv.runner.results import atomic_write_json
 
 PLAIN = "plain"  # the unpatched model's row
@@ -147,7 +148,7 @@ def measure_all(model, ids, methods: dict, new_tokens: int, repeats: int, device
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--attn_implementation", default="sdpa", choices=["eager", "sdpa", "flash_attention_2"])
     parser.add_argument("--device", default="auto")

@@ -25,6 +25,7 @@ from pyramidkv.benchmarks.ruler.generate import PromptFormatter, generate_rows
 from pyramidkv.methods import parse_method_spec
 from pyramidkv.models.loading import load_model
 from pyramidkv.models.patch import compress
+from pyramidkv.runner.arguments import ArgumentParser, output_file
 
 
 def layer_densities(model, tokenizer, prompt: str, method) -> list[float]:
@@ -36,33 +37,47 @@ def layer_densities(model, tokenizer, prompt: str, method) -> list[float]:
     return [1.0 if density is None else density[0] for density in cache.prefill_density]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> None:
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", nargs="+", type=int, default=[4096, 8192])
     parser.add_argument("--task", default="niah_multikey_1")
     parser.add_argument("--num_samples", type=int, default=2)
     parser.add_argument("--method", default="minference", help="a method spec with a sparse prefill")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    for length in args.lengths:
-        if length < 64:
-            raise SystemExit(f"--lengths: {length} is too short for a RULER prompt; use >= 64")
-    if args.num_samples < 1:
-        raise SystemExit(f"--num_samples must be >= 1, got {args.num_samples}")
-    method = parse_method_spec(args.method)
+    parser.add_argument("--out", default=None, type=output_file)
+    args = parser.parse_args(argv)
+    for flag in ("num_samples", "threads"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} {getattr(args, flag)}: at least 1")
+    try:
+        method = parse_method_spec(args.method)
+    except ValueError as e:
+        parser.error(f"--method {args.method}: {e}")
     if method.prefill_attention is None:
-        raise SystemExit(f"--method {args.method!r} has no sparse prefill (prefill_attention); use minference or "
-                         f"e.g. snapkv:budget=256,prefill_attention=minference")
+        parser.error(f"--method {args.method!r} has no sparse prefill (prefill_attention); use minference or "
+                     f"e.g. snapkv:budget=256,prefill_attention=minference")
+    from transformers import AutoTokenizer
+
+    from pyramidkv.models.default_model import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    prompts = {}
+    for length in args.lengths:     # every prompt before the model loads: a bad task or length is refused now
+        try:
+            prompts[length] = [row["input"] for row in generate_rows(args.task, length, args.num_samples,
+                                                                     PromptFormatter(tokenizer))]
+            for prompt in prompts[length]:
+                method.check_prompt(len(tokenizer(prompt, add_special_tokens=False).input_ids))
+        except (ValueError, KeyError) as e:
+            parser.error(f"--task {args.task} at --lengths {length}: {str(e).strip(chr(39))}")
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(attn_implementation="sdpa", device="cpu")
     results = {"arguments": vars(args), "threads": torch.get_num_threads(), "rows": []}
     for length in args.lengths:
-        rows = generate_rows(args.task, length, args.num_samples, PromptFormatter(tokenizer))
         per_sample = []
-        for row in rows:
+        for prompt in prompts[length]:
             started = time.time()
-            per_sample.append(layer_densities(model, tokenizer, row["input"], method))
+            per_sample.append(layer_densities(model, tokenizer, prompt, method))
             print(f"{length}: sample done in {time.time() - started:.0f} s", flush=True)
         per_layer = [statistics.fmean(sample[layer] for sample in per_sample) for layer in range(len(per_sample[0]))]
         result = {"length": length, "samples": len(per_sample), "per_layer": per_layer,

@@ -21,10 +21,11 @@ import torch
 
 from pyramidkv import DEFAULT_MODEL_NAME, compress, load_model
 from pyramidkv.benchmarks.measure import method_from_spec, prompt_ids, unquantized_spec
+from pyramidkv.runner.arguments import ArgumentParser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("specs", nargs="+")
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--context_length", type=int, default=4096)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from pyramidkv.benchmarks.prompting import passkey_prompt
+from pyramidkv.runner.arguments import ArgumentParser, output_file
 
 NEW_TOKENS = 24
 
@@ -38,6 +39,9 @@ def passkey_row(tokenizer, length: int, index: int, seed: int = 0) -> dict:
         prompt = passkey_prompt(tokenizer, key, fillers, depth)
         return len(tokenizer(prompt, add_special_tokens=False).input_ids) + NEW_TOKENS <= length
 
+    if not fits(1):
+        raise ValueError(f"length {length} is too short for the pass-key task: its prompt with one filler line and "
+                         f"{NEW_TOKENS} new tokens needs more")
     fillers = 1
     while fits(fillers * 2):
         fillers *= 2
@@ -76,8 +80,8 @@ def run(model, tokenizer, rows: list[dict], method, protocol: str, batch_size: i
     return scores
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> None:
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=["passkey", "niah_single_1", "niah_multikey_1"])
     parser.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096])
     parser.add_argument("--budgets", nargs="+", type=int, default=[64, 128, 256])
@@ -86,22 +90,48 @@ def main() -> None:
     parser.add_argument("--num_samples", type=int, default=8)
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    parser.add_argument("--out", default=None, type=output_file)
+    args = parser.parse_args(argv)
+    for flag in ("lengths", "budgets"):
+        bad = [n for n in getattr(args, flag) if n < 1]
+        if bad:
+            parser.error(f"--{flag} {' '.join(map(str, bad))}: at least 1")
+    for flag in ("num_samples", "batch_size", "threads"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag} {value}: at least 1")
     from pyramidkv.methods import make_method
+    from pyramidkv.models.default_model import default_model_path
     from pyramidkv.models.loading import load_model
 
+    methods = {}
+    for name in args.methods:
+        for budget in args.budgets:
+            try:
+                methods[name, budget] = make_method(name, budget=budget)
+            except ValueError as e:
+                parser.error(f"--methods {name} with --budgets {budget}: {e}")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    samples = {}
+    for task in args.tasks:         # every prompt before the model loads: a bad task or length is refused now
+        for length in args.lengths:
+            try:
+                samples[task, length] = rows_for(task, tokenizer, length, args.num_samples)
+            except (ValueError, KeyError) as e:
+                parser.error(f"--tasks {task} at --lengths {length}: {str(e).strip(chr(39))}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer = load_model(attn_implementation="sdpa", device="cpu")
     results = {"arguments": vars(args), "threads": torch.get_num_threads(), "new_tokens": NEW_TOKENS, "rows": []}
     for task in args.tasks:
         for length in args.lengths:
-            rows = rows_for(task, tokenizer, length, args.num_samples)
+            rows = samples[task, length]
             configs = [("fullkv", None, "inside")] + [(m, b, p) for m in args.methods for b in args.budgets
                                                        for p in args.protocols]
             for name, budget, protocol in configs:
-                method = make_method(name) if budget is None else make_method(name, budget=budget)
+                method = make_method(name) if budget is None else methods[name, budget]
                 started = time.time()
                 scores = run(model, tokenizer, rows, method, protocol, args.batch_size)
                 row = {"task": task, "length": length, "method": name, "budget": budget, "protocol": protocol,

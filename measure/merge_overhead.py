@@ -18,12 +18,13 @@ import torch
 import pyramidkv.core.prefill as core  # the prefill pipeline calls merge_prompt
 from pyramidkv import DEFAULT_MODEL_NAME, compress, load_model, make_method
 from pyramidkv.merging import MERGE_RULES
+from pyramidkv.runner.arguments import ArgumentParser
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--context_length", type=int, default=4096)
     parser.add_argument("--max_capacity_prompts", type=int, default=256)

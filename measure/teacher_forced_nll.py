@@ -21,6 +21,7 @@ import torch
 
 from pyramidkv import DEFAULT_MODEL_NAME, compress, load_model
 from pyramidkv.benchmarks.measure import method_from_spec
+from pyramidkv.runner.arguments import ArgumentParser
 from pyramidkv.runner.results import atomic_write_json, read_jsonl
 
 
@@ -49,7 +50,7 @@ def mean_nll(model, ids: torch.Tensor, method, context_length: int) -> float:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--context_length", type=int, default=4096)
     parser.add_argument("--continuation", type=int, default=256)

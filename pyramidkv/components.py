@@ -24,12 +24,15 @@ This module imports nothing of pyramidkv (floor 0 of the layering in docs/archit
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
+import json
 import math
 import re
 import typing
 from dataclasses import dataclass
-from typing import ClassVar
+from pathlib import Path
+from typing import ClassVar, Optional
 
 
 class SettingTypeError(TypeError, ValueError):
@@ -66,12 +69,35 @@ def check_setting_type(owner: str, setting: str, value, annotation) -> None:
 
 
 _BOOL_TEXT = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
+# What a number may look like as text: ASCII only (Python's int() and float() also take other scripts' digits,
+# `1_0`, surrounding blanks, `inf` and `nan`).
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def read_int(text: str) -> int:
+    """An integer written in ASCII digits with an optional sign; ValueError saying so for anything else
+    (`٨`, `1_0`, `1e3`, `8.0`)."""
+    if not _INTEGER.fullmatch(text):
+        raise ValueError(f"expected an integer (ASCII digits, e.g. 128), got {text!r}")
+    return int(text)
+
+
+def read_float(text: str) -> float:
+    """A finite number written in ASCII (`0.5`, `.5`, `1e-3`, `3`); ValueError for anything else (`nan`, `inf`,
+    `1_0`, other scripts' digits) and for a value too large to be finite (`1e400`)."""
+    if not _NUMBER.fullmatch(text):
+        raise ValueError(f"expected a finite number (ASCII, e.g. 0.5), got {text!r}")
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {text!r} (too large)")
+    return value
 
 
 def parse_setting(text: str, annotation):
     """A setting's value from text (a spec item or a command-line word), converted by the field's annotation:
-    int, float, bool (true/false/yes/no/1/0), str, Optional[...] ("none" is None), or a unit class (its name,
-    kept as text: the method builds the unit). ValueError naming what was expected."""
+    int (read_int), float (read_float), bool (true/false/yes/no/1/0), str, Optional[...] ("none" is None), or a
+    unit class (its name, kept as text: the method builds the unit). ValueError naming what was expected."""
     if typing.get_origin(annotation) is typing.Union:
         if text.strip().lower() == "none":
             return None
@@ -82,15 +108,9 @@ def parse_setting(text: str, annotation):
             raise ValueError(f"expected true or false, got {text!r}")
         return _BOOL_TEXT[key]
     if annotation is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"expected an integer, got {text!r}") from None
+        return read_int(text.strip())
     if annotation is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"expected a number, got {text!r}") from None
+        return read_float(text.strip())
     return text
 
 
@@ -176,6 +196,9 @@ class Component:
     switch_off: ClassVar[object] = None
     # An owner's settings that hold flat units, by the unit class they hold when on ({"pages": QuestPages}).
     flat_units: ClassVar[dict[str, type]] = {}
+    # Settings whose value names a file the unit reads (a head table, a pattern table): a run fingerprints them
+    # by content (files_read).
+    path_settings: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -226,6 +249,22 @@ class Component:
                 return values[name]
         raise AttributeError(f"{type(self).__name__} has no setting {name!r}")
 
+    def files_read(self, model: Optional[ModelShape] = None) -> dict[str, str]:
+        """{how a message names it ("pattern_table=t.json"): path} of every file this unit and the units in it
+        read: the `path_settings` given, and what a unit reads in their place (`packaged_files`)."""
+        out = {f"{name}={getattr(self, name)}": str(getattr(self, name)) for name in self.path_settings
+               if getattr(self, name) is not None}
+        out.update(self.packaged_files(model))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Component):
+                out.update(value.files_read(model))
+        return out
+
+    def packaged_files(self, model: Optional[ModelShape]) -> dict[str, str]:
+        """The packaged files the unit reads for `model` where a path setting is left out (none by default)."""
+        return {}
+
     def settings_at_default(self) -> list[str]:
         """Every setting (flat units' settings by their own names) left at its default."""
         fields = self.__dataclass_fields__
@@ -273,3 +312,60 @@ def flat_settings(cls: "type[Component]", unit: "Component | None") -> dict:
     for f in fields:
         out[f.name] = (cls.switch_off if f.name == cls.switch else f.default) if unit is None else getattr(unit, f.name)
     return out
+
+
+# --- a model's identity by its content --------------------------------------------------------------
+
+# The record the default model's conversion leaves in its folder: {"model": name, "content_digest": ...}
+# (models/default_model.py).
+MODEL_RECORD = "pyramidkv_source.json"
+# Settings config.json records about where and with what it was saved, not what the model is.
+_UNIDENTIFYING = ("_name_or_path", "transformers_version")
+_WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+_digests: dict[tuple, str] = {}
+
+
+def model_digest(folder) -> Optional[str]:
+    """What a local model folder holds, as one digest: its config.json settings (canonical JSON, less
+    _name_or_path and transformers_version) and each weights file's name and whole content. None for a hub id
+    or a folder without config.json. Computed once per process for unchanged files (~1 s for 0.5 GB)."""
+    folder = Path(str(folder)).expanduser()
+    config = folder / "config.json"
+    if not config.is_file():
+        return None
+    weights = sorted({p for pattern in _WEIGHTS for p in folder.glob(pattern) if p.is_file()})
+    key = (str(folder.resolve()), *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in [config, *weights]))
+    if key not in _digests:
+        settings = json.loads(config.read_text(encoding="utf-8"))
+        for name in _UNIDENTIFYING:
+            settings.pop(name, None)
+        h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode("utf-8"))
+        for path in weights:
+            h.update(f"\0{path.name}\0{path.stat().st_size}\0".encode("utf-8"))
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 24), b""):
+                    h.update(block)
+        _digests[key] = h.hexdigest()[:16]
+    return _digests[key]
+
+
+def packaged_model(model_name_or_path, digests: dict[str, str]) -> tuple[Optional[str], Optional[str]]:
+    """Which of the packaged models ({name: content digest}) the model at `model_name_or_path` is, by content:
+    (the name, None) when its folder's digest is one of them, or its folder holds the default model's
+    conversion record (MODEL_RECORD) naming one of them with the digest the folder still has; else (None, the
+    name its folder is named like, as a case-insensitive substring, the longest) or (None, None)."""
+    folder = Path(str(model_name_or_path).rstrip("/\\")).expanduser()
+    digest = model_digest(folder)
+    if digest is not None:
+        for name, known in digests.items():
+            if digest == known:
+                return name, None
+        try:
+            record = json.loads((folder / MODEL_RECORD).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            record = None
+        if isinstance(record, dict) and record.get("model") in digests and record.get("content_digest") == digest:
+            return record["model"], None
+    last = folder.name.lower()
+    alike = [name for name in digests if name and name.lower() in last]
+    return None, max(alike, key=len) if alike else None

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from pyramidkv.methods.__main__ import method_table
+from pyramidkv.runner.arguments import ArgumentParser
 
 CORE = Path(__file__).resolve().parent / "core"
 
@@ -109,7 +110,7 @@ def rewrite(root: Path, tables=TABLES) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pyramidkv.doc_tables", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m pyramidkv.doc_tables", description=__doc__.split("\n")[0])
     parser.add_argument("--root", type=Path, default=Path.cwd(), help="the repository root (default: here)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a table is stale")
     args = parser.parse_args(argv)

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from pyramidkv.runner.arguments import ArgumentParser
+
 
 KINDS = ("reasoning", "retrieval")
 
@@ -40,7 +42,7 @@ def output_paths(out: str | None, kind: str, model_path: str) -> dict[str, Path]
 def parse_args(argv=None) -> argparse.Namespace:
     from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--out", default=None, help="output file (see the naming rule above)")
     parser.add_argument("--kind", choices=(*KINDS, "both"), default="reasoning",

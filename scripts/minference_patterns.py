@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from pyramidkv.runner.arguments import ArgumentParser, output_file
+
 
 CANDIDATES = [("stream_llm", 100, 800), ("vertical_and_slash", 30, 800), ("vertical_and_slash", 100, 750),
               ("vertical_and_slash", 500, 700), ("vertical_and_slash", 3500, 100), ("block_sparse", 0, 0)]
@@ -95,23 +97,53 @@ def official_entry(kind: str, vertical: int, slash: int) -> tuple[str, int, int]
     return kind, vertical, slash
 
 
-def main(argv=None) -> None:
+# Below this many tokens the candidates' windows cover (nearly) every causal entry: the A-shape keeps 100 sinks
+# and 800 recent tokens, so every head's recall is 1 and the table says nothing.
+MIN_CONTEXT_LENGTH = 1024
+
+
+def parse_args(argv=None):
+    """The flags, every value checked before anything loads (one line, exit status 2)."""
     from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--context_length", type=int, default=4096)
+    parser.add_argument("--out", required=True, type=output_file)
+    parser.add_argument("--context_length", type=int, default=4096,
+                        help=f"calibration prompt tokens, at least {MIN_CONTEXT_LENGTH}")
     parser.add_argument("--selection", choices=("official", "cheapest"), default="official")
-    parser.add_argument("--min_recall", type=float, default=0.95)
+    parser.add_argument("--min_recall", type=float, default=0.95, help="with --selection cheapest: in [0, 1]")
     parser.add_argument("--rows_from", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
+    if args.context_length < MIN_CONTEXT_LENGTH:
+        parser.error(f"--context_length {args.context_length}: at least {MIN_CONTEXT_LENGTH} (shorter prompts fit "
+                     f"inside the candidates' windows, so every pattern has recall 1)")
+    if "min_recall" in parser.given and args.selection != "cheapest":
+        parser.error(f"--min_recall {args.min_recall} only applies with --selection cheapest")
+    if not 0.0 <= args.min_recall <= 1.0:
+        parser.error(f"--min_recall {args.min_recall}: a recall is in [0, 1]")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads {args.threads}: at least 1")
+    if args.rows_from is not None and not 0 <= args.rows_from < args.context_length:
+        parser.error(f"--rows_from {args.rows_from} must be in [0, --context_length {args.context_length})")
+    return parser, args
+
+
+def main(argv=None) -> None:
+    parser, args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from pyramidkv.models.loading import load_model
+    from pyramidkv.models.loading import check_model, load_model
     from pyramidkv.sparse_prefill.minference import MInference
 
+    try:
+        config = check_model(args.model_path, "sdpa", "cpu", None, None)[1]
+    except (ValueError, ImportError, OSError) as e:
+        parser.error(f"--model_path {args.model_path}: {e}")
+    window = getattr(config, "max_position_embeddings", None)
+    if window and args.context_length > window:
+        parser.error(f"--context_length {args.context_length} is above the model's window ({window} tokens)")
     model, tokenizer = load_model(args.model_path, attn_implementation="sdpa", device="cpu")
     ids = torch.tensor([calibration_ids(tokenizer, args.context_length)])
     n = ids.shape[1]

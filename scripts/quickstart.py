@@ -14,9 +14,10 @@ import torch
 from pyramidkv import DEFAULT_MODEL_NAME, load_model, make_method
 from pyramidkv.benchmarks.prompting import passkey_prompt
 from pyramidkv.generation import generate
+from pyramidkv.runner.arguments import ArgumentParser
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--budget", type=int, default=128)
     parser.add_argument("--key", type=int, default=73691)

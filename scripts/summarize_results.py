@@ -8,8 +8,11 @@ sample listed twice is an error naming the file and the repeated id). For each (
 model) it writes summary_<benchmark>_<model>.md / .csv (rows: one per run, the fullkv row first;
 columns: method, budget, tasks, the average, the sample count and the run folder) and
 summary_<benchmark>_<model>.png (average score vs budget, one line per method folder, so runs
-with other method settings get their own line; ratio budgets in a second panel; fullkv as a
-dashed reference line; runs without a score are named under the plot). Prints the Markdown tables.
+with other method settings get their own line; ratio budgets in a second panel; the true full cache
+(fullkv with no variant: not `fullkv --cross_layer_merge`, which is MiniCache) as a dashed black reference
+line, other methods that keep a full-size cache (minicache, minference) as dotted lines of their own;
+runs without a score are named under the plot). A needle run's average is one metric (its
+"average_metric", recall), never a mean across metrics. Prints the Markdown tables.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from pyramidkv.runner.arguments import ArgumentParser
+from pyramidkv.runner.cli import QUESTION_AS_DECODE_SUFFIX
 from pyramidkv.runner.results import (
     PREDICTION_KEYS, atomic_write_text, read_jsonl, read_unique_rows,
 )
@@ -61,10 +66,14 @@ def _check_result(path: Path, data) -> None:
             (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1)):
         raise ValueError(f"{path}: budget must be an integer >= 1, \"r<ratio>\" with a ratio in (0, 1], or null "
                          f"(the full cache), got {budget!r}")
-    expected = _expected_average(data)
+    metric = data.get("average_metric")
+    if metric is not None and metric not in data["scores"]:
+        raise ValueError(f"{path}: average_metric {metric!r} is none of its scores ({', '.join(data['scores'])})")
+    expected = data["scores"][metric] if metric is not None else _expected_average(data)
     if expected is not None and data["average"] is not None and abs(expected - data["average"]) > 0.011:
-        raise ValueError(f"{path}: average {data['average']} disagrees with its scores (their mean is "
-                         f"{expected:.2f}{AVERAGED.get(data['benchmark'], ('', ''))[1]})")
+        what = f"its {metric} score" if metric is not None else "the mean of its scores"
+        raise ValueError(f"{path}: average {data['average']} disagrees with {what} ({expected:.2f}"
+                         f"{AVERAGED.get(data['benchmark'], ('', ''))[1] if metric is None else ''})")
     folder = path.parent.parent.name
     label = "full" if budget is None else str(budget)
     if "_" in folder and folder.rsplit("_", 1)[1] != label and _looks_like_a_budget(folder.rsplit("_", 1)[1]):
@@ -72,8 +81,11 @@ def _check_result(path: Path, data) -> None:
                          f"{{model}}_{{budget}}/{{method}}/)")
 
 
-# The scores a benchmark's average is the mean of (all of them where not named) and how messages say it.
+# The scores a benchmark's average is the mean of (all of them where not named) and how messages say it, for
+# results.json files that name no "average_metric" (needle runs from before it: their average, a mean of two
+# metrics, is checked, then replaced by NEEDLE_METRIC's score).
 AVERAGED = {"needle": (("rouge1_f", "recall"), " of rouge1_f and recall")}
+NEEDLE_METRIC = "recall"
 
 
 def _expected_average(data: dict):
@@ -101,6 +113,8 @@ def load_results(root: Path) -> list[dict]:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
         _check_result(path, data)
         _check_predictions(path.parent)
+        if data["benchmark"] == "needle" and "average_metric" not in data:
+            data["average"], data["average_metric"] = data["scores"].get(NEEDLE_METRIC), NEEDLE_METRIC
         data["_path"] = str(path)
         data["_run"] = path.parent.relative_to(root).as_posix() or "."
         results.append(data)
@@ -151,8 +165,17 @@ def _ratio(budget):
     return None
 
 
+def is_full_cache(r: dict) -> bool:
+    """A true full cache: fullkv with no variant (its spec, or for a results.json from before the spec was
+    recorded, its method folder, is plain `fullkv`); `fullkv --cross_layer_merge` (MiniCache) is none."""
+    if "method_spec" in r:
+        return r["method_spec"] == "fullkv"
+    folder = Path(r["_path"]).parent.name.removesuffix(QUESTION_AS_DECODE_SUFFIX)
+    return r["method"] == "fullkv" and folder == "fullkv"
+
+
 def _row_order(r: dict):
-    return (r["method"] != "fullkv", r["method"], _budget_key(r["budget"]), r["_run"])
+    return (not is_full_cache(r), r["method"], _budget_key(r["budget"]), r["_run"])
 
 
 def table(results: list[dict]) -> tuple[list[str], list[list]]:
@@ -205,8 +228,10 @@ def plot(results: list[dict], title: str, path: Path):
 
     series = {"tokens": defaultdict(list), "ratio": defaultdict(list)}
     unscored = [r for r in results if r["average"] is None]
+    # Runs that keep a full-size cache (no budget): reference lines, the true full cache black and dashed.
+    references = [r for r in results if r["budget"] is None and r["average"] is not None]
     for r in results:
-        if r["method"] == "fullkv" or r["average"] is None:
+        if r["budget"] is None or r["average"] is None:
             continue
         if isinstance(r["budget"], (int, float)):
             series["tokens"][r["_series"]].append((r["budget"], r["average"]))
@@ -216,15 +241,19 @@ def plot(results: list[dict], title: str, path: Path):
             unscored.append(r)
     panels = [kind for kind in ("tokens", "ratio") if series[kind]] or ["tokens"]
     fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels) + 2.2, 4.6), squeeze=False)
-    colors = {name: f"C{i % 10}" for i, name in enumerate(sorted({n for s in series.values() for n in s}))}
+    names = {n for s in series.values() for n in s} | {r["_series"] for r in references if not is_full_cache(r)}
+    colors = {name: f"C{i % 10}" for i, name in enumerate(sorted(names))}
     all_values = [r["average"] for r in results if r["average"] is not None]
     for ax, kind in zip(axes[0], panels):
         for name, points in sorted(series[kind].items()):
             points.sort()
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name, color=colors[name])
-        for r in results:
-            if r["method"] == "fullkv" and r["average"] is not None:
-                ax.axhline(r["average"], color="black", linestyle="--", label=f"fullkv ({r['_series']})")
+        for r in references:
+            if is_full_cache(r):
+                ax.axhline(r["average"], color="black", linestyle="--", label=f"full cache ({r['_series']})")
+            else:
+                ax.axhline(r["average"], color=colors[r["_series"]], linestyle=":",
+                           label=f"{r['_series']} (full-size cache)")
         xs = sorted({p[0] for pts in series[kind].values() for p in pts})
         if kind == "tokens":
             if xs:
@@ -236,7 +265,8 @@ def plot(results: list[dict], title: str, path: Path):
             ax.set_xlabel("KV budget (fraction of the prompt)")
         # Scores are percentages: a fixed 0..100 axis, so one point or close values are not blown up.
         ax.set_ylim(min([0.0, *all_values]) - 2, max([100.0, *all_values]) + 2)
-        ax.set_ylabel("average score")
+        metrics = {r.get("average_metric") for r in results}
+        ax.set_ylabel(f"{next(iter(metrics))} (x100)" if len(metrics) == 1 and None not in metrics else "average score")
         ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     if handles:
@@ -251,7 +281,7 @@ def plot(results: list[dict], title: str, path: Path):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results_dir", type=Path)
     parser.add_argument("--out", type=Path, default=None, help="where to write the summaries (default: RESULTS_DIR)")
     parser.add_argument("--no_plot", action="store_true")

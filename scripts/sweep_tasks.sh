@@ -8,6 +8,7 @@
 #     is); e.g. FULLKV_VARIANTS="-|--quant_method kivi --nbits 2" adds the quantized full cache,
 #   PUBLIC_HARNESS_SETTINGS=1 to run every method with the public harness's settings (window 8,
 #   kernel 7, max pooling where the method has them; default 0: this package's defaults).
+#   SWEEP_ROOT: the repository, when the runners are called from another folder (scripts/sweep.sh sets it).
 # Output: the array SWEEP_TASKS of "method budget|variant" entries ("fullkv -|-" for the full cache; a method
 # that takes no budget, e.g. minicache, gets "-" as its budget and runs once per variant).
 METHODS=${METHODS:-"snapkv pyramidkv h2o streamingllm l2norm"}
@@ -22,7 +23,8 @@ if [ "$FULLKV" = "1" ]; then
 fi
 IFS='|' read -r -a _sweep_variants <<< "$VARIANTS"
 # Methods that take no budget (fullkv, minicache, minference: read from the registry) run once per variant.
-_no_budget=$("${PYTHON:-python}" -c 'from pyramidkv.methods import METHODS
+_sweep_repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+_no_budget=$(PYTHONPATH="$_sweep_repo${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python}" -c 'from pyramidkv.methods import METHODS
 print(" ".join(n for n, c in METHODS.items() if not c.needs_budget))')
 for method in $METHODS; do
   if [ "$method" = "fullkv" ]; then continue; fi
@@ -74,5 +76,5 @@ run_sweep_task() {
   local variant_args=()
   if [ "$variant" != "-" ] && [ "$variant" != "$task" ]; then read -r -a variant_args <<< "$variant"; fi
   if [ -z "${SWEEP_QUIET:-}" ]; then echo ">>> $benchmark: method=$method budget=$budget ${method_args[*]} ${variant_args[*]}" >&2; fi
-  "${PYTHON:-python}" "$runner" --method "$method" "${budget_args[@]}" "${method_args[@]}" "${variant_args[@]}" "$@"
+  "${PYTHON:-python}" "${SWEEP_ROOT:+$SWEEP_ROOT/}$runner" --method "$method" "${budget_args[@]}" "${method_args[@]}" "${variant_args[@]}" "$@"
 }

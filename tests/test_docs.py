@@ -189,3 +189,36 @@ def test_the_figures_of_the_results_page_are_there():
     for raw in ("latency_memory_cpu_n4096_b256.json", "latency_memory_cpu_n1000_b128.json"):
         assert f"](benchmarks/{raw})" in text
     assert "python measure/benchmark_latency_memory.py --context_length 4096" in text
+
+
+# ---- docs/method_spec.md: every example reads as the page says ----------------------------------------
+
+METHOD_SPEC = ROOT / "docs" / "method_spec.md"
+
+
+def _blocks(kind: str) -> list[str]:
+    lines = [line.strip() for block in re.findall(rf"```{kind}\n(.*?)```", METHOD_SPEC.read_text(encoding="utf-8"),
+                                                  re.S) for line in block.splitlines()]
+    return [line for line in lines if line]
+
+
+@pytest.mark.parametrize("line", _blocks("spec"))
+def test_method_spec_page_examples_parse_to_their_canonical_form(line):
+    from pyramidkv.methods import method_spec, parse_method_spec
+
+    spec, _, canonical = (part.strip() for part in line.partition(" -> "))
+    method = parse_method_spec(spec)
+    assert method_spec(method) == (canonical or spec)
+    assert parse_method_spec(method_spec(method)) == method
+
+
+@pytest.mark.parametrize("spec", _blocks("refused"))
+def test_method_spec_page_refused_examples_are_refused(spec):
+    from pyramidkv.methods import parse_method_spec
+
+    with pytest.raises(ValueError, match=re.escape(f"method spec {spec!r}")):
+        parse_method_spec(spec)
+
+
+def test_method_spec_page_has_examples():
+    assert len(_blocks("spec")) >= 10 and len(_blocks("refused")) >= 5

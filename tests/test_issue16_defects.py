@@ -107,7 +107,7 @@ def test_a_fixed_table_resumes_and_the_table_content_is_fingerprinted(tiny_model
     Path(bad).write_text(json.dumps({**GRID, "0-0": [2.0]}))            # another table under the same path
     with pytest.raises(SystemExit):
         ruler_main(argv)
-    assert "head_scores_file" in capsys.readouterr().err
+    assert "input file head_scores=" in capsys.readouterr().err
 
 
 # --- settings that would not do what the folder name says ----------------------------------------------

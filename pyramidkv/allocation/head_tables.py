@@ -6,9 +6,11 @@ reads exactly that line). Our script may add a second line (``{"run_meta": ...}`
 which HeadKV ignores and so do we. A head's importance is the mean of its list.
 
 Packaged tables live in ``pyramidkv/allocation/data/head_scores/`` and are named
-``{model}_{kind}.json``: ``model`` is matched case-insensitively as a substring of
-the model path's last component, ``kind`` is ``reasoning`` (retrieval-reasoning
-score, HeadKV's default) or ``retrieval`` (Wu et al. 2024's retrieval score).
+``{model}_{kind}.json``: ``kind`` is ``reasoning`` (retrieval-reasoning score, HeadKV's
+default) or ``retrieval`` (Wu et al. 2024's retrieval score); ``model`` is the model the
+table was computed on, known by its content (``components.model_digest``, listed in
+``data/models.json``), never by its folder's name: a fine-tune in a folder named like it
+is refused, the same model in a folder of any name finds its table.
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
+from pyramidkv.components import packaged_model
+
 HEAD_SCORE_KINDS = ("reasoning", "retrieval")
 DEFAULT_HEAD_SCORE_KIND = "reasoning"
 PACKAGED_TABLES_DIR = Path(__file__).resolve().parent / "data" / "head_scores"
+# {model: content digest} of the models the packaged tables were computed on.
+PACKAGED_MODELS = Path(__file__).resolve().parent / "data" / "models.json"
 _KEY = re.compile(r"(\d+)-(\d+)")
 
 
@@ -95,21 +101,24 @@ def check_head_scores(table: np.ndarray, num_layers: int, num_query_heads: int, 
 
 
 def default_head_scores_path(model_name_or_path: str, kind: str = DEFAULT_HEAD_SCORE_KIND) -> Path:
-    """The packaged `kind` table whose model name is a case-insensitive substring of the path's last component.
+    """The packaged `kind` table computed on the model at `model_name_or_path`, known by its content.
 
-    The longest matching name wins. ValueError (naming the script that computes a
-    table) when no packaged table matches.
+    ValueError (naming the script that computes a table) when no packaged table was made for it, and one
+    asking for an explicit table when its folder is named like a packaged model whose content it does not have.
     """
     if kind not in HEAD_SCORE_KINDS:
         raise ValueError(f"unknown head-score kind {kind!r}; choose one of {', '.join(HEAD_SCORE_KINDS)}")
-    last = Path(str(model_name_or_path).rstrip("/\\")).name.lower()
     suffix = f"_{kind}.json"
-    tables = {p.name[: -len(suffix)].lower(): p for p in sorted(PACKAGED_TABLES_DIR.glob(f"*{suffix}"))}
-    matches = [model for model in tables if model and model in last]
-    if not matches:
-        raise ValueError(
-            f"no {kind} head-score table for this model ({model_name_or_path!r}; packaged: "
-            f"{', '.join(sorted(tables)) or 'none'}); compute one with "
-            f"`python scripts/head_scores.py --model_path M --out FILE` and pass it as `--head_path FILE` "
-            f"(head_scores=FILE in Python)")
-    return tables[max(matches, key=len)]
+    tables = {p.name[: -len(suffix)]: p for p in sorted(PACKAGED_TABLES_DIR.glob(f"*{suffix}"))}
+    digests = json.loads(PACKAGED_MODELS.read_text(encoding="utf-8"))
+    model, alike = packaged_model(model_name_or_path, {name: digests[name] for name in tables if name in digests})
+    make = (f"compute one with `python scripts/head_scores.py --model_path M --out FILE` and pass it as "
+            f"`--head_path FILE` (head_scores=FILE in Python)")
+    if model is not None:
+        return tables[model]
+    if alike is not None:
+        raise ValueError(f"{model_name_or_path!r} is named like {alike} but is not the model its packaged head-score "
+                         f"table was computed on (its config or weights differ: a fine-tune or another "
+                         f"checkpoint); {make}")
+    raise ValueError(f"no {kind} head-score table for this model ({model_name_or_path!r}; packaged: "
+                     f"{', '.join(sorted(tables)) or 'none'}); {make}")

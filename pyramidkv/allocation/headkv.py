@@ -64,6 +64,7 @@ class HeadKVHeads(HeadAllocation):
     global_over_layers = True
     head_scores: Optional[str] = None      # path of a head-score table; None = the packaged one for the model
     head_beta: float = 1.01
+    path_settings = ("head_scores",)
 
     def validate(self) -> None:
         if not self.head_beta >= 1.0:
@@ -73,6 +74,14 @@ class HeadKVHeads(HeadAllocation):
     def selected_per_head(self, scores, selected, layer_idx, model):
         return list(_plan(self.head_scores, model, scores.shape[0], selected, scores.shape[1],
                           self.head_beta)[layer_idx])
+
+    def packaged_files(self, model: Optional[ModelShape]) -> dict[str, str]:
+        from pyramidkv.allocation.head_tables import default_head_scores_path
+
+        if self.head_scores is not None or model is None or not model.name:
+            return {}
+        path = default_head_scores_path(model.name)
+        return {f"head_scores=packaged {path.name}": str(path)}
 
     def check_model(self, model: ModelShape) -> None:
         """Load and check the table now (a missing or misshapen table fails before any prompt runs)."""

@@ -10,8 +10,13 @@ inline (pyramidkv/components.py, flat units). It declares
   * `store_abilities`: the optional store abilities it needs ("reselect", "attention_statistics");
     the method refuses a configuration whose store lacks one (pyramidkv/core/store.py);
   * `conflicts`: what else it cannot compose with, and why: a table `Method.validate` walks;
-  * `check_with(method)`, `check_model(model)`, `check_prompt(prompt_len)`: its checks that need the
-    whole method, the model's shape or the prompt's length.
+  * `check_with(method)`, `check_model(model, method)`, `check_prompt(prompt_len, method)`: its checks
+    that need the whole method, the model's shape or the prompt's length. A setting whose effective
+    value makes the unit a no-op, or makes it store more than the method without it, is refused there:
+    the run would be filed under a label that says something it did not do;
+  * `normalized(model)`: the unit with a setting given at what its default resolves to on this model
+    written as the default (cross_layer_start=15 of a 30-layer model is the default None), so one
+    configuration has one label.
 """
 
 from __future__ import annotations
@@ -44,11 +49,27 @@ class Capability(Component):
     def check_with(self, method) -> None:
         """ValueError if the unit cannot do what it says inside `method` (beyond the conflict table)."""
 
-    def check_model(self, model: ModelShape) -> None:
-        """ValueError if the unit cannot do what it says on this model."""
+    def check_model(self, model: ModelShape, method=None) -> None:
+        """ValueError if the unit cannot do what it says on this model (inside `method`, when given)."""
 
-    def check_prompt(self, prompt_len: int) -> None:
+    def check_prompt(self, prompt_len: int, method=None) -> None:
         """ValueError if the unit cannot do what it says on a prompt of prompt_len tokens."""
+
+    def normalized(self, model: ModelShape) -> "Capability":
+        return self
+
+
+def fixed_budget(method) -> "int | None":
+    """The tokens each head of an evicting method keeps of a long prompt, when that is one number for every
+    prompt (a budget, not a ratio); None otherwise."""
+    if method is None or not method.needs_budget or method.budget_aliases:
+        return None
+    return method.budget
+
+
+def prompt_kept(method, prompt_len: int) -> int:
+    """The tokens each head of `method` keeps of a prompt of prompt_len tokens (its uniform share)."""
+    return min(prompt_len, method.prompt_budget(prompt_len))
 
 
 def shown(value) -> str:

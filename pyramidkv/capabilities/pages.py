@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from pyramidkv.capabilities.base import Capability, Conflict
+from pyramidkv.capabilities.base import Capability, Conflict, fixed_budget, prompt_kept
 from pyramidkv.components import ModelShape
 
 PAGE_SELECTIONS = ("query_head", "group_max", "group_mean")
@@ -65,6 +65,25 @@ class QuestPages(Capability):
                              f"the budget counts the tokens of the attended pages")
         if self.page_budget_ratio is not None and not 0.0 < self.page_budget_ratio <= 1.0:
             raise ValueError(f"page_budget_ratio must be in (0, 1], got {self.page_budget_ratio!r}")
+        if self.page_budget is not None:
+            self._check_pages(self.page_budget, "page_budget")
+
+    @property
+    def least_tokens(self) -> int:
+        return self.page_min_count * self.page_size
+
+    def _check_pages(self, tokens: int, what: str) -> None:
+        """A page budget is read as whole pages, at least page_min_count of them: any other value would run as
+        the one it rounds to under a label that says another."""
+        if tokens < self.least_tokens:
+            raise ValueError(f"{what} {tokens} is below page_min_count {self.page_min_count} pages of page_size "
+                             f"{self.page_size} = {self.least_tokens} tokens, which Quest reads anyway (every budget "
+                             f"below {self.least_tokens} is the same run); use page_budget >= {self.least_tokens}")
+        if tokens % self.page_size:
+            low = tokens - tokens % self.page_size
+            raise ValueError(f"{what} {tokens} is not a whole number of pages of page_size {self.page_size}: Quest "
+                             f"reads floor({tokens} / {self.page_size}) = {low // self.page_size} pages ({low} tokens);"
+                             f" use {low} or {low + self.page_size}")
 
     def budget_for(self, real_len: int) -> int:
         """Tokens of the pages attended per stored head and decode step, for a prompt of real_len tokens."""
@@ -76,8 +95,31 @@ class QuestPages(Capability):
         if self.page_budget is None and self.page_budget_ratio is None:
             raise ValueError(f"{method.name} needs a page budget: page_budget (tokens of the pages each decode step "
                              f"reads) or page_budget_ratio")
+        budget = fixed_budget(method)
+        if budget is not None and self.page_budget is not None:
+            held = budget if method.decode is None else min(budget, method.decode.decode_budget + method.decode.decode_interval)
+            if self.page_budget >= held:
+                raise ValueError(f"page_budget {self.page_budget} reads every page of the {held} tokens each head holds "
+                                 f"after compression (budget {budget}), so Quest selects nothing (until that many "
+                                 f"tokens are generated); use page_budget < {held}")
 
-    def check_model(self, model: ModelShape) -> None:
+    def check_prompt(self, prompt_len: int, method=None) -> None:
+        if self.page_budget_ratio is not None:
+            tokens = round(self.page_budget_ratio * prompt_len)
+            if tokens < self.least_tokens:
+                raise ValueError(f"page_budget_ratio {self.page_budget_ratio:g} gives round({self.page_budget_ratio:g} x "
+                                 f"{prompt_len}) = {tokens} tokens on a {prompt_len}-token prompt, below page_min_count "
+                                 f"{self.page_min_count} pages of {self.page_size} = {self.least_tokens}, which Quest "
+                                 f"reads anyway; use page_budget_ratio >= {self.least_tokens / prompt_len:.4g}")
+        if method is None or not method.needs_budget or method.budget_aliases or fixed_budget(method) is not None:
+            return
+        kept = prompt_kept(method, prompt_len)
+        tokens = self.budget_for(prompt_len)
+        if kept < prompt_len and tokens >= kept:
+            raise ValueError(f"the page budget ({tokens} tokens) reads every page of the {kept} tokens each head keeps "
+                             f"of the {prompt_len}-token prompt, so Quest selects nothing; use a smaller page budget")
+
+    def check_model(self, model: ModelShape, method=None) -> None:
         if model.context_window and self.page_min_count > -(-model.context_window // self.page_size):
             most = -(-model.context_window // self.page_size)
             raise ValueError(f"page_min_count {self.page_min_count} is more pages than the model's context window "

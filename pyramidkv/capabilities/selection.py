@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pyramidkv.capabilities.base import Capability
+from pyramidkv.capabilities.base import Capability, fixed_budget, prompt_kept
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,31 @@ class Selection(Capability):
                              f"got {self.random_fraction!r}")
         if self.random_seed < 0 or self.random_seed >= 2 ** 63:
             raise ValueError(f"random_seed must be an integer in [0, 2^63), got {self.random_seed!r}")
+        if self.random_seed != 0 and self.random_fraction == 0.0:
+            raise ValueError(f"random_seed={self.random_seed} has no effect without random_fraction (it seeds the "
+                             f"random share, and random_fraction is 0: every token is taken by score); set "
+                             f"random_fraction too, or leave random_seed out")
+
+    def _check_draws(self, selected: int, where: str) -> None:
+        drawn = int(self.random_fraction * selected + 1e-9)    # core/selection.py's count
+        if self.random_fraction > 0.0 and selected > 0 and drawn == 0:
+            raise ValueError(f"random_fraction {self.random_fraction:g} of the {selected} tokens each head selects "
+                             f"({where}) draws floor({self.random_fraction * selected:.3g}) = 0 at random: nothing "
+                             f"would be random; use random_fraction >= {1 / selected:.4g} or a larger budget")
 
     def check_with(self, method) -> None:
         if not method.needs_budget and (self.num_sinks or self.random_fraction):
             raise ValueError(f"{method.name} keeps every token; it takes no num_sinks or random_fraction "
                              f"(got num_sinks={self.num_sinks}, random_fraction={self.random_fraction:g})")
+        budget = fixed_budget(method)
+        if budget is not None:
+            self._check_draws(budget - method.protected_tokens, f"budget {budget} - window {method.window_size} - "
+                                                               f"sinks {self.num_sinks}")
+
+    def check_prompt(self, prompt_len: int, method=None) -> None:
+        if method is None or not method.needs_budget or fixed_budget(method) is not None:
+            return
+        kept = prompt_kept(method, prompt_len)
+        if kept < prompt_len:
+            self._check_draws(kept - method.protected_tokens, f"of a {prompt_len}-token prompt: {kept} kept - window "
+                                                              f"{method.window_size} - sinks {self.num_sinks}")

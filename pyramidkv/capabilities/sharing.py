@@ -4,11 +4,14 @@ shared direction per token (the tensor code: pyramidkv/core/cross_layer.py, core
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 from pyramidkv.capabilities.base import Capability, Conflict
 from pyramidkv.components import ModelShape
+
+INDEX_BYTES = 8   # a retained token's index is int64 (core/merged_pair.py)
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,21 @@ class MiniCacheSharing(Capability):
         first = num_layers // 2 if self.cross_layer_start is None else self.cross_layer_start
         return {lower: lower + 1 for lower in range(first, num_layers - 1, 2)}
 
-    def check_model(self, model: ModelShape) -> None:
+    def normalized(self, model: ModelShape) -> "MiniCacheSharing":
+        if self.cross_layer_start == model.num_layers // 2:
+            return dataclasses.replace(self, cross_layer_start=None)
+        return self
+
+    def check_model(self, model: ModelShape, method=None) -> None:
+        dim, element = model.head_dim, model.dtype_bytes
+        # Per token pair, in values of the model dtype: merged 2D directions + 4 magnitudes + a retained share of
+        # both layers' keys and values (4D) and their int64 indices, against 4D unmerged (core/merged_pair.py).
+        most = (2 * dim - 4) / (4 * dim + 2 * INDEX_BYTES / element) if element else 1.0   # 0: dtype unknown
+        if self.cross_layer_retain >= most:
+            raise ValueError(f"cross_layer_retain {self.cross_layer_retain:g}: keeping that share of the token pairs "
+                             f"unmerged (their originals in both layers, plus the merged directions and magnitudes) "
+                             f"stores at least as much as not merging on this model (head_dim {dim}); use "
+                             f"cross_layer_retain < {most:.4f}")
         layers = model.num_layers
         if self.cross_layer_start is not None and self.cross_layer_start >= layers - 1:
             raise ValueError(f"cross_layer_start {self.cross_layer_start} leaves no layer pair to merge in this "

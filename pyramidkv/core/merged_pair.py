@@ -22,12 +22,12 @@ from typing import Optional
 
 import torch
 
+from pyramidkv.capabilities.sharing import INDEX_BYTES   # retained indices are int64
 from pyramidkv.core.cross_layer import merge_pair, retained_tokens
 from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.store import Heads, LayerStore, StoreSetup
 
-INDEX_BYTES = 8  # retained indices are int64
 
 
 class MergedTensor:

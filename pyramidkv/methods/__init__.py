@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 from pyramidkv.core.context import ScoreContext
@@ -61,6 +62,50 @@ def register_method(cls: type[Method]) -> type[Method]:
     return cls
 
 
+@functools.cache
+def _behaviour(cls: type[Method]) -> tuple:
+    """What a method class computes beyond its settings: every attribute its classes define that is no field
+    and no name (the scorer, the budget rules, the class-level flags), by identity."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    names = sorted({n for klass in cls.__mro__ for n in vars(klass)
+                    if not n.startswith("__") and n not in fields and n not in ("name", "validate")})
+    return tuple(fields), tuple((n, id(getattr(cls, n, None))) for n in names)
+
+
+def _distance(value, default) -> float:
+    """How far a field is from its default: 0 equal, 0.5 a unit of the default's kind with other settings, 1."""
+    if value == default:
+        return 0.0
+    return 0.5 if value is not None and type(value) is type(default) and dataclasses.is_dataclass(value) else 1.0
+
+
+def canonical(method: Method) -> Method:
+    """The method under the name that says what it computes: among the registered methods that compute the
+    same as its class (same scorer and rules, only other defaults) and take its settings, the one whose fields
+    differ least from its defaults (a unit of the default's kind with other settings counts half, another
+    unit one; then the most derived class, then registration order). So one computation has one
+    name, one label and one results folder: snapkv with layer_allocation=pyramid is pyramidkv, fullkv with
+    cross_layer_merge=true is minicache, minicache with cross_layer_merge=false is fullkv."""
+    values = {f.name: getattr(method, f.name) for f in dataclasses.fields(method)}
+    behaviour = _behaviour(type(method))
+    best, best_count = method, None
+    for cls in METHODS.values():
+        if _behaviour(cls) != behaviour:
+            continue
+        if cls is type(method):
+            candidate = method
+        else:
+            try:
+                candidate = cls(**values)
+            except (ValueError, TypeError):
+                continue
+        count = (sum(_distance(getattr(candidate, f.name), f.default) for f in dataclasses.fields(candidate)),
+                 -len(cls.__mro__))
+        if best_count is None or count < best_count:
+            best, best_count = candidate, count
+    return best
+
+
 def make_method(name: str, **settings) -> Method:
     """Build a method by name. Settings that the method does not have are an error, never ignored, and so are
     settings that have no effect (decode_interval without decode_budget, a merge seed without sampling).
@@ -72,7 +117,7 @@ def make_method(name: str, **settings) -> Method:
     object. A name units on two axes share is written with its axis (`merge_seed`, `quant_seed`) when both
     are chosen (pyramidkv/methods/settings.py).
     """
-    return build_method(get_method_class(name), settings)
+    return canonical(build_method(get_method_class(name), settings))
 
 
 def parse_method_spec(spec: str, budget: Optional[int] = None, **defaults) -> Method:
@@ -80,10 +125,10 @@ def parse_method_spec(spec: str, budget: Optional[int] = None, **defaults) -> Me
     `budget` and `defaults` fill settings the spec leaves out (see settings.method_from_spec)."""
     name, items = split_spec(spec)
     try:
-        return method_from_spec(get_method_class(name), items, budget, **defaults)
+        return canonical(method_from_spec(get_method_class(name), items, budget, **defaults))
     except ValueError as e:
         raise ValueError(f"method spec {spec!r}: {e}") from None
 
 
 __all__ = ["METHODS", "Method", "ScoreContext", "make_method", "register_method", "get_method_class", "method_options",
-           "parse_method_spec", "method_spec"]
+           "parse_method_spec", "method_spec", "canonical"]

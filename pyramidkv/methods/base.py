@@ -16,6 +16,7 @@ and what the units cannot compose with is refused then, in one line (composition
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
@@ -188,15 +189,27 @@ class Method(Component):
         if self.quant_method is not None:
             self.quant_method.check_model(model.head_dim, model.dtype_bytes, model.context_window)
         for unit in self.capabilities:
-            unit.check_model(model)
+            unit.check_model(model, self)
         if self.prefill_attention is not None:  # e.g. a pattern table of another model
             self.prefill_attention.check_model(model)
+
+    def normalized(self, model: ModelShape) -> "Method":
+        """The same method with each unit's setting given at what its default resolves to on this model written
+        as that default (Capability.normalized), so the run is named by its effective configuration."""
+        changes = {}
+        for axis in CAPABILITY_AXES:
+            unit = getattr(self, axis)
+            if unit is not None and unit.normalized(model) != unit:
+                changes[axis] = unit.normalized(model)
+        return dataclasses.replace(self, **changes) if changes else self
 
     def check_prompt(self, prompt_len: int) -> None:
         """ValueError if on a prompt of `prompt_len` tokens the method would not do what its settings say
         (a ratio budget that resolves below the window is not silently raised to it)."""
         for unit in self.capabilities:
-            unit.check_prompt(prompt_len)
+            unit.check_prompt(prompt_len, self)
+        if self.prefill_attention is not None:
+            self.prefill_attention.check_prompt(prompt_len)
         if self.budget_ratio is not None:
             share = round(self.budget_ratio * prompt_len)
             if share < max(self.window_size, 1):
@@ -205,6 +218,17 @@ class Method(Component):
                                  f"round({self.budget_ratio:g} x {prompt_len}) = {share} tokens on a {prompt_len}-token "
                                  f"prompt, below the {max(self.window_size, 1)} the budget must hold (window_size "
                                  f"{self.window_size}); use a ratio >= {needed:.4g} or a smaller window_size")
+
+    def _check_nothing_evicted(self) -> None:
+        """A method that keeps every prompt token has no window to protect and no scores to reduce over a query
+        group: those settings would only rename the run. (gqa_layout stays: query_head stores K/V per query head,
+        the published baselines' memory, and Quest's pages are then chosen per query head's copy.)"""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for setting in ("window_size", "gqa_reduce"):
+            if getattr(self, setting) != defaults[setting]:
+                raise ValueError(f"{self.name} keeps every prompt token, so {setting} has no effect (it only shapes "
+                                 f"which tokens an evicting method keeps); got {setting}={getattr(self, setting)!r}, "
+                                 f"leave it out")
 
     def validate(self) -> None:
         if self.gqa_layout not in GQA_LAYOUTS:
@@ -223,6 +247,8 @@ class Method(Component):
                              f"uniform level counts every key a prompt row attends, not a sparse head's")
         if self.quant_method is not None:
             self.quant_method.check_budget(self.budget if self.needs_budget else None)
+        if not self.needs_budget or self.budget_aliases:
+            self._check_nothing_evicted()
         if not self.needs_budget:   # the checks of a method that keeps every token: its own validate (fullkv.py)
             return
         if self.merge is not None:

@@ -20,6 +20,9 @@ class FullKV(Method):
         if self.budget is not None or self.budget_ratio is not None:
             raise ValueError(f"{self.name} keeps every token; it takes no budget (got budget={self.budget}, "
                              f"budget_ratio={self.budget_ratio})")
+        if self.pages is not None and type(self) is FullKV:
+            raise ValueError(f"{self.name} with a page budget is quest (Quest's page selection over the full cache); "
+                             f"use --method quest (quest:page_budget=...)")
         if self.merge is not None:
             raise ValueError(f"{self.name} keeps every token, so it evicts none to merge; it takes no merge "
                              f"rule (got merge={self.merge.name!r})")

@@ -42,6 +42,13 @@ class NACL(Method):
             raise ValueError(f"proxy_size must be an integer >= 1 (prompt queries that score the tokens), "
                              f"got {self.proxy_size!r}")
 
+    def check_prompt(self, prompt_len: int) -> None:
+        super().check_prompt(prompt_len)
+        if self.proxy_size != self.__dataclass_fields__["proxy_size"].default and self.proxy_size > prompt_len:
+            raise ValueError(f"proxy_size {self.proxy_size} is longer than the {prompt_len}-token prompt: the run would "
+                             f"score with all {prompt_len} queries under a label that says {self.proxy_size}; use "
+                             f"proxy_size <= {prompt_len}")
+
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         n = ctx.keys.shape[2]
         proxies = window_attention(ctx.queries, ctx.keys, ctx.real, min(self.proxy_size, n),

@@ -11,8 +11,13 @@ by its field when no other axis and no method has a field of that name
 qualified name (`head_beta`). A bare name that units on two axes share (`seed`: CaM and GEAR) must be
 qualified when both are chosen; otherwise it goes to the one chosen unit that has it.
 
-The spec `NAME[:setting=value,...]` uses these names; values are read by each field's type (booleans
-true/false, none for None; a string holding `,` `=` `:` or `"` is written in double quotes). `method_spec`
+Aliases: a method's budget aliases (Quest: `budget` is its `page_budget`) and kvpress's `compression_ratio`,
+the fraction of the cache removed, read as `budget_ratio = 1 - compression_ratio` (refused with a budget or
+budget_ratio). A name is given once (an alias and its setting together are refused).
+
+The spec `NAME[:setting=value,...]` uses these names; values are read by each field's type (integers in ASCII
+digits, finite numbers in ASCII, booleans true/false, none for None; a string holding `,` `=` `:` or `"` is
+written in double quotes). docs/method_spec.md shows each rule with examples (tested). `method_spec`
 prints a method back in canonical form: the settings that differ from the method's defaults, in field order,
 each unit's changed settings right after it, so a spec that spells out default values names the same
 configuration as one that leaves them out, and `parse(print(m)) == m`.
@@ -214,7 +219,16 @@ def _resolve_aliases(cls: type[Method], settings: dict, label) -> dict:
     """Settings under the names they stand for: a method's budget aliases (quest: budget -> page_budget) and
     the switches that are no field (cross_layer_merge=true -> layer_sharing='minicache', false -> None)."""
     out, given = {}, {}
+    if COMPRESSION_RATIO in settings:
+        budgets = [f"{label(k)}={settings[k]!r}" for k in ("budget", "budget_ratio", *cls.budget_aliases.values())
+                   if k in settings]
+        if budgets:
+            raise ValueError(f"{label(COMPRESSION_RATIO)}={settings[COMPRESSION_RATIO]!r} and {' and '.join(budgets)} "
+                             f"both give the budget "
+                             f"({COMPRESSION_RATIO} is kvpress's fraction removed, 1 - budget_ratio); give one")
     for key, value in settings.items():
+        if key == COMPRESSION_RATIO:
+            key, value = "budget_ratio", _complement(value, label(key))
         target = cls.budget_aliases.get(key, key)
         axis = SWITCHES.get(key) or FIELD_SWITCHES.get(target)
         if axis is not None and (key in SWITCHES or value == axis.unit.switch_off):  # on / off by its switch
@@ -227,6 +241,20 @@ def _resolve_aliases(cls: type[Method], settings: dict, label) -> dict:
             raise ValueError(f"{label(key)} and {label(given[target])} name the same setting ({target}); give it once")
         out[target], given[target] = value, key
     return out
+
+
+# kvpress's compression ratio, the fraction of the cache removed: an alias of budget_ratio = 1 - it.
+COMPRESSION_RATIO = "compression_ratio"
+
+
+def _complement(ratio, name: str) -> float:
+    """budget_ratio of a compression ratio, exact in decimal (1 - 0.9 is 0.1, not 0.09999999999999998)."""
+    import decimal
+
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
+        raise ValueError(f"{name} (kvpress's fraction of the cache removed, 1 - budget_ratio) must be a number in "
+                         f"[0, 1), got {ratio!r}")
+    return float(1 - decimal.Decimal(repr(float(ratio))))
 
 
 def _switch_on(axis: Axis, key: str, setting: str, value, chosen: dict, own: dict, label):
@@ -279,6 +307,8 @@ def annotation_of(cls: type[Method], key: str, chosen: dict[str, Optional[type]]
     """The type annotation of the field that setting `key` names (for reading its value from text)."""
     if key in SWITCHES:
         return bool
+    if key == COMPRESSION_RATIO:
+        return float
     key = key if key in _method_fields(cls) else cls.budget_aliases.get(key, key)
     axis, setting = resolve(cls, key, chosen)
     owner = cls if axis is None else chosen[axis.field]
@@ -354,7 +384,7 @@ def method_from_spec(cls: type[Method], items: list[tuple[str, str]], budget: Op
     nor budget_ratio, each of `defaults` when the method has that setting and the spec does not give it."""
     settings = read_settings(cls, items)
     own = _method_fields(cls)
-    if budget is not None and cls.needs_budget and "budget" not in settings and "budget_ratio" not in settings:
+    if budget is not None and cls.needs_budget and not {"budget", "budget_ratio", COMPRESSION_RATIO} & set(settings):
         settings["budget"] = budget
     for key, value in defaults.items():
         if key in own and key not in settings:

@@ -5,6 +5,10 @@ Q4_1 dequantizer, so we route every tensor through `gguf.quants.dequantize`
 while transformers parses the file, then save an ordinary HF checkpoint once
 (safetensors + tokenizer) and load that afterwards (~1 s).
 
+The converted folder records what it is (`pyramidkv_source.json`: the model's name and its content digest,
+components.model_digest): the packaged HeadKV and MInference tables find it by that, in whatever folder
+$PYRAMIDKV_MODEL_CACHE puts it, and refuse it once its config or weights change.
+
 Three tokenizer defects of the GGUF conversion are fixed (REFERENCE.md section 2):
 no BOS is prepended (prompts carry the ChatML template themselves), eos is
 `<|im_end|>` (id 2), and the ChatML chat template is restored.
@@ -19,6 +23,8 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+
+from pyramidkv.components import MODEL_RECORD, model_digest
 
 DEFAULT_MODEL_NAME = "smollm2-135m"
 CACHE_ENV_VAR = "PYRAMIDKV_MODEL_CACHE"
@@ -108,9 +114,9 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
         model.save_pretrained(work_dir, safe_serialization=True)
         tokenizer.save_pretrained(work_dir)
         (work_dir / "tokenizer.model").unlink(missing_ok=True)  # a copy of the GGUF; tokenizer.json suffices
-        (work_dir / "pyramidkv_source.json").write_text(
-            json.dumps({"converted_from": str(gguf_path), "gguf_file": GGUF_FILE_NAME}, indent=2)
-        )
+        (work_dir / MODEL_RECORD).write_text(json.dumps({
+            "converted_from": str(gguf_path), "gguf_file": GGUF_FILE_NAME, "model": DEFAULT_MODEL_NAME,
+            "content_digest": model_digest(work_dir)}, indent=2))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(work_dir, out_dir)

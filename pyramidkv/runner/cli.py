@@ -6,7 +6,15 @@ axis-qualified name, `--quant_rank`, `--merge_seed`), its help from the field's 
 default from the dataclass (shown in the help, never restated here: a flag left out is not passed). The
 public harness's names stay as aliases (`--max_capacity_prompts`, `--window_sizes`, `--floor`, ...).
 `--method` takes a method name or a whole spec (`snapkv:window_size=8,merge=cam`); flags add to it. An
-error names the flag (or spec item) the user typed, the value and what is allowed.
+error names the flag (or spec item) the user typed, the value and what is allowed (docs/method_spec.md).
+
+One name, one meaning. A setting is given once: by the spec or by one of its flags (a repeated flag, a flag
+and its alias, `--max_capacity_prompts 128 --budget 64`, are refused by runner/arguments.py's parser, which
+also refuses shortened flags and numbers not in ASCII). A benchmark's own flag keeps its name and meaning
+(RULER's `--seed` seeds its generator); where it has a setting's bare name it also has a name of its own
+(`--generator_seed`), and typed under the shared name while the method has that setting (`--merge cam`,
+whose seed is `--merge_seed`) it is refused (`check_shared_names`). kvpress's `compression_ratio`, the
+fraction removed, is `1 - budget_ratio` (methods/settings.py). `--method NAME --help` shows NAME's settings only.
 """
 
 from __future__ import annotations
@@ -17,14 +25,17 @@ import typing
 from pathlib import Path
 
 from pyramidkv.components import parse_setting, setting_help
-from pyramidkv.methods import METHODS, Method, get_method_class
+from pyramidkv.methods import METHODS, Method, canonical, get_method_class
 from pyramidkv.components import flat_settings
-from pyramidkv.methods.settings import (AXES, AXIS_BY_FIELD, SWITCHES, bare_unit_names, build_method, read_settings,
-                                        split_spec)
+from pyramidkv.methods.settings import (AXES, AXIS_BY_FIELD, COMPRESSION_RATIO, SWITCHES, bare_unit_names,
+                                        build_method, read_settings, split_spec)
 from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
 from pyramidkv.models.patch import ATTENTION_IMPLEMENTATIONS, MODEL_GLUE
 
-# The public PyramidKV harness's flag names (and earlier ones of ours), by the setting they set.
+# The public PyramidKV harness's flag names (and earlier ones of ours), by the setting they set; each means
+# exactly what the setting means (the harness's ThinK --pruning_ratio is lambda, the share of key channels
+# pruned, as key_channel_ratio; its --kv_cache_granularity and --gqa_score_agg take the values of gqa_layout
+# and gqa_reduce). kvpress's compression_ratio, the fraction removed, is no alias: see COMPRESSION_RATIO.
 FLAG_ALIASES = {
     "budget": ("--max_capacity_prompts",),
     "budget_ratio": ("--max_capacity_prompts_ratio",),
@@ -33,7 +44,21 @@ FLAG_ALIASES = {
     "head_floor_ratio": ("--floor",),
     "head_scores": ("--head_path",),
     "quant_group_size": ("--q_group_size",),
+    "key_channel_ratio": ("--pruning_ratio",),
+    "key_recent_size": ("--recent_size",),
+    "gqa_layout": ("--kv_cache_granularity",),
+    "gqa_reduce": ("--gqa_score_agg",),
 }
+# What --help adds after a setting's own text when it has a public-harness alias.
+ALIAS_HELP = {
+    "key_channel_ratio": "--pruning_ratio: the public ThinK harness's lambda, the same share pruned",
+    "key_recent_size": "--recent_size: the public ThinK harness's name",
+    "gqa_layout": "--kv_cache_granularity: the public harness's name, same values (its default: query_head)",
+    "gqa_reduce": "--gqa_score_agg: the public harness's name, same values",
+}
+COMPRESSION_HELP = (f"kvpress's compression ratio: the fraction of each prompt's cache REMOVED, in [0, 1); it sets "
+                    f"budget_ratio = 1 - it (--max_capacity_prompts_ratio is the fraction KEPT); not with a budget "
+                    f"or budget_ratio")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +68,33 @@ class SettingFlag:
     annotation: object
     help: str
     choices: tuple[str, ...] = ()
+    shown: bool = True            # False: parsed, but left out of a method's --help
+
+
+@dataclasses.dataclass(frozen=True)
+class HelpScope:
+    """The settings `--method NAME --help` shows: the method's own, those of the unit it has on each axis
+    (its defaults, or the spec's choice), its capabilities' (only the switch of one that is off)."""
+
+    cls: type
+    units: dict                   # axis field -> the unit class chosen (None: none)
+
+    @classmethod
+    def of(cls, spec: str) -> "HelpScope | None":
+        """The scope of a --method value; None when it names no method (then --help shows every setting)."""
+        try:
+            name, items = split_spec(spec)
+            method = get_method_class(name)
+        except ValueError:
+            return None
+        given = dict(items)
+        units = {}
+        for axis in AXES:
+            value = given.get(axis.field, {f.name: f.default for f in dataclasses.fields(method)}[axis.field])
+            if isinstance(value, str):
+                value = None if value.lower() == "none" else axis.registry.get(value.lower())
+            units[axis.field] = value if value is None or isinstance(value, type) else type(value)
+        return cls(method, units)
 
 
 def _defaults_text(owners: dict[str, object]) -> str:
@@ -58,14 +110,20 @@ def _defaults_text(owners: dict[str, object]) -> str:
     return "; ".join([common] + others) if others else common
 
 
-def setting_flags(taken: set[str] = frozenset()) -> list[SettingFlag]:
+def setting_flags(taken: set[str] = frozenset(), scope: HelpScope | None = None) -> list[SettingFlag]:
     """One flag per setting of every registered method and unit (read from the registries at call time, so a
     new field or unit gets its flag with no edit here). Option strings in `taken` (a benchmark's own flags)
-    are left to the benchmark."""
+    are left to the benchmark. With a scope the flags are the same, their help only the scope's (the others
+    `shown=False`)."""
     method_fields: dict[str, dict[str, object]] = {}
     docs: dict[str, str] = {}
     annotations: dict[str, object] = {}
     for name, cls in METHODS.items():
+        if scope is not None and cls is not scope.cls:   # its fields get their flags below, hidden
+            for f in dataclasses.fields(cls):
+                method_fields.setdefault(f.name, {})
+                annotations.setdefault(f.name, typing.get_type_hints(cls)[f.name])
+            continue
         hints = typing.get_type_hints(cls)
         helps = setting_help(cls)
         for f in dataclasses.fields(cls):
@@ -76,18 +134,28 @@ def setting_flags(taken: set[str] = frozenset()) -> list[SettingFlag]:
     for key, owners in method_fields.items():
         if key == "method" or (key in AXIS_BY_FIELD and AXIS_BY_FIELD[key].flat):  # a capability: by its settings
             continue
-        which = "" if len(owners) == len(METHODS) else f"{', '.join(owners)}: "
-        default = _defaults_text(owners)
         axis = AXIS_BY_FIELD.get(key)
         choices = tuple(axis.registry) + ("none",) if axis is not None else ()
         flags = [f for f in (*FLAG_ALIASES.get(key, ()), f"--{key}") if f not in taken]
-        out.append(SettingFlag(key, tuple(flags), annotations[key], f"{which}{docs[key]} [{default}]", choices))
+        if not owners:
+            out.append(SettingFlag(key, tuple(flags), annotations[key], "", choices, shown=False))
+            continue
+        which = "" if len(owners) == len(METHODS) or scope is not None else f"{', '.join(owners)}: "
+        text = f"{which}{docs[key]}" + (f" ({ALIAS_HELP[key]})" if key in ALIAS_HELP else "")
+        out.append(SettingFlag(key, tuple(flags), annotations[key], f"{text} [{_defaults_text(owners)}]", choices))
+    if "--compression_ratio" not in taken:
+        budgeted = scope is None or "budget_ratio" in {f.name for f in dataclasses.fields(scope.cls)}
+        out.append(SettingFlag(COMPRESSION_RATIO, ("--compression_ratio",), float, COMPRESSION_HELP, shown=budgeted))
     bare = bare_unit_names(method_fields)
     for axis in AXES:
         if axis.flat:
-            out.extend(_capability_flags(axis, taken))
+            out.extend(_capability_flags(axis, taken, scope))
             continue
         for setting, units in axis.fields().items():
+            chosen = scope.units[axis.field] if scope is not None else None
+            shown = scope is None or (chosen is not None and setting in {f.name for f in dataclasses.fields(chosen)})
+            if scope is not None and shown:
+                units = [chosen.name]
             key = axis.qualified(setting)
             names = [*FLAG_ALIASES.get(key, ())]
             if bare.get(setting) is axis:
@@ -102,18 +170,22 @@ def setting_flags(taken: set[str] = frozenset()) -> list[SettingFlag]:
             unit_defaults = {unit: {f.name: f.default for f in dataclasses.fields(axis.registry[unit])}[setting]
                         for unit in units}
             hints = typing.get_type_hints(axis.registry[units[0]])
-            out.append(SettingFlag(key, flags, hints[setting], f"{text} [{_defaults_text(unit_defaults)}]"))
+            out.append(SettingFlag(key, flags, hints[setting], f"{text} [{_defaults_text(unit_defaults)}]",
+                                   shown=shown))
     return out
 
 
-def _capability_flags(axis, taken: set[str]) -> list[SettingFlag]:
+def _capability_flags(axis, taken: set[str], scope: HelpScope | None = None) -> list[SettingFlag]:
     """A capability's settings as the method's own flags, each default read from every method's own unit (the
-    unit's when the method has it on, its off value when off): `[0; streamingllm: 4, nacl: 4]`."""
+    unit's when the method has it on, its off value when off): `[0; streamingllm: 4, nacl: 4]`. With a scope:
+    its method's values, every setting when the method has the capability on, else only the switch."""
     unit = axis.unit
     helps = setting_help(unit)
     hints = typing.get_type_hints(unit)
+    methods = {scope.cls.name: scope.cls} if scope is not None else METHODS
     per_method = {name: flat_settings(unit, {f.name: f.default for f in dataclasses.fields(cls)}[axis.field])
-                  for name, cls in METHODS.items()}
+                  for name, cls in methods.items()}
+    is_on = scope is None or scope.units[axis.field] is not None
     names = list(next(iter(per_method.values())))
     out = []
     for setting in names:
@@ -124,7 +196,9 @@ def _capability_flags(axis, taken: set[str]) -> list[SettingFlag]:
             annotation = bool
         else:
             text, annotation = helps.get(setting, ""), hints[setting]
-        out.append(SettingFlag(setting, flags, annotation, f"{text} [{_defaults_text(defaults)}]"))
+        text += f" ({ALIAS_HELP[setting]})" if setting in ALIAS_HELP else ""
+        out.append(SettingFlag(setting, flags, annotation, f"{text} [{_defaults_text(defaults)}]",
+                               shown=is_on or setting == unit.switch))
     return out
 
 
@@ -155,8 +229,9 @@ class _Typed(argparse.Action):
         typed[self.dest] = option_string
 
 
-def add_model_and_method_args(parser: argparse.ArgumentParser) -> list[str]:
-    """The model, method and run flags; returns the dests of the method settings."""
+def add_model_and_method_args(parser: argparse.ArgumentParser, scope: HelpScope | None = None) -> list[str]:
+    """The model, method and run flags; returns the dests of the method settings. With a scope, --help shows
+    only that method's settings (the flags parsed are the same)."""
     taken = set(parser._option_string_actions)
     g = parser.add_argument_group("model")
     g.add_argument("--model_path", default=DEFAULT_MODEL_NAME,
@@ -169,14 +244,16 @@ def add_model_and_method_args(parser: argparse.ArgumentParser) -> list[str]:
                    help="when not given: float32 on CPU, bfloat16 on CUDA")
     m = parser.add_argument_group(
         "compression method", "every setting of every method and unit; [..] shows the dataclass defaults, a flag "
-        "left out keeps them")
+        "left out keeps them (`--method NAME --help`: only NAME's settings)" if scope is None else
+        f"the settings of {scope.cls.name} and its units; [..] shows their defaults, a flag left out keeps them "
+        f"(--help without --method: every method's)")
     m.add_argument("--method", required=True,
                    help=f"a method ({', '.join(METHODS)}) or a whole spec, e.g. snapkv:window_size=8,merge=cam")
     dests = []
-    for flag in setting_flags(taken):
+    for flag in setting_flags(taken, scope):
         if not flag.flags:
             continue
-        kwargs = dict(dest=flag.key, default=None, action=_Typed, help=flag.help)
+        kwargs = dict(dest=flag.key, default=None, action=_Typed, help=flag.help if flag.shown else argparse.SUPPRESS)
         if flag.choices:
             kwargs.update(type=str.lower, choices=flag.choices, metavar="{" + ",".join(flag.choices) + "}")
         elif _is_bool(flag.annotation):
@@ -242,11 +319,12 @@ def method_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser |
         labels[key], shown[key] = flag, f"{flag} {value}"
     label = lambda key: labels.get(key, key)  # noqa: E731
     try:
-        return build_method(cls, settings, label)
+        method = build_method(cls, settings, label)
     except ValueError as error:
         culprits = [key for key in settings if _error_without(cls, settings, key) != str(error)]
         named = [shown[key] for key in culprits if f"{labels[key]} " not in f"{error} "]
         raise ValueError(f"{', '.join(named)}: {error}" if named else str(error)) from None
+    return canonical(method)
 
 
 def _error_without(cls, settings: dict, key: str) -> str:
@@ -279,6 +357,20 @@ def budget_value(method: Method):
     return None
 
 
+def recorded_method_label(meta: dict, folder: Path) -> str:
+    """The method label (as results.json and the folder name give it: snapkv_merge=pivot) of a run from its
+    run_meta.json's method_spec; the method folder's name where the record has none."""
+    from pyramidkv.methods import parse_method_spec
+
+    spec = meta.get("method_spec") if isinstance(meta, dict) else None
+    if isinstance(spec, str):
+        try:
+            return parse_method_spec(spec).label()
+        except (ValueError, TypeError):
+            pass
+    return Path(folder).name
+
+
 def model_label(model_path: str) -> str:
     return Path(model_path.rstrip("/")).name
 
@@ -309,17 +401,60 @@ def check_model_args(args: argparse.Namespace, method: Method | None = None):
     return checked
 
 
-def run_fingerprint(args: argparse.Namespace, method: Method, model_check, extra: dict | None = None) -> dict:
-    """The generation fingerprint of this invocation (see pyramidkv/runner/run_folder.py)."""
-    from pyramidkv.runner.run_folder import file_digest, generation_fingerprint, model_fingerprint
+def effective_method(method: Method, model_check) -> Method:
+    """The method as it runs on the checked model: a setting given at what its default resolves to there written
+    as the default (Method.normalized: cross_layer_start=15 of a 30-layer model is minicache's default)."""
+    from pyramidkv.models.loading import DTYPES
+    from pyramidkv.models.patch import model_shape
 
-    path, _, device, dtype = model_check
-    table = getattr(method.head_allocation, "head_scores", None)
-    if table is not None and Path(table).is_file():  # the table's content: one edited in place under the same path shows
-        extra = {**(extra or {}), "head_scores_file": file_digest(Path(table))}
+    config, dtype = model_check[1], model_check[3]
+    return method if config is None else method.normalized(model_shape(config, DTYPES[dtype].itemsize))
+
+
+def method_inputs(method: Method, config) -> dict[str, str]:
+    """{name: path} of the files the method reads for the model of `config` (None: those it names)."""
+    from pyramidkv.models.patch import model_shape
+
+    return method.files_read(model_shape(config) if config is not None else None)
+
+
+def run_fingerprint(args: argparse.Namespace, method: Method, model_check, extra: dict | None = None,
+                    inputs: dict[str, str] | None = None) -> dict:
+    """The generation fingerprint of this invocation (see pyramidkv/runner/run_folder.py); `inputs`: the files
+    it reads (run_folder.input_files), by default the method's."""
+    from pyramidkv.runner.run_folder import generation_fingerprint, input_digests, input_files, model_fingerprint
+
+    path, config, device, dtype = model_check
+    if inputs is None:
+        inputs = input_files(method_inputs(method, config))
     # The method's settings are in the fingerprint's method section (its full description), whichever flags or
     # spec gave them: spelling out a default value is the same configuration as leaving it out.
     setting_args = {"method", *getattr(args, "_setting_dests", ())}
     arguments = {k: v for k, v in vars(args).items() if k not in setting_args and not k.startswith("_")}
     return generation_fingerprint(arguments, method, model_fingerprint(path),
-                                  {"device": device.split(":")[0], "dtype": dtype}, extra)
+                                  {"device": device.split(":")[0], "dtype": dtype}, extra, input_digests(inputs))
+
+
+def check_shared_names(parser: argparse.ArgumentParser, method: Method) -> None:
+    """One name, one meaning: a benchmark flag the user typed under a name that is also a setting of the
+    method as chosen (RULER's --seed with the merge rule cam, whose seed is --merge_seed) is refused, naming
+    the benchmark's other name for it and the setting's qualified name. ValueError."""
+    benchmark_flags = getattr(parser, "benchmark_flags", set())
+    for dest, option in getattr(parser, "given", {}).items():
+        if option not in benchmark_flags:
+            continue
+        name = option.lstrip("-")
+        owners = [f"{method.name}'s {name}" for f in dataclasses.fields(method) if f.name == name]
+        for axis in AXES:
+            unit = getattr(method, axis.field)
+            if unit is not None and name in {f.name for f in dataclasses.fields(unit)}:
+                qualified = axis.qualified(name)
+                owners.append(f"the {axis.kind} {unit.name}'s {name}" + (f" (write --{qualified})"
+                                                                         if qualified != name else ""))
+        if owners:
+            action = parser._option_string_actions[option]
+            other = next((o for o in action.option_strings if o != option), None)
+            benchmark = getattr(parser, "benchmark_name", "the benchmark")
+            raise ValueError(f"{option} names two settings here: {benchmark}'s {dest}"
+                             f"{f' (write {other})' if other else ''} and {' and '.join(owners)}; write the one you "
+                             f"mean")

@@ -19,14 +19,18 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from pyramidkv.runner.arguments import ArgumentParser
 from pyramidkv.runner.cli import (
-    INPUT_ERRORS, QUESTION_AS_DECODE_SUFFIX, add_model_and_method_args, apply_num_threads, check_model_args,
-    check_run_args, fail, method_from_args, model_label, run_dir, run_fingerprint,
+    INPUT_ERRORS, QUESTION_AS_DECODE_SUFFIX, HelpScope, add_model_and_method_args, apply_num_threads,
+    check_model_args, check_run_args, check_shared_names, effective_method, fail, method_from_args, method_inputs,
+    model_label, run_dir,
+    run_fingerprint,
 )
 
 
@@ -65,9 +69,12 @@ class Benchmark:
     prog = ""
     description = ""
     key = "index"
+    given: dict = {}        # {dest: the option as typed} of this run's command line (set before check_arguments)
     # Batches of more than one sample are formed longest prompt first (see `batches`), so the rows of a file
     # come batch by batch; only for a benchmark whose scores do not depend on the order of the rows.
     batch_by_length = False
+    # The flags (dests) that name a file or folder the run reads: fingerprinted by content (run_folder.input_files).
+    input_paths: tuple[str, ...] = ()
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """The benchmark's own flags (its --save_dir included)."""
@@ -123,11 +130,15 @@ def write_results(out_dir: Path, result: dict, header: Sequence[str], rows: Sequ
     atomic_write_text(out_dir / "results.csv", text.getvalue())
 
 
-def build_parser(benchmark: Benchmark) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=benchmark.prog, description=benchmark.description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) -> ArgumentParser:
+    """The runner's parser (runner/arguments.py: no abbreviations, no setting given twice, ASCII numbers);
+    when `argv` asks for --help with a --method, the help shows that method's settings only."""
+    parser = ArgumentParser(prog=benchmark.prog, description=benchmark.description,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     benchmark.add_arguments(parser)
-    add_model_and_method_args(parser)
+    parser.benchmark_flags = set(parser._option_string_actions) - {"-h", "--help"}
+    parser.benchmark_name = benchmark.name
+    add_model_and_method_args(parser, _help_scope(argv))
     p = parser.add_argument_group("protocol")
     p.add_argument("--question_as_decode", action="store_true",
                    help="prefill only each prompt's context and feed its question part (everything after the "
@@ -140,31 +151,52 @@ def build_parser(benchmark: Benchmark) -> argparse.ArgumentParser:
     return parser
 
 
+def _help_scope(argv: Optional[Sequence[str]]) -> Optional[HelpScope]:
+    """The method whose settings --help shows: the --method value when argv asks for help (None: all)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not {"-h", "--help"} & set(argv):
+        return None
+    for i, word in enumerate(argv):
+        if word.startswith("--method="):
+            return HelpScope.of(word.partition("=")[2])
+        if word == "--method" and i + 1 < len(argv):
+            return HelpScope.of(argv[i + 1])
+    return None
+
+
 def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) -> int:
     """The whole run (see the module docstring); returns the exit status."""
-    parser = build_parser(benchmark)
+    parser = build_parser(benchmark, argv)
     args = parser.parse_args(argv)
+    benchmark.given = parser.given
     try:
         check_run_args(parser, args)
         benchmark.check_arguments(args)
         method = method_from_args(args, parser)
-        out_dir = run_dir(args.save_dir, benchmark.model_label(args), method, args.question_as_decode)
+        check_shared_names(parser, method)
     except (ValueError, TypeError) as e:
+        fail(parser, e)
+    # The folder is named after the model's config is read: the method's settings are checked against the model
+    # and written as what they are on it (effective_method), so one configuration has one folder.
+    try:
+        try:
+            model_check = check_model_args(args, method)
+        except ValueError as e:
+            raise ValueError(_with_typed_flags(parser, args, str(e))) from None
+        method = effective_method(method, model_check)
+        out_dir = run_dir(args.save_dir, benchmark.model_label(args), method, args.question_as_decode)
+    except INPUT_ERRORS as e:
         fail(parser, e)
     if args.print_run_dir:
         print(out_dir)
         return 0
 
-    from pyramidkv.runner.run_folder import check_writable, exit_on_disk_full, open_run_folder
+    from pyramidkv.runner.run_folder import check_writable, exit_on_disk_full, input_files, open_run_folder
 
     try:
         from transformers import AutoTokenizer
 
         check_writable(out_dir)
-        try:
-            model_check = check_model_args(args, method)
-        except ValueError as e:
-            raise ValueError(_with_typed_flags(parser, args, str(e))) from None
         config = model_check[1]
         tokenizer = AutoTokenizer.from_pretrained(model_check[0])
         files = benchmark.prepare(args, tokenizer, config, out_dir)
@@ -172,7 +204,8 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
         for sample_file in files:
             if (out_dir / sample_file.file_name).is_file():
                 benchmark.check_resume(out_dir / sample_file.file_name, sample_file)
-        fingerprint = run_fingerprint(args, method, model_check, benchmark.fingerprint_extra(args, tokenizer))
+        inputs = input_files({**method_inputs(method, config), **benchmark_inputs(benchmark, args)})
+        fingerprint = run_fingerprint(args, method, model_check, benchmark.fingerprint_extra(args, tokenizer), inputs)
         lock = open_run_folder(out_dir, fingerprint, args.overwrite,
                                {action.dest: action.default for action in parser._actions},
                                method.settings_at_default())
@@ -187,7 +220,7 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
         with exit_on_disk_full(out_dir):
             write_run_meta(out_dir, _recorded_arguments(args), method, extra={
                 "benchmark": benchmark.name, "method_spec": method_spec(method),
-                "resolved_model_path": str(model_check[0]), **benchmark.meta_extra(args, files),
+                "resolved_model_path": str(model_check[0]), "input_files": inputs, **benchmark.meta_extra(args, files),
             }, fingerprint=fingerprint)
             print(f"results -> {out_dir}")
             decode_pending(args, method, benchmark, files, out_dir)
@@ -200,6 +233,16 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
     if result is not None:
         print(benchmark.format(result))
     return 0
+
+
+def benchmark_inputs(benchmark: Benchmark, args: argparse.Namespace) -> dict[str, str]:
+    """{"--flag=value": value} of each file or folder the benchmark's flags name (a list flag: each value)."""
+    out = {}
+    for dest in benchmark.input_paths:
+        value = getattr(args, dest, None)
+        for given in ([] if value is None else value if isinstance(value, list) else [value]):
+            out[f"--{dest}={given}"] = str(given)
+    return out
 
 
 def _with_typed_flags(parser, args, message: str) -> str:

@@ -13,12 +13,20 @@ from pathlib import Path
 from typing import Any, Iterable
 
 
+def _umask() -> int:
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: Path, text: str) -> None:
-    """Replace `path` with `text` atomically (write a temp file in the same folder, then rename)."""
+    """Replace `path` with `text` atomically (write a temp file in the same folder, then rename), with the
+    permissions open() gives a new file (0666 less the umask; mkstemp's own are 0600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()

@@ -186,15 +186,38 @@ def model_fingerprint(resolved_path: str) -> dict:
             if p.is_file() and not p.name.startswith(".")}
 
 
+def input_files(named: dict[str, str]) -> dict[str, str]:
+    """{name: absolute path} of the files a run reads ({"pattern_table=t.json": "t.json"}), a folder as each
+    file under it ({"data_dir=d/qasper.jsonl": ...}, hidden files left out), paths resolved against the working
+    directory now: what run_meta.json records and input_digests reads."""
+    out = {}
+    for name, given in named.items():
+        path = Path(given).expanduser().absolute()
+        if path.is_dir():
+            for inner in sorted(p for p in path.rglob("*") if p.is_file()):
+                relative = inner.relative_to(path)
+                if not any(part.startswith(".") for part in relative.parts):
+                    out[f"{name.rstrip('/')}/{relative.as_posix()}"] = str(inner)
+        else:
+            out[name] = str(path)
+    return out
+
+
+def input_digests(files: dict[str, str]) -> dict[str, str]:
+    """{name: size:hash} of input_files' files (a file that is not there: "missing")."""
+    return {name: file_digest(Path(path)) if Path(path).is_file() else "missing" for name, path in files.items()}
+
+
 def generation_fingerprint(args: dict, method, model_files: dict, resolved: dict,
-                           extra: Optional[dict] = None) -> dict:
+                           extra: Optional[dict] = None, inputs: Optional[dict] = None) -> dict:
     """What decides the predictions: the method's full description, every argument not in
-    NON_GENERATING_ARGS (with RESOLVED_ARGS replaced by `resolved`), the model files, and
-    runner-specific `extra` facts (e.g. the needle text)."""
+    NON_GENERATING_ARGS (with RESOLVED_ARGS replaced by `resolved`), the model files, the content of every
+    other file the run reads (`inputs`, input_digests: a table or data file edited in place, or a relative path
+    read from another working directory, shows) and runner-specific `extra` facts (e.g. the needle text)."""
     arguments = {k: v for k, v in args.items() if k not in NON_GENERATING_ARGS and k not in RESOLVED_ARGS}
     arguments.update(resolved)
     fingerprint = {"method": method.describe(), "arguments": dict(sorted(arguments.items())),
-                   "model_files": model_files, **(extra or {})}
+                   "model_files": model_files, **({"input_files": inputs} if inputs else {}), **(extra or {})}
     return json.loads(json.dumps(fingerprint, default=str))   # the form it has once read back from disk
 
 
@@ -210,6 +233,7 @@ def fingerprint_differences(old: dict, new: dict, argument_defaults: Optional[di
     default changes nothing) counts as equal when the new run leaves it at its default (`method_at_default`)."""
     defaults = json.loads(json.dumps(argument_defaults or {}, default=str))
     at_default = set(method_at_default)
+    old = _legacy_head_scores(old)
     lines = []
     for section in sorted(set(old) | set(new)):
         a, b = old.get(section), new.get(section)
@@ -221,11 +245,23 @@ def fingerprint_differences(old: dict, new: dict, argument_defaults: Optional[di
         if isinstance(a, dict) and isinstance(b, dict):
             for key in sorted(set(a) | set(b)):
                 if a.get(key, "<unset>") != b.get(key, "<unset>"):
-                    name = f"model file {key}" if section == "model_files" else f"{section}.{key}"
+                    name = {"model_files": "model file ", "input_files": "input file "}.get(section, f"{section}.")
+                    name += key
                     lines.append(f"{name}: {a.get(key, '<unset>')!r} -> {b.get(key, '<unset>')!r}")
         elif a != b:
             lines.append(f"{section}: {a!r} -> {b!r}")
     return lines
+
+
+def _legacy_head_scores(fingerprint: dict) -> dict:
+    """A fingerprint from before every input file was digested: its head table's digest ("head_scores_file")
+    as the input_files entry of that table."""
+    if "head_scores_file" not in fingerprint:
+        return fingerprint
+    out = {k: v for k, v in fingerprint.items() if k != "head_scores_file"}
+    table = ((fingerprint.get("method") or {}).get("head_allocation") or {}).get("head_scores")
+    out["input_files"] = {**(fingerprint.get("input_files") or {}), f"head_scores={table}": fingerprint["head_scores_file"]}
+    return out
 
 
 def _legacy_quest(method: dict) -> dict:

@@ -75,5 +75,8 @@ class SparsePrefill(Component):
         """queries [B, Hq, n, D], keys [B, Hkv, n, D] after RoPE -> the layer's pattern (None: dense)."""
         raise NotImplementedError
 
+    def check_prompt(self, prompt_len: int) -> None:
+        """Fail with one line when on a prompt of prompt_len tokens a setting would not be what it says."""
+
     def check_model(self, model: ModelShape) -> None:
         """Fail with one line, before any prompt runs, when the unit cannot serve this model."""

@@ -46,6 +46,7 @@ class MInference(SparsePrefill):
     block_top_k: int = 100
     slash_coverage: str = "kernel"
     start_layer: int = 0
+    path_settings = ("pattern_table",)
 
     def validate(self) -> None:
         for setting in ("last_q", "block_size", "block_top_k"):
@@ -58,7 +59,27 @@ class MInference(SparsePrefill):
         if self.pattern_table is not None and not Path(self.pattern_table).is_file():
             raise ValueError(f"pattern_table {self.pattern_table!r} is not a file")
 
+    def check_prompt(self, prompt_len: int) -> None:
+        if self.last_q != type(self)().last_q and self.last_q > prompt_len:
+            raise ValueError(f"last_q {self.last_q} is longer than the {prompt_len}-token prompt: the run would estimate "
+                             f"the index with all {prompt_len} queries under a label that says {self.last_q}; use "
+                             f"last_q <= {prompt_len}")
+
+    def packaged_files(self, model: Optional[ModelShape]) -> dict[str, str]:
+        if self.pattern_table is not None or model is None or not model.name:
+            return {}
+        path = default_pattern_table(model.name)
+        return {f"pattern_table=packaged {path.name}": str(path)}
+
     def check_model(self, model: ModelShape) -> None:
+        context = getattr(model, "context_window", None)
+        if context and self.last_q > context:
+            raise ValueError(f"last_q {self.last_q} is longer than any prompt of this model (max_position_embeddings "
+                             f"{context}); use last_q <= {context}")
+        if self.start_layer >= model.num_layers:
+            raise ValueError(f"start_layer {self.start_layer} leaves none of the model's {model.num_layers} layers "
+                             f"sparse (every layer would prefill densely: that is fullkv); use start_layer < "
+                             f"{model.num_layers}")
         if model.context_window and self.block_size > model.context_window:
             raise ValueError(f"block_size {self.block_size} is longer than the model's context window "
                              f"({model.context_window} tokens): one block would hold every prompt; allowed: 1 <= "

@@ -3,8 +3,9 @@ object per layer, {"head": [pattern, vertical_size, slash_size, score]} for each
 pattern one of "vertical_and_slash", "stream_llm" (A-shape: vertical_size initial tokens + a local band of
 slash_size) or "block_sparse" (the sizes unused). scripts/minference_patterns.py writes one for any model.
 
-Packaged tables live in pyramidkv/sparse_prefill/data/patterns/, named {model}.json: `model` matched
-case-insensitively as a substring of the model path's last component (the longest match wins).
+Packaged tables live in pyramidkv/sparse_prefill/data/patterns/, named {model}.json: `model` is the model
+the table was made for, known by its content (components.model_digest, listed in data/models.json), never by
+its folder's name.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pyramidkv.components import packaged_model
+
 PATTERNS = ("vertical_and_slash", "stream_llm", "block_sparse")
 PACKAGED_PATTERNS_DIR = Path(__file__).resolve().parent / "data" / "patterns"
+# {model: content digest} of the models the packaged tables were made for.
+PACKAGED_MODELS = Path(__file__).resolve().parent / "data" / "models.json"
 
 # One head's entry: (pattern, vertical_size, slash_size).
 HeadPattern = tuple[str, int, int]
@@ -46,6 +51,9 @@ def load_pattern_table(path) -> list[list[HeadPattern]]:
                 raise ValueError(f"pattern table {path}: layer {layer} head {head}: expected [pattern, vertical_size, "
                                  f"slash_size, score] with pattern one of {', '.join(PATTERNS)} and sizes integers "
                                  f">= 0, got {entry!r}")
+            if entry[0] != "block_sparse" and entry[1] + entry[2] == 0:
+                raise ValueError(f"pattern table {path}: layer {layer} head {head}: {entry[0]} with vertical_size 0 and "
+                                 f"slash_size 0 computes no attention entry; give at least one column or diagonal")
             row.append((entry[0], entry[1], entry[2]))
         table.append(row)
     return table
@@ -60,12 +68,18 @@ def check_table_shape(table: list[list[HeadPattern]], num_layers: int, num_query
 
 
 def default_pattern_table(model_name_or_path: str) -> Path:
-    """The packaged table whose model name is a substring of the path's last component; ValueError otherwise."""
-    last = Path(str(model_name_or_path).rstrip("/\\")).name.lower()
-    tables = {p.stem.lower(): p for p in sorted(PACKAGED_PATTERNS_DIR.glob("*.json"))}
-    matches = [model for model in tables if model in last]
-    if not matches:
-        raise ValueError(f"no packaged MInference pattern table for this model ({model_name_or_path!r}; packaged: "
-                         f"{', '.join(sorted(tables)) or 'none'}); write one with `python scripts/minference_patterns.py "
-                         f"--model_path M --out FILE` and pass it as pattern_table=FILE")
-    return tables[max(matches, key=len)]
+    """The packaged table made for the model at `model_name_or_path`, known by its content; ValueError
+    otherwise (asking for an explicit table where its folder is named like a packaged model it is not)."""
+    tables = {p.stem: p for p in sorted(PACKAGED_PATTERNS_DIR.glob("*.json"))}
+    digests = json.loads(PACKAGED_MODELS.read_text(encoding="utf-8"))
+    model, alike = packaged_model(model_name_or_path, {name: digests[name] for name in tables if name in digests})
+    make = ("write one with `python scripts/minference_patterns.py --model_path M --out FILE` and pass it as "
+            "pattern_table=FILE")
+    if model is not None:
+        return tables[model]
+    if alike is not None:
+        raise ValueError(f"{model_name_or_path!r} is named like {alike} but is not the model its packaged MInference "
+                         f"pattern table was made for (its config or weights differ: a fine-tune or another "
+                         f"checkpoint); {make}")
+    raise ValueError(f"no packaged MInference pattern table for this model ({model_name_or_path!r}; packaged: "
+                     f"{', '.join(sorted(tables)) or 'none'}); {make}")

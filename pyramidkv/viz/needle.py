@@ -31,6 +31,7 @@ import numpy as np
 from matplotlib.colors import LinearSegmentedColormap
 
 from pyramidkv.benchmarks.needle import SCORES
+from pyramidkv.runner.arguments import ArgumentParser
 from pyramidkv.runner.results import read_jsonl
 from pyramidkv.viz.plots import Plot
 
@@ -50,13 +51,18 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def run_identity(run_dir: Path) -> dict:
-    """model, method, budget: from results.json, else run_meta.json, else the folder names."""
+    """model, method (its label: snapkv_merge=pivot), budget: from results.json, else run_meta.json, else the
+    folder names."""
+    from pyramidkv.runner.cli import recorded_method_label
+
     run_dir = Path(run_dir)
     results = run_dir / "results.json"
     if results.is_file():
         try:
             data = json.loads(results.read_text(encoding="utf-8"))
-            return {"model": data.get("model"), "method": data.get("method"), "budget": data.get("budget")}
+            # A results.json from before it carried the label names only the method: its folder has the label.
+            method = data.get("method") if "method_spec" in data else run_dir.resolve().name
+            return {"model": data.get("model"), "method": method, "budget": data.get("budget")}
         except (json.JSONDecodeError, AttributeError):
             pass
     meta = run_dir / "run_meta.json"
@@ -67,7 +73,7 @@ def run_identity(run_dir: Path) -> dict:
             budget = method.get("budget")
             if budget is None and method.get("budget_ratio") is not None:
                 budget = f"r{method['budget_ratio']:g}"
-            return {"model": data.get("model_version"), "method": method.get("method", run_dir.name),
+            return {"model": data.get("model_version"), "method": recorded_method_label(data, run_dir.resolve()),
                     "budget": budget}
         except (json.JSONDecodeError, AttributeError):
             pass
@@ -217,8 +223,8 @@ def plot_grid(paths: Sequence[Path], out: Optional[Path] = None, metric: str = "
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line (scripts/scripts_needle/visualize.py)."""
-    p = argparse.ArgumentParser(prog="visualize.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="visualize.py", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results_dir", nargs="?", help="a run folder (holding needle.jsonl)")
     p.add_argument("--grid", nargs="+", metavar="DIR", help="run folders (or parents to search) to draw side by side")
     p.add_argument("--out", default=None, help="PNG path (default: next to the results)")

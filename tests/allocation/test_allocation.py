@@ -168,9 +168,10 @@ def test_run_folders_tell_allocations_apart():
     names = {
         ("adakv", ()): "adakv",
         ("adakv", (("floor_ratio", 0.5),)): "adakv_floor_ratio=0.5",
-        ("snapkv", (("head_allocation", "adakv"),)): "snapkv_head_allocation=adakv",
+        ("snapkv", (("head_allocation", "adakv"),)): "adakv",     # the same computation: one name (canonical)
         ("h2o", (("head_allocation", "adakv"), ("floor_ratio", 0.3))): "h2o_head_allocation=adakv-floor_ratio=0.3",
-        ("snapkv", (("layer_allocation", "zigzag"),)): "snapkv_layer_allocation=zigzag",
+        ("snapkv", (("layer_allocation", "zigzag"),)): "zigzagkv",
+        ("snapkv", (("head_allocation", "adakv"), ("layer_allocation", "zigzag"))): "adakv_layer_allocation=zigzag",
         ("pyramidkv", (("beta", 10.0),)): "pyramidkv_beta=10",
         ("headkv", (("head_scores", "/tables/llama.json"),)): "headkv_head_scores=-tables-llama.json",
     }

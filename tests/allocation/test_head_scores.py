@@ -168,12 +168,13 @@ def test_script_both_kinds_naming(tmp_path, smollm2_path):
 
 def test_default_head_scores_path_finds_packaged_table(smollm2_path):
     expected = ROOT / "pyramidkv" / "allocation" / "data" / "head_scores" / "smollm2-135m_reasoning.json"
-    assert default_head_scores_path("smollm2-135m") == expected
-    assert default_head_scores_path(smollm2_path) == expected           # .../smollm2-135m-instruct
-    assert default_head_scores_path("HuggingFaceTB/SmolLM2-135M-Instruct") == expected
-    assert default_head_scores_path("smollm2-135m", kind="retrieval").name == "smollm2-135m_retrieval.json"
+    assert default_head_scores_path(smollm2_path) == expected           # found by the folder's content
+    assert default_head_scores_path(smollm2_path, kind="retrieval").name == "smollm2-135m_retrieval.json"
     assert load_head_scores(expected).shape == (30, 9)
-    assert load_head_scores(default_head_scores_path("smollm2-135m", kind="retrieval")).shape == (30, 9)
+    assert load_head_scores(default_head_scores_path(smollm2_path, kind="retrieval")).shape == (30, 9)
+    for name in ("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct"):   # a name alone cannot show its content
+        with pytest.raises(ValueError, match="is named like smollm2-135m but is not the model"):
+            default_head_scores_path(name)
 
 
 def test_default_head_scores_path_refuses_other_models():
@@ -188,4 +189,4 @@ def test_default_head_scores_path_refuses_other_models():
 
 def test_packaged_tables_are_package_data():
     text = (ROOT / "pyproject.toml").read_text()
-    assert '"pyramidkv.allocation" = ["data/head_scores/*.json"]' in text
+    assert '"pyramidkv.allocation" = ["data/head_scores/*.json", "data/models.json"]' in text

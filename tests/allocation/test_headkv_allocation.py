@@ -110,4 +110,4 @@ def test_a_head_table_edited_in_place_changes_the_run_fingerprint(tmp_path, smol
     before = run_fingerprint(args, method, (smollm2_path, None, "cpu", "float32"))
     write_table(tmp_path / "t.json", {f"{l}-{h}": [9.0 - h] for l in range(30) for h in range(9)})
     after = run_fingerprint(args, method, (smollm2_path, None, "cpu", "float32"))
-    assert any(line.startswith("head_scores_file:") for line in fingerprint_differences(before, after))
+    assert any(line.startswith(f"input file head_scores={table}:") for line in fingerprint_differences(before, after))

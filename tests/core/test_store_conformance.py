@@ -24,7 +24,7 @@ from tests.helpers import prefill
 # One method per store kind whose units name it. A kind added to STORES without a row here fails below.
 KIND_METHODS = {
     "full_precision": dict(name="snapkv", budget=40, window_size=8),
-    "paged": dict(name="snapkv", budget=40, window_size=8, page_budget=4096, page_size=4, page_dense_layers=1),
+    "paged": dict(name="quest", budget=4096, page_size=4, page_dense_layers=1),   # every page read: a dense reference
     "quantized": dict(name="snapkv", budget=40, window_size=8, quant_method="kivi", nbits=4, group_size=8,
                       residual_length=8),
     "paired": dict(name="snapkv", budget=40, window_size=8, cross_layer_merge=True, cross_layer_start=0),
@@ -108,8 +108,8 @@ def test_store_fulfils_the_contract(random_llama, kind):
 @pytest.mark.parametrize("settings,ability,kind", [
     (dict(name="snapkv", budget=64, decode_budget=64, quant_method="kivi"), "re-select while decoding", "quantized"),
     (dict(name="snapkv", budget=64, decode_budget=64, cross_layer_merge=True), "re-select while decoding", "paired"),
-    (dict(name="h2o", budget=64, decode_budget=64, page_budget=32), "keep decode-time attention statistics", "paged"),
-    (dict(name="scissorhands", budget=64, decode_budget=64, page_budget=32), "keep decode-time attention statistics",
+    (dict(name="h2o", budget=64, decode_budget=64, page_budget=48), "keep decode-time attention statistics", "paged"),
+    (dict(name="scissorhands", budget=64, decode_budget=64, page_budget=48), "keep decode-time attention statistics",
      "paged"),
 ])
 def test_an_ability_the_store_lacks_is_refused_when_the_method_is_made(settings, ability, kind):

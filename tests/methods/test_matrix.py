@@ -113,8 +113,8 @@ def combinations(name: str, head: str):
 
 def settings(cls, head: str, layer: str, merge, quant, decode, tables: dict) -> dict:
     chosen = {"head_allocation": head, "layer_allocation": layer}
-    if cls.needs_budget:
-        chosen["budget"] = BUDGET
+    if cls.needs_budget:   # Quest's reads whole pages, at least 3 of 16: 48
+        chosen["budget"] = 48 if cls.name in KEEPS_THE_PROMPT else BUDGET
     if head == "headkv":
         chosen["head_scores"] = tables["head_scores"]
     if merge is not None:

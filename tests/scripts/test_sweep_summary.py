@@ -46,7 +46,7 @@ def test_sweep_variants_run_each_method_and_budget_with_each_flag_set():
 
 def test_slurm_array_index_runs_its_own_task():
     env = dict(METHODS="snapkv h2o", BUDGETS="64 128", PYTHON="echo")
-    assert "5 tasks: --array=0-4" in bash("bash scripts/slurm/sweep.sbatch --count", **env).stdout
+    assert "5 tasks: --array=0-4" in bash("bash scripts/slurm/sweep.sbatch --count ruler out", **env).stdout
     got = bash("bash scripts/slurm/sweep.sbatch ruler out --context_lengths 2048", SLURM_ARRAY_TASK_ID="3", **env)
     assert got.returncode == 0, got.stderr
     assert got.stdout.split() == ["run_ruler.py", "--method", "h2o", "--max_capacity_prompts", "64",

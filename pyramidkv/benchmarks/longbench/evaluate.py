@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from pyramidkv.runner.arguments import ArgumentParser
 from pyramidkv.runner.results import iter_jsonl
 from pyramidkv.benchmarks.longbench.metrics import (
     DATASET2METRIC, LENGTH_BUCKETS, length_bucket, score_dataset, score_dataset_e,
@@ -103,7 +104,7 @@ def read_predictions(path: Path) -> list[dict]:
 
 def run_identity(run_dir: Path) -> dict:
     """model, method and budget of a run: from run_meta.json, else from {model}_{budget}/{method}."""
-    from pyramidkv.runner.cli import model_label
+    from pyramidkv.runner.cli import model_label, recorded_method_label
 
     run_dir = Path(run_dir).resolve()
     meta_path = run_dir / "run_meta.json"
@@ -116,7 +117,7 @@ def run_identity(run_dir: Path) -> dict:
             if budget is None and method.get("budget_ratio") is not None:
                 budget = f"r{method['budget_ratio']:g}"
             return {"model": model_label(str(arguments.get("model_path", ""))) or None,
-                    "method": method.get("method", run_dir.name), "budget": budget}
+                    "method": recorded_method_label(meta, run_dir), "budget": budget}
         except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
             print(f"warning: {meta_path} is unreadable; naming the run after its folders", file=sys.stderr)
     if run_dir.parent.name in ("pred", OFFICIAL_E_FOLDER):  # the official layout pred[_e]/<model>/
@@ -218,7 +219,7 @@ def format_table(results: Sequence[dict]) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from pyramidkv.runner.results import atomic_write_text
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="eval.py",
         description="Score LongBench predictions with the official metrics. Give a run folder "
                     "({save_dir}/{model}_{budget}/{method}) or a tree of them (e.g. the --save_dir).",

@@ -320,6 +320,7 @@ class LongBench(Benchmark):
     prog = "run_longbench.py"
     description = "Run LongBench v1 with a KV-cache compression method; `--eval` scores the run afterwards."
     key = "_id"
+    input_paths = ("data_dir",)
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         d = parser.add_argument_group("LongBench")
@@ -333,7 +334,9 @@ class LongBench(Benchmark):
         d.add_argument("--max_num_examples", type=int, default=None, help="at most this many samples per dataset")
         d.add_argument("--sample_method", choices=["topk", "random"], default="topk",
                        help="with --max_num_examples: the first N rows (topk) or N random rows (random, --seed)")
-        d.add_argument("--seed", type=int, default=42)
+        d.add_argument("--seed", "--sample_seed", type=int, default=42,
+                       help="with --sample_method random: the seed that draws the rows (decoding is greedy: nothing "
+                            "else is random); --sample_seed when the method has a seed of its own (CaM's, GEAR's)")
         d.add_argument("--eval_batch_size", type=int, default=1, help="prompts per batch (left-padded)")
         d.add_argument("--max_length", type=int, default=None,
                        help="prompt tokens kept (middle truncation); when not given: known-model table, else the "
@@ -349,6 +352,11 @@ class LongBench(Benchmark):
             value = getattr(args, flag)
             if value is not None and value < 1:
                 raise ValueError(f"--{flag} must be >= 1, got {value}")
+        if "seed" in self.given and args.sample_method != "random":
+            raise ValueError(f"{self.given['seed']} {args.seed} has no effect: it draws the rows of --sample_method "
+                             f"random, and decoding is greedy; give --sample_method random, or leave it out")
+        if args.sample_method == "random" and args.max_num_examples is None:
+            raise ValueError("--sample_method random has no effect without --max_num_examples (every row is used)")
         if args.max_length is not None and args.max_length < 2:
             raise ValueError(f"--max_length must be >= 2, got {args.max_length}")
         self.datasets = resolve_datasets(args.datasets, args.e)

@@ -13,14 +13,16 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from pyramidkv.runner.arguments import ArgumentParser
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from pyramidkv.benchmarks.ruler.run import resolve_tasks
     from pyramidkv.benchmarks.ruler.tasks import DEFAULT_TASKS
     from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
 
-    parser = argparse.ArgumentParser(prog="python -m pyramidkv.benchmarks.ruler", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="python -m pyramidkv.benchmarks.ruler", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME, help="whose tokenizer sizes the samples")
     parser.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS))
     parser.add_argument("--context_lengths", nargs="+", type=int, default=[4096])

@@ -51,6 +51,7 @@ class Ruler(Benchmark):
     description = "RULER (offline generator) under a KV-cache compression method: samples, predictions, scores."
     key = "index"
     batch_by_length = True   # score_run takes the rows in the samples' order
+    input_paths = ("data_file", "data_dir", "squad_file", "hotpot_file")
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         r = parser.add_argument_group("RULER")
@@ -62,7 +63,9 @@ class Ruler(Benchmark):
                        help=f"target lengths in tokens (prompt after the chat template + tokens to generate); when "
                             f"not given: {DEFAULT_CONTEXT_LENGTH}")
         r.add_argument("--num_samples", type=int, default=25, help="samples per task and length")
-        r.add_argument("--seed", type=int, default=42, help="generator seed (same seed -> identical samples)")
+        r.add_argument("--seed", "--generator_seed", type=int, default=42,
+                       help="the sample generator's seed (same seed -> identical samples); --generator_seed when the "
+                            "method has a seed of its own (CaM's, GEAR's: --merge_seed, --quant_seed)")
         r.add_argument("--eval_batch_size", type=int, default=1, help="prompts decoded together (left padding)")
         r.add_argument("--save_dir", default="results/ruler",
                        help="predictions go to {save_dir}/{model}_{budget}/{method}/{task}_{length}.jsonl")
@@ -224,6 +227,7 @@ def check_resume(path: Path, sample_set: SampleSet) -> None:
 def score_run(out_dir: Path, sets: Sequence[SampleSet], model_name: str, method) -> dict:
     """Scores of the finished sample sets -> results.json and results.csv (both written atomically)."""
     from pyramidkv.benchmarks.ruler.scoring import score_task
+    from pyramidkv.methods import method_spec
     from pyramidkv.runner.cli import budget_value
     from pyramidkv.runner.results import read_unique_rows
 
@@ -238,8 +242,8 @@ def score_run(out_dir: Path, sets: Sequence[SampleSet], model_name: str, method)
         scores[s.key] = score_task(s.task, [r["pred"] for r in rows], [r["outputs"] for r in rows])
         counts[s.key] = len(rows)
     average = round(math.fsum(scores.values()) / len(scores), 2) if scores else None
-    result = {"benchmark": "ruler", "model": model_name, "method": method.name, "budget": budget_value(method),
-              "scores": scores, "average": average, "num_samples": counts}
+    result = {"benchmark": "ruler", "model": model_name, "method": method.label(), "method_spec": method_spec(method),
+              "budget": budget_value(method), "scores": scores, "average": average, "num_samples": counts}
     table = [[s.task, s.length, scores[s.key], counts[s.key]] for s in sets if s.key in scores]
     table.append(["average", "", "" if average is None else average, sum(counts.values())])
     write_results(out_dir, result, ["task", "length", "score", "num_samples"], table)

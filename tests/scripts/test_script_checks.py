@@ -1,0 +1,121 @@
+"""Scripts check every value before any work (issue 25): one line `<script>: error: ...`, exit status 2, no
+model loaded, nothing run; the sweep reads paths from the caller's folder and the SLURM count checks the grid."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, load_script
+
+
+SCRIPTS = {name: load_script(name, ROOT / path) for name, path in (
+    ("minference_patterns", "scripts/minference_patterns.py"), ("benchmark_quest", "measure/benchmark_quest.py"),
+    ("benchmark_minference", "measure/benchmark_minference.py"))}
+
+
+def one_line_error(name: str, argv, capsys, monkeypatch) -> str:
+    """The error of a script's main(argv), run in this process with loading the model failing the test."""
+    import pyramidkv.models.loading as loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    monkeypatch.setattr(SCRIPTS[name], "load_model", loading.load_model, raising=False)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        SCRIPTS[name].main(list(argv))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    assert err.count("\n") == 1 and err.startswith(f"{name}.py: error: "), err
+    return err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--out", "/no/such/folder/patterns.json"], "'/no/such/folder' does not exist"),
+    (["--out", "{tmp}"], "is a folder"),
+    (["--out", "{tmp}/p.json", "--selection", "cheapest", "--min_recall", "1.5"], "--min_recall 1.5"),
+    (["--out", "{tmp}/p.json", "--selection", "cheapest", "--min_recall", "nan"], "'nan'"),
+    (["--out", "{tmp}/p.json", "--min_recall", "0.9"], "only applies with --selection cheapest"),
+    (["--out", "{tmp}/p.json", "--threads", "0"], "--threads 0"),
+    (["--out", "{tmp}/p.json", "--context_length", "10"], "--context_length 10"),
+    (["--out", "{tmp}/p.json", "--context_length", "100000"], "above the model's window"),
+    (["--out", "{tmp}/p.json", "--rows_from", "5000", "--context_length", "2048"], "--rows_from 5000"),
+    (["--out", "{tmp}/p.json", "--min_rec", "0.5"], "unrecognized arguments: --min_rec"),
+    (["--out", "{tmp}/p.json", "--threads", "1", "--threads", "2"], "--threads 1 and --threads 2"),
+])
+def test_minference_patterns_refuses_bad_values_at_once(argv, says, tmp_path, capsys, monkeypatch):
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    assert says in one_line_error("minference_patterns", argv, capsys, monkeypatch)
+    assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--tasks", "passkey", "--lengths", "10"], "--lengths 10: length 10 is too short for the pass-key task"),
+    (["--tasks", "niah_single_1", "--lengths", "10"], "--lengths 10"),
+    (["--tasks", "nope", "--lengths", "512"], "unknown RULER task 'nope'"),
+    (["--lengths", "0"], "--lengths 0"),
+    (["--num_samples", "0"], "--num_samples 0"),
+    (["--batch_size", "0"], "--batch_size 0"),
+    (["--threads", "٢"], "'٢'"),
+    (["--methods", "snapkvv"], "unknown method 'snapkvv'"),
+    (["--methods", "fullkv"], "--methods fullkv with --budgets 64"),
+    (["--out", "/no/such/folder/q.json"], "does not exist"),
+])
+def test_benchmark_quest_refuses_bad_values_before_the_model_loads(argv, says, capsys, monkeypatch):
+    assert says in one_line_error("benchmark_quest", argv, capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--lengths", "10"], "--lengths 10"),
+    (["--task", "nope", "--lengths", "512"], "unknown RULER task 'nope'"),
+    (["--method", "snapkv"], "--method snapkv"),
+    (["--method", "snapkv:budget=x"], "'x'"),
+    (["--method", "snapkv:budget=64"], "no sparse prefill"),
+    (["--num_samples", "0"], "--num_samples 0"),
+    (["--threads", "0"], "--threads 0"),
+    (["--out", "/no/such/folder/m.json"], "does not exist"),
+])
+def test_benchmark_minference_refuses_bad_values_before_the_model_loads(argv, says, capsys, monkeypatch):
+    assert says in one_line_error("benchmark_minference", argv, capsys, monkeypatch)
+
+
+def fake_python(folder) -> str:
+    """A stand-in interpreter printing the folder it runs in and its arguments."""
+    path = folder / "python"
+    path.write_text('#!/bin/sh\necho "$PWD $*"\n')
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_sweep_reads_a_relative_save_dir_from_the_callers_folder(tmp_path):
+    got = subprocess.run(["bash", str(ROOT / "scripts" / "sweep.sh"), "ruler", "out", "--data_dir", "data"],
+                         cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "PYTHON": fake_python(tmp_path), "METHODS": "snapkv", "BUDGETS": "64",
+                              "FULLKV": "0"})
+    assert got.returncode == 0, got.stderr
+    lines = got.stdout.splitlines()
+    # the grid check, the run, the summary: each from the caller's folder, so "out" is tmp_path/out
+    assert lines[-2] == f"{tmp_path} {ROOT}/run_ruler.py --method snapkv --max_capacity_prompts 64 --save_dir out " \
+                        f"--data_dir data"
+    assert lines[-1] == f"{tmp_path} {ROOT}/scripts/summarize_results.py out"
+
+
+def test_slurm_count_checks_every_run_of_the_grid(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "METHODS": "snapkv", "BUDGETS": "64",
+           "VARIANTS": "-|--merge_fraction 2", "FULLKV": "0"}
+    got = subprocess.run(["bash", "scripts/slurm/sweep.sbatch", "--count", "ruler", str(tmp_path / "out")], cwd=ROOT,
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert got.returncode == 2 and "tasks" not in got.stdout
+    assert "invalid run 'snapkv 64|--merge_fraction 2'" in got.stderr and "1 of 2 runs" in got.stderr
+    # An array task of that grid runs nothing either, not even its own valid run.
+    got = subprocess.run(["bash", "scripts/slurm/sweep.sbatch", "ruler", str(tmp_path / "out")], cwd=ROOT,
+                         capture_output=True, text=True, env={**env, "SLURM_ARRAY_TASK_ID": "0"}, timeout=300)
+    assert got.returncode == 2 and "1 of 2 runs" in got.stderr and not (tmp_path / "out").exists()
+    # Without the benchmark and its arguments there is nothing to check: the usage.
+    got = subprocess.run(["bash", "scripts/slurm/sweep.sbatch", "--count"], cwd=ROOT, capture_output=True, text=True,
+                         env=env)
+    assert got.returncode == 2 and "--count ruler results/ruler" in got.stdout
