@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_installed_package_imports_every_module_and_draws_the_needle_heatmap(tmp_path):
+def test_installed_package_imports_every_module_and_draws_the_needle_heatmap(tmp_path, smollm2_path):
     source = tmp_path / "source"  # a copy, so the build leaves nothing in the checkout
     shutil.copytree(ROOT / "pyramidkv", source / "pyramidkv", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", source)
@@ -44,7 +44,7 @@ def test_installed_package_imports_every_module_and_draws_the_needle_heatmap(tmp
         for name in names:
             importlib.import_module(name)
         from pyramidkv.allocation.head_tables import default_head_scores_path
-        assert str(default_head_scores_path("smollm2-135m")).startswith({str(target)!r})
+        assert str(default_head_scores_path({smollm2_path!r})).startswith({str(target)!r})   # by content: models.json
         from pyramidkv.viz.needle import plot_run
         print(len(names), plot_run({str(run_dir)!r}, {str(out)!r}, annotate=True))
     """)

@@ -110,7 +110,9 @@ class QuestPages(Capability):
                 raise ValueError(f"page_budget_ratio {self.page_budget_ratio:g} gives round({self.page_budget_ratio:g} x "
                                  f"{prompt_len}) = {tokens} tokens on a {prompt_len}-token prompt, below page_min_count "
                                  f"{self.page_min_count} pages of {self.page_size} = {self.least_tokens}, which Quest "
-                                 f"reads anyway; use page_budget_ratio >= {self.least_tokens / prompt_len:.4g}")
+                                 f"reads anyway; " + (f"use page_budget_ratio >= {self.least_tokens / prompt_len:.4g}"
+                                                      if self.least_tokens <= prompt_len else
+                                                      "the prompt holds fewer pages: lower page_min_count"))
         if method is None or not method.needs_budget or method.budget_aliases or fixed_budget(method) is not None:
             return
         kept = prompt_kept(method, prompt_len)

@@ -31,7 +31,7 @@ from pyramidkv.components import Component
 from pyramidkv.core.context import DecodeScoreContext, ScoreContext
 from pyramidkv.merging import make_merge_rule
 from pyramidkv.merging.base import MergeRule
-from pyramidkv.methods.composition import check_units
+from pyramidkv.methods.composition import check_nothing_evicted, check_units
 from pyramidkv.quantization import make_quantizer
 from pyramidkv.quantization.base import Quantizer
 from pyramidkv.sparse_prefill import make_sparse_prefill
@@ -219,17 +219,6 @@ class Method(Component):
                                  f"prompt, below the {max(self.window_size, 1)} the budget must hold (window_size "
                                  f"{self.window_size}); use a ratio >= {needed:.4g} or a smaller window_size")
 
-    def _check_nothing_evicted(self) -> None:
-        """A method that keeps every prompt token has no window to protect and no scores to reduce over a query
-        group: those settings would only rename the run. (gqa_layout stays: query_head stores K/V per query head,
-        the published baselines' memory, and Quest's pages are then chosen per query head's copy.)"""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for setting in ("window_size", "gqa_reduce"):
-            if getattr(self, setting) != defaults[setting]:
-                raise ValueError(f"{self.name} keeps every prompt token, so {setting} has no effect (it only shapes "
-                                 f"which tokens an evicting method keeps); got {setting}={getattr(self, setting)!r}, "
-                                 f"leave it out")
-
     def validate(self) -> None:
         if self.gqa_layout not in GQA_LAYOUTS:
             raise ValueError(f"gqa_layout must be one of {'|'.join(GQA_LAYOUTS)}, got {self.gqa_layout!r}")
@@ -248,7 +237,7 @@ class Method(Component):
         if self.quant_method is not None:
             self.quant_method.check_budget(self.budget if self.needs_budget else None)
         if not self.needs_budget or self.budget_aliases:
-            self._check_nothing_evicted()
+            check_nothing_evicted(self)
         if not self.needs_budget:   # the checks of a method that keeps every token: its own validate (fullkv.py)
             return
         if self.merge is not None:

@@ -4,6 +4,8 @@ is one line naming both settings and why; nothing here is a hand-written pair of
 
 from __future__ import annotations
 
+import dataclasses
+
 from pyramidkv.capabilities.base import shown
 from pyramidkv.core.cache import STORES, store_abilities, store_kind
 
@@ -33,3 +35,14 @@ def check_units(method) -> None:
             setting = namers[0][0]
             raise ValueError(f"{asker} does not combine with {setting}={shown(method.setting(setting))}: the {kind} "
                              f"store it needs cannot {ABILITY_TEXT[ability]}; use one of them")
+
+
+def check_nothing_evicted(method) -> None:
+    """A method that keeps every prompt token has no window to protect and no scores to reduce over a query group:
+    those settings would only rename the run. (gqa_layout stays: query_head stores K/V per query head, the
+    published baselines' memory, and Quest's pages are then chosen per query head's copy.)"""
+    defaults = {f.name: f.default for f in dataclasses.fields(method)}
+    for setting in ("window_size", "gqa_reduce"):
+        if getattr(method, setting) != defaults[setting]:
+            raise ValueError(f"{method.name} keeps every prompt token, so {setting} has no effect (it only shapes which "
+                             f"tokens an evicting method keeps); got {setting}={getattr(method, setting)!r}, leave it out")

@@ -15,6 +15,7 @@ from pyramidkv import make_method
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.paged import PagedStore
 from pyramidkv.core.pages import PageSettings, PageTable, choose_pages, pages_to_attend
+from pyramidkv.models.patch import model_shape
 from tests.engine_snapshot import assert_batch_equals_alone, record
 from tests.prompts import STORY, passkey_prompt
 from tests.reference import quest_attention, quest_criticality, quest_page_bounds, quest_pages
@@ -252,10 +253,13 @@ def test_page_min_count_is_bounded_by_the_pages_of_the_context_window(random_lla
     assert model.config.max_position_embeddings == 8192
     ids = [list(range(10, 90))]
     for count in (513, 2 ** 63):
-        method = make_method("quest", page_budget=32, page_size=16, page_min_count=count)
+        method = make_method("quest", page_budget_ratio=0.5, page_size=16, page_min_count=count)
         with pytest.raises(ValueError, match=rf"page_min_count {count} is more pages than the model's context window "
                                              r"holds \(8192 tokens = 512 pages of page_size 16\); allowed: 1 <= "
                                              r"page_min_count <= 512"):
+            method.check_model(model_shape(model.config, 4))
+        with pytest.raises(ValueError, match=f"below page_min_count {count} pages") as error:   # the prompt's check
             generate(model, tokenizer, ids, method, max_new_tokens=2)
-    method = make_method("quest", page_budget=32, page_size=16, page_min_count=512)
+        assert "\n" not in str(error.value)
+    method = make_method("quest", page_budget=8192, page_size=16, page_min_count=512)   # 512 whole pages
     assert generate(model, tokenizer, ids, method, max_new_tokens=2, stop_token_ids=[])[0].new_tokens == 2
