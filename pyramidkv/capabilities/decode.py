@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pyramidkv.capabilities.base import Capability, Conflict
+from pyramidkv.components import ModelShape
 
 
 @dataclass(frozen=True)
@@ -58,3 +59,11 @@ class DecodeBudget(Capability):
             raise ValueError(f"decode_budget {self.decode_budget} is smaller than window_size {method.window_size} + "
                              f"num_sinks {method.selection.num_sinks}; the window and the sinks are always kept, so "
                              f"decode_budget must be >= {method.protected_tokens}")
+
+    def check_model(self, model: ModelShape, method=None) -> None:
+        most = self.decode_budget + self.decode_interval
+        if model.context_window and most > model.context_window:
+            raise ValueError(f"decode_budget {self.decode_budget} + decode_interval {self.decode_interval} = {most} is "
+                             f"more than a head can hold in the model's context window ({model.context_window} tokens): "
+                             f"the cache would never re-select while decoding; use decode_budget + decode_interval <= "
+                             f"{model.context_window}")

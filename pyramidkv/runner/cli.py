@@ -321,7 +321,10 @@ def method_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser |
     try:
         method = build_method(cls, settings, label)
     except ValueError as error:
-        culprits = [key for key in settings if _error_without(cls, settings, key) != str(error)]
+        # The settings the error is about: those whose removal makes it go away, else those whose removal changes it.
+        without = {key: _error_without(cls, settings, key) for key in settings}
+        culprits = [key for key, other in without.items() if other == ""] or [
+            key for key, other in without.items() if other != str(error)]
         named = [shown[key] for key in culprits if f"{labels[key]} " not in f"{error} "]
         raise ValueError(f"{', '.join(named)}: {error}" if named else str(error)) from None
     return canonical(method)

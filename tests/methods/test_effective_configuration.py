@@ -179,3 +179,22 @@ def test_the_canonical_method_is_the_same_computation():
         f.name: getattr(reference, f.name) for f in dataclasses.fields(reference)}
     # A subclass with its own rules is never a rename: quest keeps its own name even at fullkv-like settings.
     assert make_method("quest", budget=64).name == "quest"
+
+
+def test_a_budget_no_prompt_can_reach_is_refused(shape):
+    """SmolLM2's window is 8192 tokens: a budget of 8192 or more never compresses a prompt (it is fullkv), and a
+    decode budget whose bound no head can reach never re-selects."""
+    with pytest.raises(ValueError, match="budget \\(max_capacity_prompts\\) 8192 is at least the model's context window"):
+        make_method("snapkv", budget=8192).check_model(shape)
+    make_method("snapkv", budget=8191).check_model(shape)
+    with pytest.raises(ValueError, match="decode_budget 8180 \\+ decode_interval 32 = 8212 is more than a head can hold"):
+        make_method("snapkv", budget=128, decode_budget=8180).check_model(shape)
+    make_method("snapkv", budget=128, decode_budget=8160).check_model(shape)
+
+
+def test_an_error_names_the_setting_it_is_about(smollm2_path, tmp_path, capsys):
+    """The flags an error is prefixed with are those whose removal makes it go away: a budget given next to a
+    wrong merge setting is not blamed."""
+    err = refused(smollm2_path, tmp_path, capsys, "--method", "snapkv", "--max_capacity_prompts", "128", "--page_budget",
+                  "992")
+    assert "--page_budget 992: page_budget 992 reads every page" in err and "--max_capacity_prompts 128," not in err
