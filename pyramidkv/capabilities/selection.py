@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pyramidkv.capabilities.base import Capability, fixed_budget, prompt_kept
+from pyramidkv.components import ModelShape
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,12 @@ class Selection(Capability):
         if budget is not None:
             self._check_draws(budget - method.protected_tokens, f"budget {budget} - window {method.window_size} - "
                                                                f"sinks {self.num_sinks}")
+
+    def check_model(self, model: ModelShape, method=None) -> None:
+        budget, context = fixed_budget(method), model.context_window
+        if budget is not None and context and budget >= context:
+            raise ValueError(f"budget (max_capacity_prompts) {budget} is at least the model's context window ({context} "
+                             f"tokens): no prompt would be compressed (that is fullkv); use a budget below {context}")
 
     def check_prompt(self, prompt_len: int, method=None) -> None:
         if method is None or not method.needs_budget or fixed_budget(method) is not None:

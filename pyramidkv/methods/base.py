@@ -184,12 +184,6 @@ class Method(Component):
         """ValueError if the method cannot do what its settings say on this model (the runners call it before
         the weights load, compress() when it patches): a head-score table that does not fit, quantizer
         settings the head dim or dtype defeat, ..."""
-        context = model.context_window
-        if context and self.needs_budget and not self.budget_aliases and self.budget is not None and \
-                self.budget >= context:
-            raise ValueError(f"budget (max_capacity_prompts) {self.budget} is at least the model's context window "
-                             f"({context} tokens): no prompt would be compressed (that is fullkv); use a budget below "
-                             f"{context}")
         self.head_allocation.check_model(model)
         self.layer_allocation.check_model(model)
         if self.quant_method is not None:
