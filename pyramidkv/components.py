@@ -369,3 +369,20 @@ def packaged_model(model_name_or_path, digests: dict[str, str]) -> tuple[Optiona
     last = folder.name.lower()
     alike = [name for name in digests if name and name.lower() in last]
     return None, max(alike, key=len) if alike else None
+
+
+def packaged_table(model_name_or_path, tables: dict, models_file: Path, *, made_on: str, missing: str, make: str) -> Path:
+    """The packaged table ({model name: path}) made for the model at `model_name_or_path`, known by its content
+    (models_file: {model name: content digest}); ValueError `missing` (none for this model) or, where its folder
+    is named like a packaged model it is not, naming `made_on` ("its packaged ... table was made for"). `make`:
+    how to get a table for any model."""
+    digests = json.loads(Path(models_file).read_text(encoding="utf-8"))
+    model, alike = packaged_model(model_name_or_path, {name: digests[name] for name in tables if name in digests})
+    if model is not None:
+        return tables[model]
+    if alike is not None:
+        raise ValueError(f"{model_name_or_path!r} is named like {alike} but is not the model {made_on} (its config or "
+                         f"weights differ: a fine-tune or another checkpoint); {make}")
+    raise ValueError(f"{missing} for this model ({model_name_or_path!r}; packaged: {', '.join(sorted(tables)) or 'none'}); "
+                     f"{make}")
+

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pyramidkv.components import packaged_model
+from pyramidkv.components import packaged_table
 
 HEAD_SCORE_KINDS = ("reasoning", "retrieval")
 DEFAULT_HEAD_SCORE_KIND = "reasoning"
@@ -110,15 +110,9 @@ def default_head_scores_path(model_name_or_path: str, kind: str = DEFAULT_HEAD_S
         raise ValueError(f"unknown head-score kind {kind!r}; choose one of {', '.join(HEAD_SCORE_KINDS)}")
     suffix = f"_{kind}.json"
     tables = {p.name[: -len(suffix)]: p for p in sorted(PACKAGED_TABLES_DIR.glob(f"*{suffix}"))}
-    digests = json.loads(PACKAGED_MODELS.read_text(encoding="utf-8"))
-    model, alike = packaged_model(model_name_or_path, {name: digests[name] for name in tables if name in digests})
-    make = (f"compute one with `python scripts/head_scores.py --model_path M --out FILE` and pass it as "
-            f"`--head_path FILE` (head_scores=FILE in Python)")
-    if model is not None:
-        return tables[model]
-    if alike is not None:
-        raise ValueError(f"{model_name_or_path!r} is named like {alike} but is not the model its packaged head-score "
-                         f"table was computed on (its config or weights differ: a fine-tune or another "
-                         f"checkpoint); {make}")
+    return packaged_table(model_name_or_path, tables, PACKAGED_MODELS,
+                          made_on="its packaged head-score table was computed on", missing=f"no {kind} head-score table",
+                          make="compute one with `python scripts/head_scores.py --model_path M --out FILE` and pass it "
+                               "as `--head_path FILE` (head_scores=FILE in Python)")
     raise ValueError(f"no {kind} head-score table for this model ({model_name_or_path!r}; packaged: "
                      f"{', '.join(sorted(tables)) or 'none'}); {make}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pyramidkv.components import packaged_model
+from pyramidkv.components import packaged_table
 
 PATTERNS = ("vertical_and_slash", "stream_llm", "block_sparse")
 PACKAGED_PATTERNS_DIR = Path(__file__).resolve().parent / "data" / "patterns"
@@ -71,15 +71,8 @@ def default_pattern_table(model_name_or_path: str) -> Path:
     """The packaged table made for the model at `model_name_or_path`, known by its content; ValueError
     otherwise (asking for an explicit table where its folder is named like a packaged model it is not)."""
     tables = {p.stem: p for p in sorted(PACKAGED_PATTERNS_DIR.glob("*.json"))}
-    digests = json.loads(PACKAGED_MODELS.read_text(encoding="utf-8"))
-    model, alike = packaged_model(model_name_or_path, {name: digests[name] for name in tables if name in digests})
-    make = ("write one with `python scripts/minference_patterns.py --model_path M --out FILE` and pass it as "
-            "pattern_table=FILE")
-    if model is not None:
-        return tables[model]
-    if alike is not None:
-        raise ValueError(f"{model_name_or_path!r} is named like {alike} but is not the model its packaged MInference "
-                         f"pattern table was made for (its config or weights differ: a fine-tune or another "
-                         f"checkpoint); {make}")
-    raise ValueError(f"no packaged MInference pattern table for this model ({model_name_or_path!r}; packaged: "
-                     f"{', '.join(sorted(tables)) or 'none'}); {make}")
+    return packaged_table(model_name_or_path, tables, PACKAGED_MODELS,
+                          made_on="its packaged MInference pattern table was made for",
+                          missing="no packaged MInference pattern table",
+                          make="write one with `python scripts/minference_patterns.py --model_path M --out FILE` and "
+                               "pass it as pattern_table=FILE")
