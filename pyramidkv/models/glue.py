@@ -17,6 +17,7 @@ and the tests read it, so a family is one glue file and one row there.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -65,6 +66,17 @@ class ModelGlue:
         attention module's own forward computes them (position_embeddings: the (cos, sin) the decoder passes
         its layers, None where the module computes them itself)."""
         raise NotImplementedError
+
+    def layer_windows(self, config) -> tuple[Optional[int], ...]:
+        """Per layer, the sliding window the unpatched model applies (a query at position p attends to keys at
+        positions p - W + 1 .. p: W tokens, itself included), None for a global layer. The cache holds no more
+        than that on a sliding layer (docs/models.md, "Sliding windows")."""
+        return (None,) * config.num_hidden_layers
+
+    def attention_form(self, module, implementation: str) -> tuple[float, Optional[float]]:
+        """(scale of q . k, logit soft-cap or None) of the module's attention under `implementation`, as its
+        modeling file computes it (Gemma2: query_pre_attn_scalar ** -0.5 and attn_logit_softcapping)."""
+        return module.head_dim ** -0.5, None
 
     def key_rotation(self, model) -> KeyRotation:
         """The model's RoPE applied to keys at given positions, and undone; fresh per cache (it may grow a
