@@ -173,6 +173,8 @@ class ModelShape:
     head_dim: int = 0         # 0: unknown (the checks that need it are skipped)
     dtype_bytes: int = 0      # bytes per value of the unquantized cache (the model dtype); 0: unknown
     context_window: int = 0   # max_position_embeddings; 0: unknown
+    layer_windows: tuple = ()  # per layer its sliding window (None: global); (): every layer global
+    softcap: Optional[float] = None   # attention logit soft-capping (Gemma2), None: none
 
 
 @dataclass(frozen=True)

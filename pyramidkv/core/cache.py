@@ -13,6 +13,11 @@ Stored heads H are the KV heads (`kv_head` layout) or the query heads (`query_he
 the GQA group before compression). `get_seq_length()` reports the uncompressed count (padded prompt +
 appended tokens), so transformers gives new tokens their true RoPE positions. Batches must be
 left-padded; padding is never stored.
+
+A sliding-window layer (window W) holds what the model attends to and no more: it keeps at most the last W - 1
+prompt tokens (prefill.py), and each decode step drops the held tokens the new token's window has left, so it
+holds at most W. Its store must be able to hand tokens back (`reselect`): under a store kind that cannot (the
+quantized one) a sliding layer is stored in full precision.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pyramidkv.allocation.base import ModelShape
 from pyramidkv.core.context import CompressionMethod
 from pyramidkv.core.decoding import DecodeCompressor
 from pyramidkv.core.full_precision import FullPrecisionStore
+from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.merged_pair import PairedLayerStore
 from pyramidkv.core.paged import PagedStore
 from pyramidkv.core.prefill import PromptCompressor
@@ -81,16 +87,20 @@ class CompressedCache(Cache):
     """A transformers `Cache` whose prompt part is compressed by a method at prefill."""
 
     def __init__(self, method: CompressionMethod, num_layers: int, num_kv_heads: int, num_query_heads: int,
-                 model_name: str = "", rotation: Optional[KeyRotation] = None):
+                 model_name: str = "", rotation: Optional[KeyRotation] = None, layer_windows: tuple = (),
+                 softcap: Optional[float] = None):
         """rotation: the model's RoPE on keys (the model glue's `key_rotation`), needed by quantizers that store
-        keys before RoPE."""
+        keys before RoPE; layer_windows: per layer its sliding window W or None (global; (): every layer global);
+        softcap: the model's attention logit soft-cap (Gemma2) or None."""
         super().__init__()
         self.method = method
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.num_query_heads = num_query_heads
         self.stored_heads = num_query_heads if method.gqa_layout == "query_head" else num_kv_heads
-        self.model_shape = ModelShape(num_layers, num_query_heads, num_kv_heads, model_name)
+        self.model_shape = ModelShape(num_layers, num_query_heads, num_kv_heads, model_name,
+                                      layer_windows=tuple(layer_windows), softcap=softcap)
+        self.windows = tuple(layer_windows) or (None,) * num_layers
         self.pad_lens: Optional[list[int]] = None
         self.prompt_len = 0  # padded prompt length
         self.layers: list[Optional[LayerStore]] = [None] * num_layers
@@ -107,8 +117,14 @@ class CompressedCache(Cache):
         missing = [a for a in store_abilities(method) if a not in self.store_class.abilities]
         if missing:  # make_method refuses these; an object driving the engine directly is checked here
             raise ValueError(f"{method.name}: the {store_kind(method)} store lacks the abilities {missing} it needs")
+        sliding = any(w is not None for w in self.windows)
+        if store_kind(method) == "paired" and (sliding or softcap is not None):  # the method's check_model refuses it
+            raise ValueError(f"{method.name}: the paired store holds no sliding-window layer and applies no soft-cap")
+        # A sliding layer's store drops what leaves the window: one that cannot is replaced by full precision.
+        self.sliding_class = self.store_class if "reselect" in self.store_class.abilities else FullPrecisionStore
         self.decoding = None if method.decode is None else \
-            DecodeCompressor(method, self.layers, num_query_heads, self.stored_heads, method.decode.decode_query_window)
+            DecodeCompressor(method, self.layers, num_query_heads, self.stored_heads, method.decode.decode_query_window,
+                             softcap)
         self.setup: Optional[StoreSetup] = None
         self.stopped_bytes: dict[int, int] = {}   # per prompt that stopped early, its bytes then (record_stop)
 
@@ -166,8 +182,11 @@ class CompressedCache(Cache):
         ready = self.prompt.keep(layer_idx, scored)
         if self.setup is None:
             self.setup = StoreSetup(self.prompt.real_lens, self.pad_lens, position_ids, self.method, self.num_layers,
-                                    self.rotary, self.scratch)
-        for layer, store in self.store_class.build(ready, self.setup).items():
+                                    self.rotary, self.scratch, self.model_shape.softcap)
+        sliding = {layer: kv for layer, kv in ready.items() if self.windows[layer] is not None}
+        built = self.store_class.build({layer: kv for layer, kv in ready.items() if layer not in sliding}, self.setup)
+        built.update(self.sliding_class.build(sliding, self.setup) if sliding else {})
+        for layer, store in built.items():
             self.layers[layer] = store
         held = self.kv_bytes() + self.prompt.waiting_bytes()
         self.peak_prefill_kv_bytes = max(self.peak_prefill_kv_bytes, held, self.prompt.peak_waiting_bytes)
@@ -190,10 +209,25 @@ class CompressedCache(Cache):
         else:
             rope = position_ids[:, -1].expand(bsz).long()
         store.append(keys, values, rope)
+        if self.windows[layer_idx] is not None:
+            self._slide(layer_idx)
         out = store.attend(queries)
         if self.decoding is not None:
             self.decoding.after_attend(layer_idx, queries)
         return out
+
+    def _slide(self, layer_idx: int) -> None:
+        """A sliding layer after an append: drop the held tokens the newest token's window has left (positions
+        below newest - W + 1, per prompt)."""
+        store, window = self.layers[layer_idx], self.windows[layer_idx]
+        first = [real + store.appended - window for real in self.prompt.real_lens]   # newest - W + 1
+        if all(min(int(p[0]) for p in store.held_positions(b) if p.numel()) >= f for b, f in enumerate(first)):
+            return
+        if self.decoding is not None:
+            self.decoding.drop_before(layer_idx, first)
+            return
+        store.replace([KeptKV.from_heads([(k[p >= f], v[p >= f], p[p >= f]) for k, v, p in store.held(b)])
+                       for b, f in enumerate(first)])
 
     # ---- inspection ---------------------------------------------------------------------------
     def kept_counts(self, layer_idx: int) -> list[list[int]]:

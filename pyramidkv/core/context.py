@@ -36,6 +36,9 @@ class ScoreContext:
     model computed), None for dense prefill and at decode: attention statistics pass it to the scoring helpers.
     column_sums: [B, Hq, n] float32, each key's attention summed over the real prompt queries, computed by
     the prefill attention pass itself for methods with `needs_column_sums` (None otherwise and at decode).
+    softcap: the model's attention logit soft-cap (Gemma2), which the scoring helpers take (`softcap=`) so that
+    a scorer's attention is the model's; None: none. Queries come scaled so that q . k / sqrt(D) is the
+    model's logit (Gemma2's query_pre_attn_scalar folded in).
     """
 
     layer_idx: int
@@ -46,6 +49,7 @@ class ScoreContext:
     real: torch.Tensor
     pattern: Optional["PrefillPattern"] = None
     column_sums: Optional[torch.Tensor] = None
+    softcap: Optional[float] = None
 
 
 @dataclass

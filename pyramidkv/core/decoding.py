@@ -62,11 +62,12 @@ class DecodeCompressor:
     recent queries each layer buffers for the re-selection's scores (None: max(window_size, 1))."""
 
     def __init__(self, method: CompressionMethod, stores: list[Optional[FullPrecisionStore]], num_query_heads: int,
-                 stored_heads: int, query_window: Optional[int] = None):
+                 stored_heads: int, query_window: Optional[int] = None, softcap: Optional[float] = None):
         if query_window is not None and query_window < 1:
             raise ValueError(f"query_window must be >= 1 (recent queries buffered for decode-time scoring), "
                              f"got {query_window}")
         self.method = method
+        self.softcap = softcap  # the model's attention logit soft-cap (None: none)
         self.stores = stores
         self.num_layers = len(stores)
         self.budget: int = method.decode.decode_budget
@@ -83,6 +84,8 @@ class DecodeCompressor:
             self.stats = AccumulatedAttention(self.num_layers, self.group, num_query_heads)
         elif method.history_window is not None:
             self.stats = AttentionHistory(self.num_layers, self.group, method.history_window)
+        if self.stats is not None:
+            self.stats.softcap = softcap
 
     def stored_bytes(self) -> int:
         return sum(store.nbytes() for store in self.stores if store is not None)
@@ -146,6 +149,20 @@ class DecodeCompressor:
         if self.stats is not None:
             self.stats.replace(layer_idx, new_stats)
 
+    def drop_before(self, layer_idx: int, first: list[int]) -> None:
+        """A sliding layer's window: every held token of prompt b before position first[b] leaves (with its
+        statistics); what stays is folded into the kept sets, as a re-selection does."""
+        new_kept, new_stats = [], []
+        for b, f in enumerate(first):
+            heads = [(k[p >= f], v[p >= f], p[p >= f], None if a is None else a[p >= f])
+                     for k, v, p, a in self._held(layer_idx, b)]
+            new_kept.append(KeptKV.from_heads([(k, v, p) for k, v, p, _ in heads]))
+            if self.stats is not None:
+                new_stats.append(torch.cat([a for *_, a in heads]))
+        self.stores[layer_idx].replace(new_kept, max_tail=self.interval)
+        if self.stats is not None:
+            self.stats.replace(layer_idx, new_stats)
+
     def _context(self, layer_idx: int, b: int, heads: list[HeldHead]) -> tuple[DecodeScoreContext, list[int]]:
         """Prompt b's held tokens in the prefill layout (DecodeScoreContext), and each head's left padding."""
         method, g = self.method, self.group
@@ -178,7 +195,7 @@ class DecodeCompressor:
         w = min(buffered.shape[2], m)
         queries = buffered[:, :, buffered.shape[2] - w:].to(first.dtype)
         ctx = DecodeScoreContext(
-            layer_idx, self.num_layers, queries, keys, values, real, positions=positions,
+            layer_idx, self.num_layers, queries, keys, values, real, softcap=self.softcap, positions=positions,
             accumulated=None if accumulated is None else accumulated.reshape(1, rows * g, m),
             history=None if history is None else history.reshape(1, rows * g, self.stats.window, m),
             history_levels=levels)
@@ -193,7 +210,8 @@ class DecodeCompressor:
         attention = generator = None
         if method.merge is not None:
             if method.merge.needs_attention:
-                attention = window_attention(ctx.queries, ctx.keys, ctx.real, self.buffer_size).mean(dim=2)
+                attention = window_attention(ctx.queries, ctx.keys, ctx.real, self.buffer_size,
+                                             softcap=self.softcap).mean(dim=2)
                 attention = scores_per_stored_head(attention, method, stored, query_heads)[0]  # [H, m]
             seed = method.merge.seed_for(layer_idx)
             generator = None if seed is None else torch.Generator(device=ctx.keys.device).manual_seed(seed)

@@ -13,6 +13,7 @@ import torch
 
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.layout import DecodeLayout
+from pyramidkv.core.scoring import cap_logits
 from pyramidkv.core.store import AttentionStatistics, Heads, LayerStore, Reselectable, StoreSetup
 
 # The tail buffer grows by this many tokens, or by an eighth of its length when that is more:
@@ -25,11 +26,13 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
 
     @classmethod
     def open(cls, kept: list[KeptKV], setup: StoreSetup, layer_idx: int) -> "FullPrecisionStore":
-        return cls(kept, setup.real_lens)
+        return cls(kept, setup.real_lens, setup.softcap)
 
-    def __init__(self, kept: list[KeptKV], real_lens: list[int]):
-        """kept: per prompt what the prefill kept; real_lens: per prompt its real (unpadded) length."""
+    def __init__(self, kept: list[KeptKV], real_lens: list[int], softcap: Optional[float] = None):
+        """kept: per prompt what the prefill kept; real_lens: per prompt its real (unpadded) length; softcap: the
+        model's attention logit soft-cap (Gemma2), None: none."""
         self.kept = kept
+        self.softcap = softcap
         self.heads = len(kept[0].lengths)
         self.appended = 0
         self.tail_start = list(real_lens)  # position of each prompt's first tail token
@@ -65,7 +68,7 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
     def layout(self) -> DecodeLayout:
         """How the kept rows are read (built at the first attend, after each re-selection)."""
         if self._layout is None:
-            self._layout = DecodeLayout(self.kept)
+            self._layout = DecodeLayout(self.kept, self.softcap)
         return self._layout
 
     def attend(self, queries: torch.Tensor) -> torch.Tensor:
@@ -79,7 +82,7 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
         bsz, heads, t, dim = tail_keys.shape
         q_len, g = queries.shape[2], queries.shape[1] // heads
         grouped = queries.float().reshape(bsz, heads, g, q_len, dim) * dim ** -0.5
-        tail_scores = torch.einsum("bhgqd,bhtd->bhgqt", grouped, tail_keys)
+        tail_scores = cap_logits(torch.einsum("bhgqd,bhtd->bhgqt", grouped, tail_keys), self.softcap)
         if q_len > 1:
             visible = torch.arange(t, device=queries.device)[None, :] <= \
                 torch.arange(t - q_len, t, device=queries.device)[:, None]
@@ -90,7 +93,8 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
             else:
                 segments = [(h, k.float()[None]) for h, (k, _) in enumerate(kept.per_head())]
             for head, keys in segments:
-                kept_scores = torch.einsum("hgqd,hld->hgql", grouped[b, head].reshape(-1, g, q_len, dim), keys)
+                kept_scores = cap_logits(torch.einsum("hgqd,hld->hgql", grouped[b, head].reshape(-1, g, q_len, dim),
+                                                      keys), self.softcap)
                 probs = torch.softmax(torch.cat([kept_scores, tail_scores[b, head].reshape(-1, g, q_len, t)], -1),
                                       dim=-1)
                 yield b, head, probs, keys.shape[1]

@@ -20,6 +20,9 @@ layer's scores (ZigZagKV), when the last layer is: until then each layer waits w
 With cross-layer merging (MiniCache) the lower layer of each merged pair waits for the upper one; the
 pair then selects once, on the sum of its two layers' scores (same budget, same seeds), so both keep the
 same tokens.
+A sliding-window layer (window W: the next token attends to the last W - 1 prompt tokens) sees only those: the
+tokens before them count as its padding (scores, candidates, sinks, merging), so it keeps at most W - 1
+(docs/models.md, "Sliding windows").
 """
 
 from __future__ import annotations
@@ -108,12 +111,13 @@ class PromptCompressor:
         scores = raw = merge_attention = None
         if self.any_compressed():
             n = keys.shape[2]
-            real = real_positions(self.pad_lens, n, keys.device)
+            real = real_positions(self.layer_pads(layer_idx, n), n, keys.device)
             raw = method.score(ScoreContext(layer_idx, model.num_layers, queries, keys, values, real, pattern,
-                                            column_sums))
+                                            column_sums, model.softcap))
             scores = scores_per_stored_head(raw, method, model.num_kv_heads, model.num_query_heads)
             if method.merge is not None and method.merge.needs_attention:
-                attention = window_attention(queries, keys, real, method.window_size, pattern).mean(dim=2)  # [B, Hq, n]
+                attention = window_attention(queries, keys, real, method.window_size, pattern,
+                                             softcap=model.softcap).mean(dim=2)  # [B, Hq, n]
                 merge_attention = scores_per_stored_head(attention, method, model.num_kv_heads, model.num_query_heads)
         channels = method.channels
         last_queries = None if channels is None else queries[:, :, -channels.key_query_window:]
@@ -143,11 +147,20 @@ class PromptCompressor:
         self.waiting[layer_idx] = scored
         self.peak_waiting_bytes = max(self.peak_waiting_bytes, sum(s.nbytes() for s in self.waiting.values()))
 
-    def candidates(self, b: int, n: int) -> tuple[int, int]:
-        """[first, stop) of prompt b's selectable positions (padded coordinates): not the sinks, not the window."""
-        window = min(self.method.window_size, self.real_lens[b])
-        sinks = min(self.method.selection.num_sinks, self.real_lens[b] - window)
-        return self.pad_lens[b] + sinks, n - window
+    def layer_pads(self, layer_idx: int, n: int) -> list[int]:
+        """Per prompt, the positions before its first token the layer can attend to (padded coordinates): its left
+        padding, or on a sliding layer of window W everything before the last W - 1 tokens."""
+        windows = self.model.layer_windows
+        window = windows[layer_idx] if windows else None
+        return self.pad_lens if window is None else [max(pad, n - window + 1) for pad in self.pad_lens]
+
+    def candidates(self, b: int, n: int, pad: Optional[int] = None) -> tuple[int, int]:
+        """[first, stop) of prompt b's selectable positions (padded coordinates): not the sinks, not the window;
+        pad: where the layer's tokens start (default: the prompt's padding)."""
+        pad = self.pad_lens[b] if pad is None else pad
+        window = min(self.method.window_size, n - pad)
+        sinks = min(self.method.selection.num_sinks, n - pad - window)
+        return pad + sinks, n - window
 
     def waiting_bytes(self) -> int:
         return sum(s.nbytes() for s in self.waiting.values())
@@ -188,23 +201,23 @@ class PromptCompressor:
         selecting = layer_idx if selecting_layer is None else selecting_layer
         n = keys.shape[2]
         kept = []
-        for b, pad in enumerate(self.pad_lens):
+        for b, (pad, seen) in enumerate(zip(self.pad_lens, self.layer_pads(layer_idx, n))):
             budget = self.layer_budgets[b][layer_idx]
-            if self.real_lens[b] <= budget:
-                whole = [torch.arange(pad, n, device=keys.device)] * keys.shape[1]
+            if n - seen <= budget:
+                whole = [torch.arange(seen, n, device=keys.device)] * keys.shape[1]
                 kept.append(KeptKV.gather(keys[b], values[b], whole, pad))
                 continue
-            first, stop = self.candidates(b, n)
+            first, stop = self.candidates(b, n, seen)
             head_budgets = method.head_budgets(scores[b, :, first:stop], budget, selecting, self.model)
             positions = select_kept_positions(
-                scores[b], pad, head_budgets, method.window_size, method.selection.num_sinks,
+                scores[b], seen, head_budgets, method.window_size, method.selection.num_sinks,
                 method.selection.random_fraction, lambda head: sampling_generator(method, selecting, head))
             merged = None
             if method.merge is not None:
                 seed = method.merge.seed_for(layer_idx)  # one generator per prompt and layer
                 generator = None if seed is None else torch.Generator(device=keys.device).manual_seed(seed)
                 attention = None if scored.merge_attention is None else scored.merge_attention[b]
-                merged = merge_prompt(method.merge, keys[b], values[b], positions, pad, attention, method.window_size,
+                merged = merge_prompt(method.merge, keys[b], values[b], positions, seen, attention, method.window_size,
                                       generator)
             kept.append(KeptKV.gather(keys[b], values[b], positions, pad, merged))
         if scored.last_queries is not None:

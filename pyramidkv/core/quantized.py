@@ -31,6 +31,7 @@ import torch
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.layout import softmax
 from pyramidkv.core.rotary import KeyRotation
+from pyramidkv.core.scoring import cap_logits
 from pyramidkv.core.store import Heads, LayerStore, StoreSetup
 from pyramidkv.quantization.base import Quantizer
 from pyramidkv.quantization.kernels import Scratch, dequantize_span, key_scores, weighted_values
@@ -45,14 +46,17 @@ class QuantizedStore(LayerStore):
     def open(cls, kept: list[KeptKV], setup: StoreSetup, layer_idx: int) -> "QuantizedStore":
         setup.method.quant_method.check_head_dim(kept[0].keys.shape[-1])
         return cls(setup.method.quant_method, kept, setup.rope_positions(kept), setup.real_lens, setup.rotary,
-                   setup.scratch)
+                   setup.scratch, setup.softcap)
 
     def __init__(self, quantizer: Quantizer, kept: list[KeptKV], rope_positions: list[torch.Tensor],
-                 real_lens: list[int], rotary: Optional[KeyRotation], scratch: Optional[Scratch] = None):
+                 real_lens: list[int], rotary: Optional[KeyRotation], scratch: Optional[Scratch] = None,
+                 softcap: Optional[float] = None):
         """kept: per prompt what the prefill kept; rope_positions: per prompt, long [T] RoPE position of
-        each kept row; real_lens: per prompt its real length; scratch: buffers shared by a cache's layers."""
+        each kept row; real_lens: per prompt its real length; scratch: buffers shared by a cache's layers;
+        softcap: the model's attention logit soft-cap (None: none)."""
         q = self.quantizer = quantizer
         self.scratch = scratch
+        self.softcap = softcap
         self.kept_lengths = [k.counts() for k in kept]                  # per prompt, per head
         self.kept_in_prompt = [torch.cat(k.all_positions()) for k in kept]  # per prompt, its kept rows' positions
         self.real_lens = list(real_lens)
@@ -201,7 +205,8 @@ class QuantizedStore(LayerStore):
                 step, stop = self._chunk(group.segments.numel(), dim), group.tokens
                 q = group.queries(grouped if whole else grouped[group.segments])
                 scores = torch.cat([self._key_scores(group.keys, q, a, min(a + step, stop), None, group.positions)
-                                    for a in range(0, stop, step)], dim=-1).to(dtype)
+                                    for a in range(0, stop, step)], dim=-1)
+                scores = cap_logits(scores, self.softcap).to(dtype)
                 if whole:
                     pre = scores
                 else:
@@ -216,11 +221,15 @@ class QuantizedStore(LayerStore):
             for span in spans:
                 queries_of_rows = grouped.index_select(0, span.segment)
                 scores = self._key_scores(span.keys, queries_of_rows, 0, g, span.key_codebooks, span.positions)
-                grid.index_copy_(0, span.cell, scores.to(dtype))
+                grid.index_copy_(0, span.cell, cap_logits(scores, self.softcap).to(dtype))
             parts.append(grid.view(segs, slots, rows, g).transpose(1, 2).reshape(segs, rows, slots * g))
         # Full-precision window: [S, rows, F], rows not held masked.
         width = self.fp_width
-        parts.append(torch.baddbmm(self.fp_mask[:, None, :width], grouped, self.fp_keys[:, :width].transpose(1, 2)))
+        if self.softcap is None:
+            parts.append(torch.baddbmm(self.fp_mask[:, None, :width], grouped, self.fp_keys[:, :width].transpose(1, 2)))
+        else:  # capped before the mask is added
+            fp = cap_logits(torch.bmm(grouped, self.fp_keys[:, :width].transpose(1, 2)), self.softcap)
+            parts.append(fp + self.fp_mask[:, None, :width])
 
         probs = softmax(torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0], dtype)
         out = torch.bmm(probs[..., probs.shape[-1] - width:], self.fp_values[:, :width])

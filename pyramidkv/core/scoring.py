@@ -28,8 +28,14 @@ def real_per_query_head(real: torch.Tensor, num_query_heads: int) -> torch.Tenso
     return real.repeat_interleave(num_query_heads // real.shape[1], dim=1)
 
 
-def grouped_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """q.k^T / sqrt(D) for every query head against its KV head.
+def cap_logits(scores: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    """Attention logit soft-capping (Gemma2): softcap * tanh(scores / softcap), in the modeling file's order
+    of operations; None: the scores unchanged. Applied before any mask."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def grouped_scores(queries: torch.Tensor, keys: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
+    """q.k^T / sqrt(D) for every query head against its KV head (soft-capped where the model caps).
 
     queries: [B, Hq, q, D]; keys: [B, Hkv, n, D] -> [B, Hq, q, n] (float32).
     """
@@ -37,7 +43,7 @@ def grouped_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     num_kv_heads = keys.shape[1]
     group = num_q_heads // num_kv_heads
     q = queries.float().reshape(bsz, num_kv_heads, group * q_len, head_dim)
-    s = torch.matmul(q, keys.float().transpose(-1, -2)) / head_dim**0.5
+    s = cap_logits(torch.matmul(q, keys.float().transpose(-1, -2)) / head_dim**0.5, softcap)
     return s.reshape(bsz, num_q_heads, q_len, keys.shape[2])
 
 
@@ -49,7 +55,7 @@ def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 
 def window_attention(queries: torch.Tensor, keys: torch.Tensor, real: torch.Tensor, window_size: int,
-                     pattern=None, causal: bool = True) -> torch.Tensor:
+                     pattern=None, causal: bool = True, softcap: Optional[float] = None) -> torch.Tensor:
     """Attention of the last `window_size` queries to all keys, causal inside the window (causal=False: each
     row's softmax also covers the window's later keys, a separate dense pass, so no pattern).
 
@@ -59,7 +65,7 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, real: torch.Tens
     """
     n, q = keys.shape[2], queries.shape[2]
     w = min(window_size, q, n)
-    s = grouped_scores(queries[:, :, q - w :], keys)  # [B, Hq, w, n]
+    s = grouped_scores(queries[:, :, q - w :], keys, softcap)  # [B, Hq, w, n]
     allowed = real_per_query_head(real, queries.shape[1])[:, :, None, :]
     if not causal:
         return masked_softmax(s, allowed)
@@ -72,7 +78,8 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, real: torch.Tens
 
 
 def attention_column_sums(
-    queries: torch.Tensor, keys: torch.Tensor, real: torch.Tensor, max_chunk_elements: int = 1 << 24, pattern=None
+    queries: torch.Tensor, keys: torch.Tensor, real: torch.Tensor, max_chunk_elements: int = 1 << 24, pattern=None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Sum over all real queries of their causal attention to each key (H2O's score).
 
@@ -89,7 +96,7 @@ def attention_column_sums(
     totals = torch.zeros(bsz, num_q_heads, n, dtype=torch.float32, device=keys.device)
     for start in range(0, q, chunk):
         stop = min(q, start + chunk)
-        s = grouped_scores(queries[:, :, start:stop], keys)  # [B, Hq, c, n]
+        s = grouped_scores(queries[:, :, start:stop], keys, softcap)  # [B, Hq, c, n]
         query_pos = torch.arange(first + start, first + stop, device=keys.device)
         allowed = (key_pos[None, :] <= query_pos[:, None])[None, None] & real[:, :, None, :]
         allowed = allowed & real[:, :, first + start:first + stop, None]  # padding queries contribute nothing
@@ -101,7 +108,7 @@ def attention_column_sums(
 
 def attention_with_column_sums(
     queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor,
-    max_chunk_elements: Optional[int] = None,
+    max_chunk_elements: Optional[int] = None, softcap: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompt's causal attention and, from the same probabilities, each key's column sum (H2O's score).
 
@@ -132,7 +139,7 @@ def attention_with_column_sums(
         stop = min(n, start + chunk)
         rows = stop - start
         q = scaled[:, :, :, start:stop].reshape(bsz, num_kv_heads, group * rows, dim)
-        s = torch.matmul(q, keys_t[..., :stop]).view(bsz, num_q_heads, rows, stop)
+        s = cap_logits(torch.matmul(q, keys_t[..., :stop]), softcap).view(bsz, num_q_heads, rows, stop)
         s[..., start:].masked_fill_(future[:rows, :rows], float("-inf"))
         if pad_max > 0:
             cut = min(pad_max, stop)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pyramidkv.core.cache import CompressedCache
-from pyramidkv.core.scoring import attention_with_column_sums, real_positions
+from pyramidkv.core.scoring import attention_with_column_sums, cap_logits, real_positions
 from pyramidkv.sparse_prefill.attention import sparse_prefill_attention
 
 # (module, hidden_states, position_ids, position_embeddings) -> (q, k, v), RoPE applied: the glue's project_qkv
@@ -36,9 +36,12 @@ def repeat_kv(states: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def full_attention(module, implementation: str, queries, keys, values, attention_mask, position_ids, output_attentions,
-                   pad_lens: Optional[list[int]] = None):
+                   pad_lens: Optional[list[int]] = None, scale: Optional[float] = None,
+                   softcap: Optional[float] = None, sliding_window: Optional[int] = None):
     """Attention over the full prompt, the same computation as transformers 4.44.2 does it, except that a
     left-padded batch under sdpa runs each prompt's own tokens with `is_causal` (see causal_per_prompt).
+    scale, softcap: the glue's `attention_form` (None: 1 / sqrt(D), no cap); sliding_window: the layer's window
+    for flash-attn (eager and sdpa receive it in the mask).
 
     Returns (output [B, n, Hq, D], weights or None).
     """
@@ -49,21 +52,27 @@ def full_attention(module, implementation: str, queries, keys, values, attention
 
         out = _flash_attention_forward(
             queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attention_mask, q_len,
-            position_ids=position_ids, dropout=0.0, sliding_window=getattr(module.config, "sliding_window", None),
+            position_ids=position_ids, dropout=0.0, sliding_window=sliding_window, softmax_scale=scale,
             use_top_left_mask=module._flash_attn_uses_top_left_mask, is_causal=True,
+            **({} if softcap is None else {"softcap": softcap}),
         )
         return out, None
     keys, values = repeat_kv(keys, group), repeat_kv(values, group)
-    if implementation == "sdpa" and not output_attentions and pad_lens and any(pad_lens) and keys.shape[-2] == q_len:
-        return causal_per_prompt(queries, keys, values, pad_lens).transpose(1, 2), None
+    causal_ok = sliding_window is None or sliding_window >= q_len   # is_causal cannot express a window
+    if implementation == "sdpa" and not output_attentions and pad_lens and any(pad_lens) and keys.shape[-2] == q_len \
+            and causal_ok:
+        return causal_per_prompt(queries, keys, values, pad_lens, scale).transpose(1, 2), None
     mask = None if attention_mask is None else attention_mask[:, :, :, : keys.shape[-2]]
     if implementation == "sdpa" and not output_attentions:
         if queries.device.type == "cuda" and mask is not None:
             queries, keys, values = queries.contiguous(), keys.contiguous(), values.contiguous()
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
-                                             is_causal=mask is None and q_len > 1)
+                                             is_causal=mask is None and q_len > 1, scale=scale)
         return out.transpose(1, 2), None
-    weights = torch.matmul(queries, keys.transpose(2, 3)) / module.head_dim**0.5
+    if scale is None:
+        weights = torch.matmul(queries, keys.transpose(2, 3)) / module.head_dim**0.5
+    else:
+        weights = cap_logits(torch.matmul(queries, keys.transpose(2, 3)) * scale, softcap)
     if mask is not None:
         weights = weights + mask
     weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(queries.dtype)
@@ -71,7 +80,7 @@ def full_attention(module, implementation: str, queries, keys, values, attention
     return out.transpose(1, 2), (weights if output_attentions else None)
 
 
-def causal_per_prompt(queries, keys, values, pad_lens: list[int]) -> torch.Tensor:
+def causal_per_prompt(queries, keys, values, pad_lens: list[int], scale: Optional[float] = None) -> torch.Tensor:
     """Causal sdpa over each prompt of a left-padded batch alone, its padding cut off: [B, Hq, n, D], 0 at padding.
 
     The same attention as sdpa under the batch's padding mask (to float rounding), and the same computation as
@@ -82,7 +91,7 @@ def causal_per_prompt(queries, keys, values, pad_lens: list[int]) -> torch.Tenso
     out = queries.new_zeros(queries.shape)
     for b, pad in enumerate(pad_lens):
         out[b, :, pad:] = F.scaled_dot_product_attention(queries[b:b + 1, :, pad:], keys[b:b + 1, :, pad:],
-                                                         values[b:b + 1, :, pad:], is_causal=True)[0]
+                                                         values[b:b + 1, :, pad:], is_causal=True, scale=scale)[0]
     return out
 
 
@@ -99,9 +108,13 @@ def compressed_attention_forward(
     *,
     project_qkv: ProjectFn,
     implementation: str,
+    scale: Optional[float] = None,
+    softcap: Optional[float] = None,
     **kwargs,
 ):
-    """Drop-in replacement for the forward of a glued attention module (transformers 4.44.2's Llama signature)."""
+    """Drop-in replacement for the forward of a glued attention module (transformers 4.44.2's Llama signature).
+    scale, softcap: the glue's `attention_form` (None: 1 / sqrt(D), no soft-cap). The cache gets the queries
+    scaled so that q . k / sqrt(D) is the model's logit, and the soft-cap to apply to it."""
     cache = past_key_value
     if not isinstance(cache, CompressedCache):
         if cache is not None and use_cache:
@@ -116,26 +129,29 @@ def compressed_attention_forward(
                                     use_cache=use_cache, cache_position=cache_position, **kwargs)
     bsz, q_len, _ = hidden_states.shape
     queries, keys, values = project_qkv(module, hidden_states, position_ids, position_embeddings)
+    factor = 1.0 if scale is None else scale * module.head_dim ** 0.5
+    scaled = queries if factor == 1.0 else queries * factor   # q . k / sqrt(D) = the model's logit
 
     weights = None
-    if not cache.is_prefilled(module.layer_idx):
+    layer = module.layer_idx
+    if not cache.is_prefilled(layer):
         sparse = cache.method.prefill_attention
         pads = cache.pad_lens or [0] * bsz
-        pattern = None if sparse is None else sparse.pattern(module.layer_idx, queries, keys, pads,
-                                                             cache.model_shape.name)
+        pattern = None if sparse is None else sparse.pattern(layer, scaled, keys, pads, cache.model_shape.name)
+        window = cache.windows[layer]
         column_sums = None
         if pattern is not None:
-            out, weights, density = sparse_prefill_attention(queries, keys, values, pattern, output_attentions)
-            cache.prefill_density[module.layer_idx] = density
-        elif not output_attentions and cache.needs_column_sums(bsz, q_len):
-            out, column_sums = attention_with_column_sums(queries, keys, values,
-                                                          real_positions(pads, q_len, keys.device))
+            out, weights, density = sparse_prefill_attention(scaled, keys, values, pattern, output_attentions)
+            cache.prefill_density[layer] = density
+        elif not output_attentions and (window is None or window >= q_len) and cache.needs_column_sums(bsz, q_len):
+            out, column_sums = attention_with_column_sums(scaled, keys, values, real_positions(pads, q_len, keys.device),
+                                                          softcap=softcap)
             out = out.transpose(1, 2)
         else:
             out, weights = full_attention(module, implementation, queries, keys, values, attention_mask,
-                                          position_ids, output_attentions, pads)
-        cache.prefill(module.layer_idx, queries, keys, values, position_ids, pattern, column_sums)
+                                          position_ids, output_attentions, pads, scale, softcap, window)
+        cache.prefill(layer, scaled, keys, values, position_ids, pattern, column_sums)
     else:
-        out = cache.decode_step(module.layer_idx, queries, keys, values, position_ids).transpose(1, 2)
+        out = cache.decode_step(layer, scaled, keys, values, position_ids).transpose(1, 2)
     out = out.reshape(bsz, q_len, -1).contiguous()
     return module.o_proj(out), weights, cache

@@ -73,10 +73,12 @@ class ModelGlue:
         than that on a sliding layer (docs/models.md, "Sliding windows")."""
         return (None,) * config.num_hidden_layers
 
-    def attention_form(self, module, implementation: str) -> tuple[float, Optional[float]]:
-        """(scale of q . k, logit soft-cap or None) of the module's attention under `implementation`, as its
-        modeling file computes it (Gemma2: query_pre_attn_scalar ** -0.5 and attn_logit_softcapping)."""
-        return module.head_dim ** -0.5, None
+    def attention_form(self, config, implementation: str) -> tuple[Optional[float], Optional[float]]:
+        """(scale of q . k, logit soft-cap) of the family's attention under `implementation`, as its modeling file
+        computes them: scale None is 1 / sqrt(head_dim) computed as the Llama files do (a division), soft-cap
+        None is none (Gemma2: query_pre_attn_scalar ** -0.5, and attn_logit_softcapping where that
+        implementation applies it)."""
+        return None, None
 
     def key_rotation(self, model) -> KeyRotation:
         """The model's RoPE applied to keys at given positions, and undone; fresh per cache (it may grow a

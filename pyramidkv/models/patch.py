@@ -15,13 +15,14 @@ import functools
 import logging
 import types
 import warnings
+from typing import Optional
 
 from transformers.cache_utils import Cache
 
 from pyramidkv.allocation.base import ModelShape
 from pyramidkv.core.cache import CompressedCache
 from pyramidkv.methods.base import Method
-from pyramidkv.models import llama, mistral
+from pyramidkv.models import gemma2, llama, mistral
 from pyramidkv.models.attention import compressed_attention_forward
 from pyramidkv.models.glue import ModelGlue, decoder
 
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 MODEL_GLUE: dict[str, ModelGlue] = {
     "llama": llama.GLUE,
     "mistral": mistral.GLUE,
+    "gemma2": gemma2.GLUE,
 }
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 
@@ -62,18 +64,21 @@ class CompressionPatch:
             if value is not None:
                 logger.warning("config.%s=%s is not applied to the compressed cache during decoding", name, value)
         # e.g. HeadKV's table, a quantizer's group size or bytes, l2norm's skipped layers: fail here, not mid-run
-        method.check_model(model_shape(model.config, next(model.parameters()).dtype.itemsize))
+        self.shape = model_shape(model.config, next(model.parameters()).dtype.itemsize, implementation)
+        method.check_model(self.shape)
         self.model = model
         self.method = method
         self.glue = glue
         self.implementation = implementation
         self._modules = []
         self._hook = None
+        self._cache_implementation = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def apply(self) -> "CompressionPatch":
+        scale, softcap = self.glue.attention_form(self.model.config, self.implementation)
         forward = functools.partial(compressed_attention_forward, project_qkv=self.glue.project_qkv,
-                                    implementation=self.implementation)
+                                    implementation=self.implementation, scale=scale, softcap=softcap)
         for layer in decoder(self.model).layers:
             attention = layer.self_attn
             if not isinstance(attention, self.glue.attention_classes):
@@ -81,6 +86,12 @@ class CompressionPatch:
             attention.forward = types.MethodType(forward, attention)
             self._modules.append(attention)
         self._hook = decoder(self.model).register_forward_pre_hook(self._provide_cache, with_kwargs=True)
+        # generate() would allocate the cache its config names (Gemma2's "hybrid": every layer at full length)
+        # only for the patch to replace it: while patched it starts from an empty DynamicCache instead.
+        generation = getattr(self.model, "generation_config", None)
+        if generation is not None and getattr(generation, "cache_implementation", None) is not None:
+            self._cache_implementation = generation.cache_implementation
+            generation.cache_implementation = None
         self.model._pyramidkv_patch = self
         return self
 
@@ -91,6 +102,9 @@ class CompressionPatch:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._cache_implementation is not None:
+            self.model.generation_config.cache_implementation = self._cache_implementation
+            self._cache_implementation = None
         self.model._pyramidkv_patch = None
 
     def __enter__(self):
@@ -106,7 +120,7 @@ class CompressionPatch:
         rotation = self.glue.key_rotation(self.model) if self.method.quant_method is not None else None
         return CompressedCache(self.method, config.num_hidden_layers, config.num_key_value_heads,
                                config.num_attention_heads, model_name=getattr(config, "_name_or_path", "") or "",
-                               rotation=rotation)
+                               rotation=rotation, layer_windows=self.shape.layer_windows, softcap=self.shape.softcap)
 
     def _provide_cache(self, module, args, kwargs):
         cache = kwargs.get("past_key_values")
@@ -141,12 +155,23 @@ class CompressionPatch:
         return args, kwargs
 
 
-def model_shape(config, dtype_bytes: int = 0) -> ModelShape:
-    """What a method's checks need to know of a model, from its config (and the bytes of its dtype)."""
+def model_shape(config, dtype_bytes: int = 0, implementation: Optional[str] = None) -> ModelShape:
+    """What a method's checks need to know of a model, from its config (and the bytes of its dtype, and the
+    attention implementation: None, the config's). A window at or beyond the context window never binds: the
+    layer counts as global."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    context = getattr(config, "max_position_embeddings", 0) or 0
+    glue = MODEL_GLUE.get(config.model_type)
+    windows, softcap = (), None
+    if glue is not None:
+        implementation = implementation or getattr(config, "_attn_implementation", None) or "eager"
+        windows = tuple(w if w is not None and not (context and w >= context) else None
+                        for w in glue.layer_windows(config))
+        windows = windows if any(w is not None for w in windows) else ()
+        softcap = glue.attention_form(config, implementation)[1]
     return ModelShape(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
                       getattr(config, "_name_or_path", "") or "", head_dim=head_dim, dtype_bytes=dtype_bytes,
-                      context_window=getattr(config, "max_position_embeddings", 0) or 0)
+                      context_window=context, layer_windows=windows, softcap=softcap)
 
 
 def compress(model, method: Method) -> CompressionPatch:

@@ -72,6 +72,9 @@ class MInference(SparsePrefill):
         return {f"pattern_table=packaged {path.name}": str(path)}
 
     def check_model(self, model: ModelShape) -> None:
+        if any(w is not None for w in model.layer_windows) or model.softcap is not None:
+            raise ValueError("prefill_attention minference: this model has sliding-window layers or a soft-capped "
+                             "attention, which the sparse prefill kernels do not apply; use dense prefill")
         context = getattr(model, "context_window", None)
         if context and self.last_q > context:
             raise ValueError(f"last_q {self.last_q} is longer than any prompt of this model (max_position_embeddings "
