@@ -35,4 +35,5 @@ GLUE = Gemma2Glue(
     causal_lm=modeling_gemma2.Gemma2ForCausalLM,
     attention_classes=(modeling_gemma2.Gemma2Attention,),  # eager; the sdpa and flash classes subclass it
     apply_rotary_pos_emb=modeling_gemma2.apply_rotary_pos_emb,
+    llama_layout=False,   # (1 + w) norms, four norms per layer, embeddings scaled by sqrt(hidden)
 )

@@ -48,6 +48,8 @@ class ModelGlue:
         `config_as` refuses a config that sets one.
     config_overrides: values `config_as` sets over those of the other family's config (so that it gains
         nothing that family does not have).
+    llama_layout: whether a Llama checkpoint's weights load into this family unchanged (SmolLM2 as Mistral):
+        `config_as` refuses otherwise (Gemma2's norms and scaled embeddings, Phi-3's fused projections).
     """
 
     causal_lm: type
@@ -55,6 +57,7 @@ class ModelGlue:
     unapplied_settings: tuple[str, ...] = ()
     refused_settings: tuple[str, ...] = ()
     config_overrides: dict = field(default_factory=dict)
+    llama_layout: bool = True
 
     @property
     def config_class(self) -> type:
@@ -87,6 +90,9 @@ class ModelGlue:
 
     def config_as(self, config):
         """`config`, another family's with the same weights layout, as this family's config."""
+        if not self.llama_layout:
+            raise ValueError(f"{config.model_type} weights do not load as {self.config_class.model_type} "
+                             f"({self.causal_lm.__name__} has its own weights layout); load it as its own type")
         values = {k: v for k, v in config.to_dict().items() if k not in FAMILY_ENTRIES}
         refused = [name for name in self.refused_settings if values.get(name)]
         if refused:

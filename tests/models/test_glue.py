@@ -24,7 +24,7 @@ from pyramidkv.models.rope import RotateHalfGlue
 from pyramidkv.runner.cli import add_model_and_method_args
 
 SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=8192, rope_theta=10000.0)
+             num_key_value_heads=2, max_position_embeddings=8192, rope_theta=10000.0, head_dim=16)
 KVQUANT = dict(quant_method="kvquant", nbits=8, group_size=16, residual_length=16)
 
 
