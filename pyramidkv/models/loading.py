@@ -110,6 +110,17 @@ def load_model(
     return model, tokenizer
 
 
+def generation_config(path: str, config):
+    """The generation config `load_model`'s model gets, without its weights: the folder's (or hub id's)
+    generation_config.json, else one made from `config` (transformers' own fallback)."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return GenerationConfig.from_model_config(config)
+
+
 def config_as(config, model_class: str):
     """Re-express a config as another supported architecture with the same weights layout (its glue's
     `config_as`)."""

@@ -121,10 +121,10 @@ def test_stop_tokens_add_newline_for_samsum_only(tiny_model_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=[2, 7]))
+    generation = types.SimpleNamespace(eos_token_id=[2, 7])
     newline = tok.encode("\n", add_special_tokens=False)[-1]
-    assert R.stop_token_ids(model, tok, "multi_news") == [2, 7]
-    assert R.stop_token_ids(model, tok, "samsum") == [2, 7, newline]
+    assert R.stop_token_ids(generation, tok, "multi_news") == [2, 7]
+    assert R.stop_token_ids(generation, tok, "samsum") == [2, 7, newline]
 
 
 def test_max_length_table_and_fallback():

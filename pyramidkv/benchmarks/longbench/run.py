@@ -302,11 +302,12 @@ def resolve_max_length(model_path: str, config, dataset: str, max_new_tokens: in
     return budget
 
 
-def stop_token_ids(model, tokenizer, dataset: str) -> list[int]:
-    """End-of-sequence ids of the model (generation config and tokenizer), plus newline for samsum."""
-    from pyramidkv.generation import default_stop_token_ids
+def stop_token_ids(generation_config, tokenizer, dataset: str) -> list[int]:
+    """The model's end tokens (generation.end_token_ids: generation config, tokenizer, chat template), plus
+    newline for samsum."""
+    from pyramidkv.generation import end_token_ids
 
-    ids = default_stop_token_ids(model, tokenizer)
+    ids = end_token_ids(tokenizer, generation_config)
     if dataset == "samsum":
         # The official harness stops samsum at a newline: models otherwise go on with "\nDialogue: ...".
         ids.append(tokenizer.encode("\n", add_special_tokens=False)[-1])
@@ -396,8 +397,8 @@ class LongBench(Benchmark):
         return {"benchmark": "longbench-e" if args.e else "longbench", "datasets": self.datasets,
                 "max_length": self.max_len, "max_new_tokens": self.max_new}
 
-    def stop_token_ids(self, model, tokenizer, sample_file):
-        return stop_token_ids(model, tokenizer, sample_file.name)
+    def stop_token_ids(self, generation_config, tokenizer, sample_file):
+        return stop_token_ids(generation_config, tokenizer, sample_file.name)
 
     def prediction_row(self, sample, output) -> dict:
         return {"_id": sample.key, "pred": output.text, **sample.row, "prompt_tokens": output.prompt_tokens,
