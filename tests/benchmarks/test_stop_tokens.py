@@ -84,10 +84,14 @@ def test_the_run_passes_the_families_stops_to_generate_and_records_them(tmp_path
     monkeypatch.setattr(G, "generate", spy)
     save = tmp_path / "out"
     assert R.main(["--method", "fullkv", "--model_path", str(model_dir), "--device", "cpu", "--data_dir", str(data),
-                   "--datasets", "multi_news", "--save_dir", str(save), "--max_new_tokens", "2",
-                   "--max_length", "64"]) == 0
+                   "--datasets", "multi_news", "--save_dir", str(save), "--max_new_tokens", "2"]) == 0
     expected = tokenizer.convert_tokens_to_ids(["<|end_of_text|>", "<|eot_id|>"])
     assert passed == [expected]
     meta = json.loads(next(save.rglob("run_meta.json")).read_text())
     assert meta["stop_tokens"] == {"multi_news": ["<|end_of_text|>", "<|eot_id|>"]}
     assert meta["stop_token_ids"] == {"multi_news": expected}
+    # no --max_length and a name the official config lacks: the rule (window - new tokens - template tokens)
+    frame = len(tokenizer.apply_chat_template([{"role": "user", "content": "what"}], add_generation_prompt=True)) - 1
+    assert meta["max_length"] == {"multi_news": 2048 - 2 - frame}
+    assert meta["max_length_rule"] == f"max_position_embeddings 2048 - new tokens - {frame} chat-template tokens, " \
+                                      f"at most 31500"
