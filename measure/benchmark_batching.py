@@ -86,7 +86,7 @@ def run_samples(model, tokenizer, method, sample_file, samples, batch_size: int,
 
     clock = PhaseClock(model)
     predictions = {}
-    stops = benchmark.stop_token_ids(model, tokenizer, sample_file)
+    stops = benchmark.stop_token_ids(model.generation_config, tokenizer, sample_file)
     start = time.perf_counter()
     with clock.running():
         for batch in batches(samples, batch_size, benchmark.batch_by_length):

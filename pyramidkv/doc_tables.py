@@ -3,6 +3,8 @@
     file                   heading                               source
     docs/methods.md        ## The method table                   the registry (`method_table`, methods/__main__.py)
     docs/architecture.md   ## The engine (`pyramidkv/core/`)     each core module's docstring, first paragraph
+    docs/models.md         ## Supported models                   MODEL_GLUE (models/patch.py), one row per family
+    README.md              ## Models                             the same table
 
 A generated table is the first Markdown table under its heading. The command rewrites every one in place
 (run it from the repository root, or pass `--root`); `--check` writes nothing and exits with status 1
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 from pyramidkv.methods.__main__ import method_table
+from pyramidkv.models.loading import family_name
+from pyramidkv.models.patch import MODEL_GLUE
 from pyramidkv.runner.arguments import ArgumentParser
 
 CORE = Path(__file__).resolve().parent / "core"
@@ -45,10 +49,26 @@ def core_table(core: Path = CORE) -> str:
     return "\n".join(lines)
 
 
+def model_table(glues: dict | None = None) -> str:
+    """One row per family of MODEL_GLUE, in its order: the name (its causal-LM class less ForCausalLM), the
+    config's model_type (the --model_class value), the transformers class loaded, the attention classes
+    patched, the config settings the compressed cache does not apply (ModelGlue.unapplied_settings)."""
+    lines = ["| family | `model_type` (`--model_class`) | transformers class | attention patched | "
+             "settings not applied |", "|---|---|---|---|---|"]
+    for model_type, glue in (MODEL_GLUE if glues is None else glues).items():
+        attention = ", ".join(f"`{cls.__name__}`" for cls in glue.attention_classes)
+        unapplied = ", ".join(f"`{name}`" for name in glue.unapplied_settings) or "none"
+        lines.append(f"| {family_name(glue)} | `{model_type}` | `{glue.causal_lm.__name__}` | {attention} | "
+                     f"{unapplied} |")
+    return "\n".join(lines)
+
+
 # (file under the repository root, the heading the table stands under, what writes the table)
 TABLES: list[tuple[str, str, Callable[[], str]]] = [
     ("docs/methods.md", "## The method table", method_table),
     ("docs/architecture.md", "## The engine (`pyramidkv/core/`)", core_table),
+    ("docs/models.md", "## Supported models", model_table),
+    ("README.md", "## Models", model_table),
 ]
 
 

@@ -49,7 +49,7 @@ def generate(
     gives alone, and so does its `kv_bytes_per_prompt` (tokens decoded for the batch
     after a prompt has stopped are not counted). Strings are tokenized without special
     tokens: the caller applies any chat template (e.g. tokenizer.apply_chat_template).
-    Decoding stops at `stop_token_ids`, by default the model's end-of-sequence tokens
+    Decoding stops at `stop_token_ids`, by default the model's end-of-sequence and end-of-turn tokens
     (`default_stop_token_ids`); pass an empty list to always decode max_new_tokens.
 
     questions: per prompt, a question (string or token ids) fed token by token as decode steps after the
@@ -275,13 +275,57 @@ def _left_padded(model, tokenizer, token_lists: list[list[int]]):
 
 
 def default_stop_token_ids(model, tokenizer) -> list[int]:
-    """The model's end-of-sequence ids: its generation config's eos_token_id (int or list), then the tokenizer's."""
+    """`end_token_ids` of a loaded model (its generation config) and its tokenizer."""
+    return end_token_ids(tokenizer, getattr(model, "generation_config", None))
+
+
+def end_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """The ids that end a reply, in this order, each once (docs/models.md, "Stop tokens"):
+
+    1. the generation config's eos_token_id, an int or a list (Llama 3: <|end_of_text|> and <|eot_id|>;
+       Qwen2.5: <|im_end|> and <|endoftext|>; Phi-3: <|endoftext|>, <|assistant|> and <|end|>);
+    2. the tokenizer's eos token;
+    3. the token the chat template writes after an assistant turn (`end_of_turn_token`: <|eot_id|>,
+       <|im_end|>, <end_of_turn>, <|end|>, </s>), so that a chat model stops where its turn ends even where
+       its generation config lists only the end of the text (gemma-2-it's lists <eos> alone).
+
+    Derived from the model's own files: no table by model name."""
     ids: list[int] = []
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    configured = getattr(generation_config, "eos_token_id", None)
     if isinstance(configured, int):
         ids.append(configured)
     elif configured:
         ids.extend(int(i) for i in configured)
     if tokenizer.eos_token_id is not None:
         ids.append(int(tokenizer.eos_token_id))
+    turn_end = end_of_turn_token(tokenizer)
+    if turn_end is not None:
+        ids.append(int(tokenizer.convert_tokens_to_ids(turn_end)))
     return list(dict.fromkeys(ids))
+
+
+_REPLY = "\u2063PYRAMIDKV-REPLY\u2063"
+
+
+def end_of_turn_token(tokenizer) -> Optional[str]:
+    """The special token the tokenizer's chat template writes right after an assistant reply (only whitespace
+    between them), found by rendering a user turn and a placeholder reply. None without a chat template, when
+    the template refuses that conversation or does not show the reply verbatim, or when no special token
+    follows it."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "?"}, {"role": "assistant", "content": _REPLY}],
+                                             tokenize=False)
+    except Exception:  # jinja raises its own errors for conversations a template refuses
+        return None
+    if text.count(_REPLY) != 1:
+        return None
+    tail = text.split(_REPLY)[1]
+    specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    specials |= set(tokenizer.all_special_tokens)
+    found = [(tail.find(token), -len(token), token) for token in specials if token and token in tail]
+    if not found:
+        return None
+    at, _, token = min(found)
+    return token if not tail[:at].strip() else None

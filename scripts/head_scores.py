@@ -1,6 +1,6 @@
 """Compute HeadKV's per-head importance table for any supported model (docs/head_scores.md).
 
-    python scripts/head_scores.py --model_path M [--out FILE] [--kind reasoning|retrieval|both]
+    python scripts/head_scores.py --model_path M [--model_class C] [--out FILE] [--kind reasoning|retrieval|both]
         [--num_probes 24] [--context_lengths 500 1000 2000] [--seed 0] [--attn_implementation eager]
 
 Output (HeadKV's layout, read by pyramidkv.allocation.head_tables.load_head_scores and by
@@ -41,9 +41,12 @@ def output_paths(out: str | None, kind: str, model_path: str) -> dict[str, Path]
 
 def parse_args(argv=None) -> argparse.Namespace:
     from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
+    from pyramidkv.models.patch import MODEL_GLUE
 
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
+    parser.add_argument("--model_class", choices=list(MODEL_GLUE), default=None,
+                        help="load the weights as this architecture (as the runners' --model_class)")
     parser.add_argument("--out", default=None, help="output file (see the naming rule above)")
     parser.add_argument("--kind", choices=(*KINDS, "both"), default="reasoning",
                         help="reasoning: HeadKV's retrieval-reasoning score (its default); retrieval: Wu et al.'s")
@@ -81,7 +84,8 @@ def main(argv=None) -> dict[str, Path]:
     try:
         from transformers import AutoTokenizer
 
-        path, config, _, _ = check_model(args.model_path, args.attn_implementation, args.device, args.dtype)
+        path, config, _, _ = check_model(args.model_path, args.attn_implementation, args.device, args.dtype,
+                                         args.model_class)
         # ~8 characters per token is ample; NeedleHaystack repeats the text when it is short.
         haystack = load_haystack_text(args.haystack_dir)[: 8 * max(args.context_lengths) + 1000]
         NeedleHaystack(AutoTokenizer.from_pretrained(path), haystack).check_context_lengths(
@@ -90,7 +94,7 @@ def main(argv=None) -> dict[str, Path]:
     except (ValueError, OSError, ImportError) as e:
         raise SystemExit(f"head_scores.py: error: {e}") from None
     model, tokenizer = load_model(args.model_path, attn_implementation=args.attn_implementation,
-                                  device=args.device, dtype=args.dtype)
+                                  device=args.device, dtype=args.dtype, model_class=args.model_class)
 
     for kind, path in paths.items():
         started = time.time()

@@ -1,10 +1,11 @@
 """Search MInference's per-head prefill patterns for any supported model, on CPU; write MInference's JSON layout.
 
-    python scripts/minference_patterns.py --model_path M --out FILE [--context_length 4096]
+    python scripts/minference_patterns.py --model_path M [--model_class C] --out FILE [--context_length 4096]
         [--selection official|cheapest] [--min_recall 0.95] [--rows_from R] [--threads N]
 
 One calibration prompt (a RULER niah_multikey_1 sample: an essay haystack with needles, built offline) is
-run once; per layer and query head the dense causal attention P of its rows >= R (default min(2500, n / 2),
+run once; per layer and query head the dense causal attention P (the model's own scale, soft-cap and sliding
+window: its glue's attention_form and layer_windows) of its rows >= R (default min(2500, n / 2),
 the official search scores rows from 2500) is compared with each candidate pattern's mask, built by the
 same code the runtime uses (pyramidkv.sparse_prefill). recall = mean over those rows of the attention mass
 inside the mask; density = computed entries / causal entries over all rows.
@@ -43,6 +44,7 @@ def calibration_ids(tokenizer, length: int) -> list[int]:
 
 def layer_qk(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer the post-RoPE queries [Hq, n, D] and keys [Hkv, n, D] of one plain forward of ids [1, n]."""
+    from pyramidkv.models.glue import decoder
     from pyramidkv.models.patch import MODEL_GLUE
 
     glue = MODEL_GLUE[model.config.model_type]
@@ -53,7 +55,7 @@ def layer_qk(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.T
         q, k, _ = glue.project_qkv(module, hidden, kwargs.get("position_ids"), kwargs.get("position_embeddings"))
         queries[module.layer_idx], keys[module.layer_idx] = q[0], k[0]
 
-    hooks = [layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True) for layer in model.model.layers]
+    hooks = [layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True) for layer in decoder(model).layers]
     try:
         with torch.no_grad():
             model(ids, use_cache=False)
@@ -61,6 +63,23 @@ def layer_qk(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.T
         for hook in hooks:
             hook.remove()
     return [queries[i] for i in range(len(queries))], [keys[i] for i in range(len(keys))]
+
+
+def dense_probs(glue, model, layer: int, q: torch.Tensor, k: torch.Tensor, rows_from: int) -> torch.Tensor:
+    """The model's causal attention [Hq, n - rows_from, n] of queries [Hq, n, D] rows >= rows_from over keys
+    [Hkv, n, D]: its scale and logit soft-cap (glue.attention_form), its sliding window on a sliding layer
+    (glue.layer_windows)."""
+    from pyramidkv.models.glue import decoder
+
+    n = q.shape[1]
+    scale, softcap = glue.attention_form(decoder(model).layers[layer].self_attn, model.config._attn_implementation)
+    window = glue.layer_windows(model.config)[layer]
+    logits = q[:, rows_from:] @ k.repeat_interleave(q.shape[0] // k.shape[0], dim=0).transpose(1, 2) * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    rows, cols = torch.arange(rows_from, n)[:, None], torch.arange(n)[None, :]
+    allowed = (cols <= rows) & ((rows - cols < window) if window is not None else True)
+    return torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
 
 
 def measure(unit, candidate, queries: torch.Tensor, keys: torch.Tensor, probs: torch.Tensor,
@@ -105,9 +124,12 @@ MIN_CONTEXT_LENGTH = 1024
 def parse_args(argv=None):
     """The flags, every value checked before anything loads (one line, exit status 2)."""
     from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
+    from pyramidkv.models.patch import MODEL_GLUE
 
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
+    parser.add_argument("--model_class", choices=list(MODEL_GLUE), default=None,
+                        help="load the weights as this architecture (as the runners' --model_class)")
     parser.add_argument("--out", required=True, type=output_file)
     parser.add_argument("--context_length", type=int, default=4096,
                         help=f"calibration prompt tokens, at least {MIN_CONTEXT_LENGTH}")
@@ -135,16 +157,18 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     from pyramidkv.models.loading import check_model, load_model
+    from pyramidkv.models.patch import MODEL_GLUE
     from pyramidkv.sparse_prefill.minference import MInference
 
     try:
-        config = check_model(args.model_path, "sdpa", "cpu", None, None)[1]
+        config = check_model(args.model_path, "sdpa", "cpu", None, args.model_class)[1]
     except (ValueError, ImportError, OSError) as e:
         parser.error(f"--model_path {args.model_path}: {e}")
     window = getattr(config, "max_position_embeddings", None)
     if window and args.context_length > window:
         parser.error(f"--context_length {args.context_length} is above the model's window ({window} tokens)")
-    model, tokenizer = load_model(args.model_path, attn_implementation="sdpa", device="cpu")
+    model, tokenizer = load_model(args.model_path, attn_implementation="sdpa", device="cpu", model_class=args.model_class)
+    glue = MODEL_GLUE[model.config.model_type]
     ids = torch.tensor([calibration_ids(tokenizer, args.context_length)])
     n = ids.shape[1]
     rows_from = args.rows_from if args.rows_from is not None else min(2500, n // 2)
@@ -156,11 +180,7 @@ def main(argv=None) -> None:
     table, chosen_density = [], []
     for layer, (q, k) in enumerate(zip(queries, keys)):
         q, k = q.float(), k.float()
-        group = q.shape[0] // k.shape[0]
-        k_rep = k.repeat_interleave(group, dim=0)
-        logits = q[:, rows_from:] @ k_rep.transpose(1, 2) / q.shape[-1] ** 0.5
-        causal = torch.arange(n)[None, :] <= torch.arange(rows_from, n)[:, None]
-        probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+        probs = dense_probs(glue, model, layer, q, k, rows_from)
         measured = [measure(unit, c, q, k, probs, rows_from) for c in CANDIDATES]
         row = {}
         for h in range(q.shape[0]):

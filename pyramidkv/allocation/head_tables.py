@@ -112,7 +112,6 @@ def default_head_scores_path(model_name_or_path: str, kind: str = DEFAULT_HEAD_S
     tables = {p.name[: -len(suffix)]: p for p in sorted(PACKAGED_TABLES_DIR.glob(f"*{suffix}"))}
     return packaged_table(model_name_or_path, tables, PACKAGED_MODELS,
                           made_on="its packaged head-score table was computed on", missing=f"no {kind} head-score table",
-                          make="compute one with `python scripts/head_scores.py --model_path M --out FILE` and pass it "
-                               "as `--head_path FILE` (head_scores=FILE in Python)")
-    raise ValueError(f"no {kind} head-score table for this model ({model_name_or_path!r}; packaged: "
-                     f"{', '.join(sorted(tables)) or 'none'}); {make}")
+                          make=f"compute one with `python scripts/head_scores.py --model_path {model_name_or_path} "
+                               f"--kind {kind} --out FILE` and pass it as `--head_path FILE` (head_scores=FILE in "
+                               f"Python)")

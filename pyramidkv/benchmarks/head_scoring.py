@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from pyramidkv.benchmarks.needle import NeedleHaystack, needle_recall
+from pyramidkv.generation import default_stop_token_ids
 
 # HeadKV's factor 10 in the retrieval-reasoning score.
 REASONING_SCALE = 10.0
@@ -154,7 +155,7 @@ def run_probe(model, tokenizer, haystack_text: str, probe: HeadProbe, context_le
     past, step_input = out.past_key_values, ids[:, -1:]
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
     scores = np.zeros((layers, heads))                                # [layers, heads]
-    stop_ids = {tokenizer.eos_token_id, model.config.eos_token_id}
+    stop_ids = set(default_stop_token_ids(model, tokenizer))   # eos ids (an int or a list) and the end of turn
     generated: list[int] = []
     for _ in range(answer_tokens):
         out = model(input_ids=step_input, past_key_values=past, use_cache=True, output_attentions=True)

@@ -110,6 +110,28 @@ def load_model(
     return model, tokenizer
 
 
+def generation_config(path: str, config):
+    """The generation config `load_model`'s model gets, without its weights: the folder's (or hub id's)
+    generation_config.json, else one made from `config` (transformers' own fallback)."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return GenerationConfig.from_model_config(config)
+
+
+def family_name(glue) -> str:
+    """A family's display name, from its glue's causal-LM class: LlamaForCausalLM -> Llama."""
+    name = glue.causal_lm.__name__
+    return name[: -len("ForCausalLM")] if name.endswith("ForCausalLM") else name
+
+
+def supported_models() -> str:
+    """The supported families as --help lists them: `llama (LlamaForCausalLM), mistral (...)`."""
+    return ", ".join(f"{model_type} ({glue.causal_lm.__name__})" for model_type, glue in MODEL_GLUE.items())
+
+
 def config_as(config, model_class: str):
     """Re-express a config as another supported architecture with the same weights layout (its glue's
     `config_as`)."""

@@ -31,6 +31,7 @@ from pyramidkv.methods.settings import (AXES, AXIS_BY_FIELD, COMPRESSION_RATIO, 
                                         build_method, read_settings, split_spec)
 from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
 from pyramidkv.models.patch import ATTENTION_IMPLEMENTATIONS, MODEL_GLUE
+from pyramidkv.models.loading import supported_models
 
 # The public PyramidKV harness's flag names (and earlier ones of ours), by the setting they set; each means
 # exactly what the setting means (the harness's ThinK --pruning_ratio is lambda, the share of key channels
@@ -235,9 +236,11 @@ def add_model_and_method_args(parser: argparse.ArgumentParser, scope: HelpScope 
     taken = set(parser._option_string_actions)
     g = parser.add_argument_group("model")
     g.add_argument("--model_path", default=DEFAULT_MODEL_NAME,
-                   help=f"local HF directory, hub id, or {DEFAULT_MODEL_NAME!r} (embedded default)")
+                   help=f"local HF directory, hub id, or {DEFAULT_MODEL_NAME!r} (embedded default); its config's "
+                        f"model_type is one of the supported families: {supported_models()} (docs/models.md)")
     g.add_argument("--model_class", choices=list(MODEL_GLUE), default=None,
-                   help="load the weights into this architecture instead of the config's")
+                   help="load the weights into this family's transformers class instead of the config's (weights "
+                        "of the same layout: SmolLM2's load as mistral)")
     g.add_argument("--attn_implementation", default="sdpa", choices=list(ATTENTION_IMPLEMENTATIONS))
     g.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto")
     g.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],

@@ -58,7 +58,8 @@ class SampleFile:
     file_name: str                        # the predictions file in the run folder
     samples: list[Sample]
     source: str = ""                      # where the samples came from
-    stop_token_ids: Optional[list[int]] = None   # None: the model's end-of-sequence tokens
+    stop_token_ids: Optional[list[int]] = None   # None: the model's end tokens (generation.end_token_ids);
+                                                 # the run sets it before decoding (Benchmark.stop_token_ids)
     min_new_tokens: int = 0
 
 
@@ -103,8 +104,14 @@ class Benchmark:
     def meta_extra(self, args, files: list[SampleFile]) -> dict:
         return {}
 
-    def stop_token_ids(self, model, tokenizer, sample_file: SampleFile) -> Optional[list[int]]:
-        return sample_file.stop_token_ids
+    def stop_token_ids(self, generation_config, tokenizer, sample_file: SampleFile) -> list[int]:
+        """The ids that stop a sample's answer: the file's own, else the model's end tokens (its generation
+        config's eos ids, the tokenizer's eos, the chat template's end of turn: generation.end_token_ids)."""
+        from pyramidkv.generation import end_token_ids
+
+        if sample_file.stop_token_ids is not None:
+            return sample_file.stop_token_ids
+        return end_token_ids(tokenizer, generation_config)
 
     def prediction_row(self, sample: Sample, output) -> dict:
         return {self.key: sample.key, "pred": output.text, **(sample.row or {}), "prompt_tokens": output.prompt_tokens,
@@ -191,6 +198,7 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
         print(out_dir)
         return 0
 
+    from pyramidkv.models.loading import generation_config
     from pyramidkv.runner.run_folder import check_writable, exit_on_disk_full, input_files, open_run_folder
 
     try:
@@ -201,6 +209,9 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
         tokenizer = AutoTokenizer.from_pretrained(model_check[0])
         files = benchmark.prepare(args, tokenizer, config, out_dir)
         check_samples(files, method, config, args.model_path, args.question_as_decode)
+        generation = generation_config(model_check[0], config)
+        for sample_file in files:
+            sample_file.stop_token_ids = benchmark.stop_token_ids(generation, tokenizer, sample_file)
         for sample_file in files:
             if (out_dir / sample_file.file_name).is_file():
                 benchmark.check_resume(out_dir / sample_file.file_name, sample_file)
@@ -220,7 +231,9 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
         with exit_on_disk_full(out_dir):
             write_run_meta(out_dir, _recorded_arguments(args), method, extra={
                 "benchmark": benchmark.name, "method_spec": method_spec(method),
-                "resolved_model_path": str(model_check[0]), "input_files": inputs, **benchmark.meta_extra(args, files),
+                "resolved_model_path": str(model_check[0]), "input_files": inputs,
+                "stop_tokens": {f.name: tokenizer.convert_ids_to_tokens(f.stop_token_ids) for f in files},
+                "stop_token_ids": {f.name: f.stop_token_ids for f in files}, **benchmark.meta_extra(args, files),
             }, fingerprint=fingerprint)
             print(f"results -> {out_dir}")
             decode_pending(args, method, benchmark, files, out_dir)
@@ -319,10 +332,9 @@ def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], 
                     model, tokenizer = load_model(args.model_path, attn_implementation=args.attn_implementation,
                                                   device=args.device, dtype=args.dtype, model_class=args.model_class)
                 bar.set_postfix_str(sample_file.name)
-                stops = benchmark.stop_token_ids(model, tokenizer, sample_file)
                 for batch in batches(pending, args.eval_batch_size, benchmark.batch_by_length):
-                    outputs = decode_batch(model, tokenizer, method, batch, stops, sample_file.min_new_tokens,
-                                           args.question_as_decode, args.decode_threads)
+                    outputs = decode_batch(model, tokenizer, method, batch, sample_file.stop_token_ids,
+                                           sample_file.min_new_tokens, args.question_as_decode, args.decode_threads)
                     for sample, output in zip(batch, outputs):
                         writer.append(benchmark.prediction_row(sample, output))
                     bar.update(len(batch))

@@ -74,5 +74,5 @@ def default_pattern_table(model_name_or_path: str) -> Path:
     return packaged_table(model_name_or_path, tables, PACKAGED_MODELS,
                           made_on="its packaged MInference pattern table was made for",
                           missing="no packaged MInference pattern table",
-                          make="write one with `python scripts/minference_patterns.py --model_path M --out FILE` and "
-                               "pass it as pattern_table=FILE")
+                          make=f"write one with `python scripts/minference_patterns.py --model_path {model_name_or_path} "
+                               f"--out FILE` and pass it as pattern_table=FILE")

@@ -182,7 +182,8 @@ def test_default_head_scores_path_refuses_other_models():
         default_head_scores_path("meta-llama/Meta-Llama-3-8B-Instruct")
     message = str(e.value)
     assert "no reasoning head-score table" in message and "Meta-Llama-3-8B-Instruct" in message
-    assert "python scripts/head_scores.py --model_path M --out FILE" in message and "--head_path FILE" in message
+    assert ("python scripts/head_scores.py --model_path meta-llama/Meta-Llama-3-8B-Instruct --kind reasoning --out "
+            "FILE" in message and "--head_path FILE" in message and "\n" not in message)
     with pytest.raises(ValueError, match="unknown head-score kind 'copy'"):
         default_head_scores_path("smollm2-135m", kind="copy")
 

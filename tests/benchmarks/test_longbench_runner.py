@@ -121,21 +121,33 @@ def test_stop_tokens_add_newline_for_samsum_only(tiny_model_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=[2, 7]))
+    generation = types.SimpleNamespace(eos_token_id=[2, 7])
     newline = tok.encode("\n", add_special_tokens=False)[-1]
-    assert R.stop_token_ids(model, tok, "multi_news") == [2, 7]
-    assert R.stop_token_ids(model, tok, "samsum") == [2, 7, newline]
+    assert R.stop_token_ids(generation, tok, "multi_news") == [2, 7]
+    assert R.stop_token_ids(generation, tok, "samsum") == [2, 7, newline]
 
 
-def test_max_length_table_and_fallback():
-    assert R.known_max_length("meta-llama/Meta-Llama-3-8B-Instruct") == 7950
-    assert R.known_max_length("/models/Llama-2-7b-chat-hf/") == 3500
-    assert R.known_max_length("mistralai/Mistral-7B-Instruct-v0.2") == 31500
-    assert R.known_max_length("smollm2-135m") == 7950
-    assert R.known_max_length("someone/unknown-model") is None
-    config = types.SimpleNamespace(max_position_embeddings=4096)
-    assert R.resolve_max_length("someone/unknown-model", config, "qasper", 128, 20) == 4096 - 128 - 20
-    assert R.resolve_max_length("someone/unknown-model", config, "qasper", 128, 20, override=300) == 300
+@pytest.mark.parametrize("model_path, official", [
+    ("llama2-7b-chat-4k", 3500), ("/models/Llama-2-7b-chat-hf/", 3500),       # the name, its hub id's last part
+    ("meta-llama/LLAMA-2-7B-CHAT-HF", 3500), ("lmsys/vicuna-7b-v1.5-16k", 15500), ("THUDM/chatglm2-6b", 31500),
+    ("THUDM/chatglm2-6b-32k", 31500), ("xgen-7b-8k", 7500),
+    ("meta-llama/Llama-2-7b-chat-hf-finetuned", None), ("my-llama2-7b-chat-4k", None),    # no substrings
+    ("meta-llama/Meta-Llama-3-8B-Instruct", None), ("mistralai/Mistral-7B-Instruct-v0.2", None),
+    ("Qwen/Qwen2.5-7B-Instruct", None), ("smollm2-135m", None)])
+def test_max_length_of_the_models_the_official_config_names(model_path, official):
+    """LongBench v1's config/model2maxlen.json (8 models) and model2path.json's hub ids, exact names only."""
+    assert R.known_max_length(model_path) == official
+
+
+def test_max_length_rule_for_other_models():
+    config = types.SimpleNamespace(max_position_embeddings=8192)
+    rule = "max_position_embeddings 8192 - new tokens - 20 chat-template tokens, at most 31500"
+    assert R.resolve_max_length("meta-llama/Meta-Llama-3-8B-Instruct", config, "qasper", 128, 20) == (8044, rule)
+    long = types.SimpleNamespace(max_position_embeddings=131072)     # Llama 3.1, Qwen2.5: the official maximum
+    assert R.resolve_max_length("Qwen2.5-7B-Instruct", long, "gov_report", 512, 30)[0] == 31500
+    assert R.resolve_max_length("Llama-2-7b-chat-hf", config, "qasper", 128, 20) == (3500, "model2maxlen.json "
+                                                                                          "(Llama-2-7b-chat-hf)")
+    assert R.resolve_max_length("x/unknown", config, "qasper", 128, 20, override=300) == (300, "--max_length")
     with pytest.raises(ValueError, match="--max_length"):
         R.resolve_max_length("someone/unknown-model", types.SimpleNamespace(), "qasper", 128, 20)
 

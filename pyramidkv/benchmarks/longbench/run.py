@@ -48,17 +48,6 @@ E_DATASETS = (
 # Few-shot and code tasks: chat models do better on the raw prompt (official rule).
 NO_CHAT_TEMPLATE = frozenset({"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"})
 
-# Prompt-token budgets (before the chat template) of well-known models, matched case-insensitively
-# as a substring of the model path's last component; the longest match wins. Unknown models get
-# config.max_position_embeddings - max new tokens - chat-template tokens.
-MODEL_MAX_LENGTH = {
-    "llama-2-7b-chat": 3500,
-    "llama2-7b-chat": 3500,
-    "llama-3-8b-instruct": 7950,
-    "mistral-7b-instruct-v0.2": 31500,
-    "smollm2": 7950,
-}
-
 REQUIRED_FIELDS = ("_id", "answers", "length")
 HUB_DATASET = "THUDM/LongBench"
 
@@ -75,6 +64,17 @@ def dataset2prompt() -> dict:
 @lru_cache(maxsize=None)
 def dataset2maxlen() -> dict:
     return json.loads((DATA_DIR / "dataset2maxlen.json").read_text(encoding="utf-8"))
+
+
+@lru_cache(maxsize=None)
+def model2maxlen() -> dict[str, int]:
+    """The official prompt-token budgets by lowercased name: each of the official config's model names and
+    the last component of its hub id (model2path.json), e.g. both llama2-7b-chat-4k and llama-2-7b-chat-hf."""
+    budgets = json.loads((DATA_DIR / "model2maxlen.json").read_text(encoding="utf-8"))
+    paths = json.loads((DATA_DIR / "model2path.json").read_text(encoding="utf-8"))
+    named = {name.lower(): value for name, value in budgets.items()}
+    named.update({paths[name].rsplit("/", 1)[-1].lower(): value for name, value in budgets.items() if name in paths})
+    return named
 
 
 # --- datasets and data -------------------------------------------------------------------------
@@ -216,11 +216,9 @@ def middle_truncate(tokens: Sequence[int], max_length: int) -> list[int]:
 
 
 def known_max_length(model_path: str) -> Optional[int]:
-    label = Path(str(model_path).rstrip("/")).name.lower()
-    for key in sorted(MODEL_MAX_LENGTH, key=len, reverse=True):
-        if key in label:
-            return MODEL_MAX_LENGTH[key]
-    return None
+    """The official budget of a model named exactly (case aside) as the official config names it or as the last
+    component of its hub id: the last component of `model_path` (a folder or a hub id); None for any other name."""
+    return model2maxlen().get(Path(str(model_path).rstrip("/")).name.lower())
 
 
 class PromptBuilder:
@@ -284,29 +282,35 @@ class PromptBuilder:
 
 
 def resolve_max_length(model_path: str, config, dataset: str, max_new_tokens: int, template_overhead: int,
-                       override: Optional[int] = None) -> int:
-    """Prompt-token budget: --max_length, else the known-model table, else from the context window."""
+                       override: Optional[int] = None) -> tuple[int, str]:
+    """(prompt tokens kept, the rule that gave them): --max_length; else the official budget of a model the
+    official config names (`known_max_length`); else the model's context window less the dataset's new tokens
+    and the chat template's tokens, capped at the largest official budget (longer windows keep the official
+    harness's longest prompts, not more)."""
     if override is not None:
-        return override
+        return override, "--max_length"
     known = known_max_length(model_path)
     if known is not None:
-        return known
+        return known, f"model2maxlen.json ({Path(str(model_path).rstrip('/')).name})"
     window = getattr(config, "max_position_embeddings", None)
     if not window:
         raise ValueError(f"cannot tell the context length of {model_path!r} (no max_position_embeddings in its "
                          f"config); pass --max_length")
-    budget = int(window) - max_new_tokens - template_overhead
+    cap = max(model2maxlen().values())
+    budget = min(int(window) - max_new_tokens - template_overhead, cap)
     if budget < 2:
         raise ValueError(f"{model_path!r}: context {window} leaves no room for a {dataset} prompt "
                          f"({max_new_tokens} new tokens); pass --max_length")
-    return budget
+    return budget, (f"max_position_embeddings {window} - new tokens - {template_overhead} chat-template tokens, "
+                    f"at most {cap}")
 
 
-def stop_token_ids(model, tokenizer, dataset: str) -> list[int]:
-    """End-of-sequence ids of the model (generation config and tokenizer), plus newline for samsum."""
-    from pyramidkv.generation import default_stop_token_ids
+def stop_token_ids(generation_config, tokenizer, dataset: str) -> list[int]:
+    """The model's end tokens (generation.end_token_ids: generation config, tokenizer, chat template), plus
+    newline for samsum."""
+    from pyramidkv.generation import end_token_ids
 
-    ids = default_stop_token_ids(model, tokenizer)
+    ids = end_token_ids(tokenizer, generation_config)
     if dataset == "samsum":
         # The official harness stops samsum at a newline: models otherwise go on with "\nDialogue: ...".
         ids.append(tokenizer.encode("\n", add_special_tokens=False)[-1])
@@ -339,8 +343,10 @@ class LongBench(Benchmark):
                             "else is random); --sample_seed when the method has a seed of its own (CaM's, GEAR's)")
         d.add_argument("--eval_batch_size", type=int, default=1, help="prompts per batch (left-padded)")
         d.add_argument("--max_length", type=int, default=None,
-                       help="prompt tokens kept (middle truncation); when not given: known-model table, else the "
-                            "model's context window minus the dataset's new tokens")
+                       help="prompt tokens kept (middle truncation); when not given: the official value for a model "
+                            "its model2maxlen.json names (the model path's last component, case aside), else the "
+                            "model's context window minus the dataset's new tokens and the chat template, at most "
+                            "the largest official value (docs/longbench.md)")
         d.add_argument("--max_new_tokens", type=int, default=None,
                        help="override the official per-dataset generation length (smoke tests only)")
         d.add_argument("--save_dir", default="results/longbench",
@@ -373,8 +379,10 @@ class LongBench(Benchmark):
                              f"{builder.template_overhead()} tokens around the prompt: the sample would be mostly "
                              f"template; give at least {builder.template_overhead()}")
         self.max_new = {d: args.max_new_tokens or dataset2maxlen()[d] for d in self.datasets}
-        self.max_len = {d: resolve_max_length(args.model_path, config, d, self.max_new[d],
-                                              builder.template_overhead(), args.max_length) for d in self.datasets}
+        resolved = {d: resolve_max_length(args.model_path, config, d, self.max_new[d], builder.template_overhead(),
+                                          args.max_length) for d in self.datasets}
+        self.max_len = {d: length for d, (length, _) in resolved.items()}
+        self.max_len_rule = next(iter(resolved.values()))[1]
         files = []
         for dataset in self.datasets:
             rows = load_rows(dataset, Path(args.data_dir) if args.data_dir is not None else None, args.e)
@@ -394,10 +402,10 @@ class LongBench(Benchmark):
 
     def meta_extra(self, args, files) -> dict:
         return {"benchmark": "longbench-e" if args.e else "longbench", "datasets": self.datasets,
-                "max_length": self.max_len, "max_new_tokens": self.max_new}
+                "max_length": self.max_len, "max_length_rule": self.max_len_rule, "max_new_tokens": self.max_new}
 
-    def stop_token_ids(self, model, tokenizer, sample_file):
-        return stop_token_ids(model, tokenizer, sample_file.name)
+    def stop_token_ids(self, generation_config, tokenizer, sample_file):
+        return stop_token_ids(generation_config, tokenizer, sample_file.name)
 
     def prediction_row(self, sample, output) -> dict:
         return {"_id": sample.key, "pred": output.text, **sample.row, "prompt_tokens": output.prompt_tokens,
