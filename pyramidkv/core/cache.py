@@ -15,8 +15,9 @@ appended tokens), so transformers gives new tokens their true RoPE positions. Ba
 left-padded; padding is never stored.
 
 A sliding-window layer (window W) holds what the model attends to and no more: it keeps at most the last W - 1
-prompt tokens (prefill.py), and each decode step drops the held tokens the new token's window has left, so it
-holds at most W. Its store must be able to hand tokens back (`reselect`): under a store kind that cannot (the
+prompt tokens (prefill.py), and each decode step first drops the held tokens the new token's window does not
+cover, so it holds at most W (several new tokens in one forward are appended and attended one at a time, each
+with its own window). Its store must be able to hand tokens back (`reselect`): under a store kind that cannot (the
 quantized one) a sliding layer is stored in full precision.
 """
 
@@ -31,7 +32,6 @@ from pyramidkv.allocation.base import ModelShape
 from pyramidkv.core.context import CompressionMethod
 from pyramidkv.core.decoding import DecodeCompressor
 from pyramidkv.core.full_precision import FullPrecisionStore
-from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.merged_pair import PairedLayerStore
 from pyramidkv.core.paged import PagedStore
 from pyramidkv.core.prefill import PromptCompressor
@@ -199,7 +199,12 @@ class CompressedCache(Cache):
                     position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """New tokens' queries [B, Hq, q, D], keys and values [B, Hkv, q, D] after RoPE: append them and
         return the attention output [B, Hq, q, D] over everything the layer holds."""
-        store = self.layers[layer_idx]
+        store, q_len = self.layers[layer_idx], keys.shape[2]
+        if self.windows[layer_idx] is not None and q_len > 1:   # each new token has its own window: one at a time
+            return torch.cat([self.decode_step(layer_idx, queries[:, :, i:i + 1], keys[:, :, i:i + 1],
+                                               values[:, :, i:i + 1],
+                                               None if position_ids is None else position_ids[:, i:i + 1])
+                              for i in range(q_len)], dim=2)
         if self.stored_heads != keys.shape[1]:
             group = self.stored_heads // keys.shape[1]
             keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
@@ -208,26 +213,25 @@ class CompressedCache(Cache):
             rope = torch.full((bsz,), self.get_seq_length(layer_idx), device=keys.device)
         else:
             rope = position_ids[:, -1].expand(bsz).long()
-        store.append(keys, values, rope)
         if self.windows[layer_idx] is not None:
             self._slide(layer_idx)
+        store.append(keys, values, rope)
         out = store.attend(queries)
         if self.decoding is not None:
             self.decoding.after_attend(layer_idx, queries)
         return out
 
     def _slide(self, layer_idx: int) -> None:
-        """A sliding layer after an append: drop the held tokens the newest token's window has left (positions
-        below newest - W + 1, per prompt)."""
+        """A sliding layer before a new token is appended: drop the held tokens its window does not cover
+        (positions below new - W + 1, per prompt), so that it holds at most W with the new token."""
         store, window = self.layers[layer_idx], self.windows[layer_idx]
-        first = [real + store.appended - window for real in self.prompt.real_lens]   # newest - W + 1
+        first = [real + store.appended - window + 1 for real in self.prompt.real_lens]   # new - W + 1
         if all(min(int(p[0]) for p in store.held_positions(b) if p.numel()) >= f for b, f in enumerate(first)):
             return
         if self.decoding is not None:
             self.decoding.drop_before(layer_idx, first)
-            return
-        store.replace([KeptKV.from_heads([(k[p >= f], v[p >= f], p[p >= f]) for k, v, p in store.held(b)])
-                       for b, f in enumerate(first)])
+        else:
+            store.drop_before(first)
 
     # ---- inspection ---------------------------------------------------------------------------
     def kept_counts(self, layer_idx: int) -> list[list[int]]:

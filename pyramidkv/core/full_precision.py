@@ -147,6 +147,16 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
         if grown and self._buffers[0].shape[2] > max_tail + TAIL_GROWTH_TOKENS:
             self._buffers = None
 
+    def drop_before(self, first: list[int]) -> None:
+        """A sliding window: every held token of prompt b at a position below first[b] leaves; the tail is folded
+        into the kept rows (ThinK's thin rows stay thin)."""
+        tail_keys, tail_values = self.tail()
+        kept = []
+        for b, (k, start) in enumerate(zip(self.kept, self.tail_start)):
+            positions = torch.arange(start, start + self.tail_len, device=k.positions.device, dtype=k.positions.dtype)
+            kept.append(k.since(first[b], (tail_keys[b], tail_values[b], positions)))
+        self.replace(kept)
+
     # ---- inspection ----------------------------------------------------------------------------
     def kept_counts(self) -> list[list[int]]:
         return [k.counts() for k in self.kept]

@@ -99,6 +99,24 @@ class KeptKV:
             out[h] = (torch.cat([pos, p]), torch.cat([wide, k]), torch.cat([values, v]))
         return out
 
+    def since(self, first: int, tail: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> "KeptKV":
+        """The kept tokens at positions >= first (thin rows stay thin), each head's full-width rows followed by
+        `tail`: (keys [H, t, D], values [H, t, D], positions [t]), the tokens appended since (a sliding window)."""
+        heads = []
+        for h, (p, (k, v)) in enumerate(zip(self.positions_per_head(), self.per_head())):
+            keep = p >= first
+            k, v, p = k[keep], v[keep], p[keep]
+            if tail is not None:
+                k, v, p = torch.cat([k, tail[0][h]]), torch.cat([v, tail[1][h]]), torch.cat([p, tail[2]])
+            heads.append((k, v, p))
+        out = KeptKV.from_heads(heads)
+        if self.thin is not None:
+            thin = self.thin
+            keep = thin.positions >= first
+            lengths = [int(m.sum()) for m in keep.split(thin.lengths)]
+            out.thin = ThinRows(thin.keys[keep], thin.values[keep], lengths, thin.positions[keep], thin.channels)
+        return out
+
     def nbytes(self) -> int:
         full = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
         return full + (0 if self.thin is None else self.thin.nbytes())

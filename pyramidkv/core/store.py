@@ -137,6 +137,10 @@ class Reselectable(ABC):
         """Per prompt its new kept tokens; nothing appended remains apart. max_tail: the most tokens that will
         be appended before the next re-selection (a larger tail buffer may be released)."""
 
+    @abstractmethod
+    def drop_before(self, first: list[int]) -> None:
+        """A sliding window: every held token of prompt b at a position below first[b] leaves."""
+
 
 class AttentionStatistics(ABC):
     """Ability "attention_statistics": the decode step's attention per held token (H2O, Scissorhands)."""
