@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from pyramidkv.models.default_model import DEFAULT_MODEL_NAME, default_model_path
-from pyramidkv.models.patch import ATTENTION_IMPLEMENTATIONS, MODEL_GLUE
+from pyramidkv.models.patch import ATTENTION_IMPLEMENTATIONS, MODEL_GLUE, check_family_implementation
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -81,6 +81,7 @@ def check_model(model_path: str = DEFAULT_MODEL_NAME, attn_implementation: str =
     if config.model_type not in MODEL_GLUE:
         raise ValueError(f"unsupported model type {config.model_type!r} ({model_path}); "
                          f"supported: {', '.join(MODEL_GLUE)}")
+    check_family_implementation(config.model_type, attn_implementation)
     return path, config, device, dtype
 
 
