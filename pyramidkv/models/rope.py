@@ -43,8 +43,8 @@ class HalfRotation:
     """RoPE on keys outside the model (core/rotary.py's `KeyRotation`), rotate_half convention.
 
     cos / sin [P, D] (float32) of positions 0..P-1 come from the model (`table`), computed once for at
-    least 1,024 positions and recomputed, twice as many, when a larger position is asked for; undoing divides
-    by cos^2 + sin^2 (a scaled table's attention factor, squared).
+    least 1,024 positions and recomputed, twice as many, when a larger position is asked for; undoing a scaled
+    table divides by cos^2 + sin^2 (its attention factor, squared; an unscaled one is undone with -sin alone).
     """
 
     def __init__(self, table: RopeTable):
@@ -57,7 +57,8 @@ class HalfRotation:
             size = max(needed, 2 * (0 if self.cos is None else self.cos.shape[0]), 1024)
             cos, sin = self.table(size, positions.device)
             self.cos, self.sin = cos.float(), sin.float()
-            self.magnitude = self.cos.square() + self.sin.square()
+            magnitude = self.cos.square() + self.sin.square()   # 1 to float32 rounding unless scaled (or bf16)
+            self.magnitude = None if torch.allclose(magnitude, torch.ones_like(magnitude), atol=1e-5) else magnitude
         index = positions.long()
         return self.cos[index], self.sin[index]
 
@@ -69,7 +70,8 @@ class HalfRotation:
         turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         if not inverse:
             return x * cos + turned * sin
-        return (x * cos - turned * sin) / self.magnitude[positions.long()]
+        undone = x * cos - turned * sin
+        return undone if self.magnitude is None else undone / self.magnitude[positions.long()]
 
 
 @dataclass(frozen=True, kw_only=True)

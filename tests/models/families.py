@@ -21,6 +21,9 @@ FAMILY_SETTINGS = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
 }
 FAMILY_CONFIGS = {model_type: {**SIZES, **settings} for model_type, settings in FAMILY_SETTINGS.items()}
+# The families whose weights layout is Llama's (q/k/v/o, gate/up/down), so that SmolLM2 loads as them
+# (load_model's model_class); Phi-3 (fused qkv_proj, gate_up_proj) and Mixtral (experts) do not.
+LLAMA_LAYOUT = ("llama", "mistral", "qwen2")
 # What makes each family's config set a sliding window of W (Qwen2: on layers from max_window_layers on)
 WINDOW_SETTINGS = {"qwen2": dict(use_sliding_window=True, max_window_layers=1)}
 

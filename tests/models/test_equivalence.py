@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from pyramidkv import METHODS, compress, load_model, make_method
 from pyramidkv.generation import generate
-from pyramidkv.models.patch import MODEL_GLUE
+from tests.models.families import LLAMA_LAYOUT
 from tests.prompts import STORY
 
 
@@ -39,7 +39,7 @@ def step_logits(model, ids, steps, cache):
     return out
 
 
-@pytest.mark.parametrize("model_class", list(MODEL_GLUE))
+@pytest.mark.parametrize("model_class", LLAMA_LAYOUT)
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_fullkv_logits_equal_unpatched(models, attn, model_class):
     model, tokenizer = models(attn, model_class)
@@ -75,7 +75,7 @@ def test_budget_at_least_prompt_generates_like_full_cache(models, name):
         assert got.text == full.text, (name, budget)
 
 
-@pytest.mark.parametrize("model_class", [name for name in MODEL_GLUE if name != "llama"])
+@pytest.mark.parametrize("model_class", [name for name in LLAMA_LAYOUT if name != "llama"])
 def test_every_class_keeps_and_generates_what_llama_does(models, model_class):
     """SmolLM2's weights loaded into each glued architecture: the same kept tokens, the same text."""
     llama, tokenizer = models("sdpa", "llama")
