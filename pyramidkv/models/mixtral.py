@@ -2,27 +2,15 @@
 its rotary module called with a length (`LengthRopeGlue`); the MoE MLP is not ours to touch.
 
 Sliding window: 4.44.2 applies config.sliding_window under flash_attention_2 alone (every layer); eager and
-sdpa attend over everything (Llama's causal mask). Its MoE layout (block_sparse_moe.experts.*) does not load
-another family's MLP weights.
+sdpa attend over everything (Llama's causal mask). Its experts (block_sparse_moe.experts.*) have no place for
+another family's MLP weights: load_model's model_class refuses them.
 """
-
-from __future__ import annotations
-
-from dataclasses import dataclass
 
 from transformers.models.mixtral import modeling_mixtral
 
 from pyramidkv.models.rope import LengthRopeGlue
 
-
-@dataclass(frozen=True, kw_only=True)
-class MixtralGlue(LengthRopeGlue):
-    def config_as(self, config):
-        raise ValueError(f"{config.model_type} weights do not load as mixtral: MixtralForCausalLM's MLP is a mixture "
-                         f"of experts (block_sparse_moe.experts.*); load a Mixtral checkpoint as it is")
-
-
-GLUE = MixtralGlue(
+GLUE = LengthRopeGlue(
     causal_lm=modeling_mixtral.MixtralForCausalLM,
     attention_classes=(modeling_mixtral.MixtralAttention,),  # eager; the sdpa and flash classes subclass it
     apply_rotary_pos_emb=modeling_mixtral.apply_rotary_pos_emb,

@@ -58,10 +58,6 @@ class Phi3Glue(RotateHalfGlue):
     def rope_table(self, model) -> RopeTable:
         return functools.partial(newest_position_table, decoder(model).layers[0].self_attn.rotary_emb)
 
-    def config_as(self, config):
-        raise ValueError(f"{config.model_type} weights do not load as phi3: Phi3ForCausalLM fuses q/k/v into "
-                         f"qkv_proj and gate/up into gate_up_proj; load a Phi-3 checkpoint as it is")
-
 
 GLUE = Phi3Glue(
     causal_lm=modeling_phi3.Phi3ForCausalLM,

@@ -14,7 +14,7 @@ GLUE = LengthRopeGlue(
     causal_lm=modeling_qwen2.Qwen2ForCausalLM,
     attention_classes=(modeling_qwen2.Qwen2Attention,),  # eager; the sdpa and flash classes subclass it
     apply_rotary_pos_emb=modeling_qwen2.apply_rotary_pos_emb,
-    # Qwen2 has no RoPE scaling, no o_proj or MLP biases (q/k/v biases a Llama checkpoint lacks start at zero),
-    # and no window under eager or sdpa
-    refused_settings=("rope_scaling", "attention_bias", "mlp_bias", "sliding_window"),
+    # settings of another family's config that Qwen2's eager / sdpa attention does not apply (load_model refuses
+    # weights it has no place for: o_proj or MLP biases; the q/k/v biases a Llama checkpoint lacks start at zero)
+    refused_settings=("rope_scaling", "sliding_window"),
 )
