@@ -72,8 +72,10 @@ def dense_probs(glue, model, layer: int, q: torch.Tensor, k: torch.Tensor, rows_
     from pyramidkv.models.glue import decoder
 
     n = q.shape[1]
-    scale, softcap = glue.attention_form(decoder(model).layers[layer].self_attn, model.config._attn_implementation)
-    window = glue.layer_windows(model.config)[layer]
+    implementation = model.config._attn_implementation
+    scale, softcap = glue.attention_form(model.config, implementation)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    window = glue.layer_windows(model.config, implementation)[layer]
     logits = q[:, rows_from:] @ k.repeat_interleave(q.shape[0] // k.shape[0], dim=0).transpose(1, 2) * scale
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)

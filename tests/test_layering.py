@@ -221,6 +221,7 @@ def test_checker_reports_the_removed_circles(edges):
 # Private attributes of objects we do not own, read because their libraries offer no public name for them.
 FOREIGN_PRIVATE = {"_flash_attn_uses_top_left_mask",   # transformers' flash attention modules
                    "_attn_implementation",             # transformers' PretrainedConfig
+                   "_supports_sdpa", "_supports_flash_attn_2",  # transformers' model classes: their implementations
                    "_option_string_actions", "_actions",  # argparse's parser (flag aliases, help texts)
                    "_pyramidkv_patch"}                 # our marker on the patched model object
 

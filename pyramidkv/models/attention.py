@@ -52,7 +52,8 @@ def full_attention(module, implementation: str, queries, keys, values, attention
 
         out = _flash_attention_forward(
             queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attention_mask, q_len,
-            position_ids=position_ids, dropout=0.0, sliding_window=sliding_window, softmax_scale=scale,
+            position_ids=position_ids, dropout=0.0, softmax_scale=scale,
+            sliding_window=None if sliding_window is None else sliding_window - 1,   # window_size (W - 1, W - 1)
             use_top_left_mask=module._flash_attn_uses_top_left_mask, is_causal=True,
             **({} if softcap is None else {"softcap": softcap}),
         )

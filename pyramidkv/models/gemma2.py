@@ -22,8 +22,9 @@ def flash_softcap() -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class Gemma2Glue(RotateHalfGlue):
-    def layer_windows(self, config):
-        return tuple(config.sliding_window if layer % 2 == 0 else None for layer in range(config.num_hidden_layers))
+    def layer_windows(self, config, implementation="eager"):
+        window = config.sliding_window + (implementation == "flash_attention_2")   # flash: window_size (W, W)
+        return tuple(window if layer % 2 == 0 else None for layer in range(config.num_hidden_layers))
 
     def attention_form(self, config, implementation):
         cap = config.attn_logit_softcapping
@@ -35,5 +36,4 @@ GLUE = Gemma2Glue(
     causal_lm=modeling_gemma2.Gemma2ForCausalLM,
     attention_classes=(modeling_gemma2.Gemma2Attention,),  # eager; the sdpa and flash classes subclass it
     apply_rotary_pos_emb=modeling_gemma2.apply_rotary_pos_emb,
-    llama_layout=False,   # (1 + w) norms, four norms per layer, embeddings scaled by sqrt(hidden)
 )

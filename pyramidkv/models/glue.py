@@ -27,6 +27,19 @@ from pyramidkv.core.rotary import KeyRotation
 FAMILY_ENTRIES = ("model_type", "architectures", "transformers_version")
 
 
+def flash_windows(config, implementation: str, keys_in_mask: bool = False, first_layer: int = 0
+                  ) -> tuple[Optional[int], ...]:
+    """The windows of a family whose layers (from first_layer on) slide by `config.sliding_window`: under
+    flash-attn W + 1 keys (4.44.2 passes window_size (W, W)); under eager / sdpa W keys where the family's
+    causal mask applies the window (keys_in_mask: Mistral), else none (Qwen2, Phi-3, Mixtral use Llama's)."""
+    window = getattr(config, "sliding_window", None)
+    if window is not None and implementation == "flash_attention_2":
+        window += 1
+    elif not keys_in_mask:
+        window = None
+    return tuple(window if layer >= first_layer else None for layer in range(config.num_hidden_layers))
+
+
 def decoder(model):
     """The decoder (the module holding `layers`) of a causal LM, or the model itself when it is one."""
     inner = getattr(model, "model", model)
@@ -48,8 +61,6 @@ class ModelGlue:
         `config_as` refuses a config that sets one.
     config_overrides: values `config_as` sets over those of the other family's config (so that it gains
         nothing that family does not have).
-    llama_layout: whether a Llama checkpoint's weights load into this family unchanged (SmolLM2 as Mistral):
-        `config_as` refuses otherwise (Gemma2's norms and scaled embeddings, Phi-3's fused projections).
     """
 
     causal_lm: type
@@ -57,7 +68,6 @@ class ModelGlue:
     unapplied_settings: tuple[str, ...] = ()
     refused_settings: tuple[str, ...] = ()
     config_overrides: dict = field(default_factory=dict)
-    llama_layout: bool = True
 
     @property
     def config_class(self) -> type:
@@ -70,10 +80,11 @@ class ModelGlue:
         its layers, None where the module computes them itself)."""
         raise NotImplementedError
 
-    def layer_windows(self, config) -> tuple[Optional[int], ...]:
-        """Per layer, the sliding window the unpatched model applies (a query at position p attends to keys at
-        positions p - W + 1 .. p: W tokens, itself included), None for a global layer. The cache holds no more
-        than that on a sliding layer (docs/models.md, "Sliding windows")."""
+    def layer_windows(self, config, implementation: str = "eager") -> tuple[Optional[int], ...]:
+        """Per layer, the sliding window the unpatched model applies under `implementation` (a query at position
+        p attends to keys at positions p - W + 1 .. p: W tokens, itself included; flash-attn's window_size
+        (s, s) is W = s + 1), None for a global layer. The cache holds no more than that on a sliding layer
+        (docs/models.md, "Sliding windows")."""
         return (None,) * config.num_hidden_layers
 
     def attention_form(self, config, implementation: str) -> tuple[Optional[float], Optional[float]]:
@@ -90,9 +101,6 @@ class ModelGlue:
 
     def config_as(self, config):
         """`config`, another family's with the same weights layout, as this family's config."""
-        if not self.llama_layout:
-            raise ValueError(f"{config.model_type} weights do not load as {self.config_class.model_type} "
-                             f"({self.causal_lm.__name__} has its own weights layout); load it as its own type")
         values = {k: v for k, v in config.to_dict().items() if k not in FAMILY_ENTRIES}
         refused = [name for name in self.refused_settings if values.get(name)]
         if refused:

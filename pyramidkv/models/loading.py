@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
+import re
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from pyramidkv.models.default_model import DEFAULT_MODEL_NAME, default_model_path
-from pyramidkv.models.patch import ATTENTION_IMPLEMENTATIONS, MODEL_GLUE
+from pyramidkv.models.patch import ATTENTION_IMPLEMENTATIONS, MODEL_GLUE, check_family_implementation
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -81,6 +83,7 @@ def check_model(model_path: str = DEFAULT_MODEL_NAME, attn_implementation: str =
     if config.model_type not in MODEL_GLUE:
         raise ValueError(f"unsupported model type {config.model_type!r} ({model_path}); "
                          f"supported: {', '.join(MODEL_GLUE)}")
+    check_family_implementation(config.model_type, attn_implementation)
     return path, config, device, dtype
 
 
@@ -134,12 +137,36 @@ def supported_models() -> str:
 
 def config_as(config, model_class: str):
     """Re-express a config as another supported architecture with the same weights layout (its glue's
-    `config_as`)."""
+    `config_as`); refused with one line where the checkpoint's weights have no place in that architecture or it
+    has weights the checkpoint lacks, other than biases (transformers starts those at zero: Llama as Qwen2)."""
     if model_class not in MODEL_GLUE:
         raise ValueError(f"unknown model_class {model_class!r}; choose one of {', '.join(MODEL_GLUE)}")
     if config.model_type == model_class:
         return config
-    return MODEL_GLUE[model_class].config_as(config)
+    glue = MODEL_GLUE[model_class]
+    new = glue.config_as(config)
+    from transformers import AutoModelForCausalLM
+
+    source = MODEL_GLUE[config.model_type].causal_lm if config.model_type in MODEL_GLUE else None
+    given = parameter_names(source or AutoModelForCausalLM.from_config, config)
+    wanted = parameter_names(glue.causal_lm, new)
+    unplaced, missing = sorted(given - wanted), sorted(name for name in wanted - given if not name.endswith(".bias"))
+    if unplaced or missing:
+        lacks = f"{glue.causal_lm.__name__} has no {', '.join(unplaced)}" if unplaced else ""
+        needs = f"{config.model_type} has no {', '.join(missing)}" if missing else ""
+        raise ValueError(f"{config.model_type} weights do not load as {model_class}: "
+                         f"{'; '.join(part for part in (lacks, needs) if part)}")
+    return new
+
+
+def parameter_names(build, config) -> set[str]:
+    """The parameter names of the model `build(config)` makes, layers as `*` (one layer, built on the meta
+    device: no memory, no weights)."""
+    one_layer = copy.deepcopy(config)
+    one_layer.num_hidden_layers = 1
+    with torch.device("meta"):
+        model = build(one_layer)
+    return {re.sub(r"\.\d+\.", ".*.", name) for name, _ in model.named_parameters()}
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

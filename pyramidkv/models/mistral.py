@@ -8,13 +8,14 @@ from dataclasses import dataclass
 
 from transformers.models.mistral import modeling_mistral
 
+from pyramidkv.models.glue import flash_windows
 from pyramidkv.models.rope import RotateHalfGlue
 
 
 @dataclass(frozen=True, kw_only=True)
 class MistralGlue(RotateHalfGlue):
-    def layer_windows(self, config):
-        return (getattr(config, "sliding_window", None),) * config.num_hidden_layers
+    def layer_windows(self, config, implementation="eager"):
+        return flash_windows(config, implementation, keys_in_mask=True)
 
 
 GLUE = MistralGlue(

@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache
 from pyramidkv.allocation.base import ModelShape
 from pyramidkv.core.cache import CompressedCache
 from pyramidkv.methods.base import Method
-from pyramidkv.models import gemma2, llama, mistral
+from pyramidkv.models import gemma2, llama, mistral, mixtral, phi3, qwen2
 from pyramidkv.models.attention import compressed_attention_forward
 from pyramidkv.models.glue import ModelGlue, decoder
 
@@ -34,9 +34,30 @@ logger = logging.getLogger(__name__)
 MODEL_GLUE: dict[str, ModelGlue] = {
     "llama": llama.GLUE,
     "mistral": mistral.GLUE,
+    "qwen2": qwen2.GLUE,
+    "phi3": phi3.GLUE,
+    "mixtral": mixtral.GLUE,
     "gemma2": gemma2.GLUE,
 }
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
+
+
+def family_implementations(glue: ModelGlue) -> tuple[str, ...]:
+    """The attention implementations the family's transformers class has (eager always; sdpa and
+    flash_attention_2 where it declares them: Phi-3 has no sdpa in 4.44.2)."""
+    model = glue.causal_lm
+    has = {"eager": True, "sdpa": model._supports_sdpa, "flash_attention_2": model._supports_flash_attn_2}
+    return tuple(name for name in ATTENTION_IMPLEMENTATIONS if has[name])
+
+
+def check_family_implementation(model_type: str, implementation: str) -> None:
+    """Refuse an attention implementation the family's class lacks, with one line naming those it has."""
+    glue = MODEL_GLUE[model_type]
+    offered = family_implementations(glue)
+    if implementation not in offered:
+        named = [f"{name} (on CUDA)" if name == "flash_attention_2" else name for name in offered]
+        raise ValueError(f"{glue.causal_lm.__name__} has no {implementation} attention in transformers 4.44.2; "
+                         f"use attn_implementation {' or '.join(named)}")
 
 
 class UncompressedWarning(UserWarning):
@@ -54,6 +75,7 @@ class CompressionPatch:
         if implementation not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"unsupported attn_implementation {implementation!r}; "
                              f"use one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+        check_family_implementation(model_type, implementation)
         if not isinstance(method, Method):
             raise TypeError(f"method must be a pyramidkv Method (see pyramidkv.make_method), got {type(method).__name__}")
         if getattr(model, "_pyramidkv_patch", None) is not None:
@@ -166,7 +188,7 @@ def model_shape(config, dtype_bytes: int = 0, implementation: Optional[str] = No
     if glue is not None:
         implementation = implementation or getattr(config, "_attn_implementation", None) or "eager"
         windows = tuple(w if w is not None and not (context and w >= context) else None
-                        for w in glue.layer_windows(config))
+                        for w in glue.layer_windows(config, implementation))
         windows = windows if any(w is not None for w in windows) else ()
         softcap = glue.attention_form(config, implementation)[1]
     return ModelShape(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,

@@ -2,9 +2,11 @@
 
 rotate_half pairs channel c with channel c + D/2: x at position p becomes x * cos(p) + turn(x) * sin(p),
 turn(x) = [-x[D/2:], x[:D/2]], with cos and sin [D] from the model's own rotary module (so its base, scaling
-and dtype are the model's). Undoing it is the same with -sin. Llama and Mistral (llama.py, mistral.py) are
-this glue with their own classes; a family that differs only in a detail overrides that method: `project`
-(a fused qkv_proj), `rotate_qk` and `rope_table` (a rotary module or apply_rotary_pos_emb called another way).
+and dtype are the model's). Undoing it is the same with -sin, divided by cos^2 + sin^2 (1, except under a
+scaling with an attention factor, which multiplies both: Phi-3's LongRoPE, Llama's yarn and longrope). Llama
+and Mistral (llama.py, mistral.py) are this glue with their own classes; a family that differs only in a
+detail overrides that method: `project` (a fused qkv_proj), `rotate_qk` and `rope_table` (a rotary module or
+apply_rotary_pos_emb called another way: `LengthRopeGlue`, Qwen2's and Mixtral's).
 """
 
 from __future__ import annotations
@@ -30,16 +32,24 @@ def position_ids_table(rotary_emb, size: int, device: torch.device) -> tuple[tor
     return cos[0], sin[0]
 
 
+def length_table(rotary_emb, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table of a rotary module called with a length, as Qwen2's and Mixtral's are in 4.44.2:
+    rotary_emb(x, seq_len=size) -> cos, sin [size, D] (rows of its cached table, grown past it as the model
+    grows it)."""
+    return rotary_emb(torch.zeros(1, device=device, dtype=torch.float32), seq_len=size)
+
+
 class HalfRotation:
     """RoPE on keys outside the model (core/rotary.py's `KeyRotation`), rotate_half convention.
 
     cos / sin [P, D] (float32) of positions 0..P-1 come from the model (`table`), computed once for at
-    least 1,024 positions and recomputed, twice as many, when a larger position is asked for.
+    least 1,024 positions and recomputed, twice as many, when a larger position is asked for; undoing a scaled
+    table divides by cos^2 + sin^2 (its attention factor, squared; an unscaled one is undone with -sin alone).
     """
 
     def __init__(self, table: RopeTable):
         self.table = table
-        self.cos = self.sin = None
+        self.cos = self.sin = self.magnitude = None
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         needed = int(positions.max()) + 1 if positions.numel() else 1
@@ -47,6 +57,8 @@ class HalfRotation:
             size = max(needed, 2 * (0 if self.cos is None else self.cos.shape[0]), 1024)
             cos, sin = self.table(size, positions.device)
             self.cos, self.sin = cos.float(), sin.float()
+            magnitude = self.cos.square() + self.sin.square()   # 1 to float32 rounding unless scaled (or bf16)
+            self.magnitude = None if torch.allclose(magnitude, torch.ones_like(magnitude), atol=1e-5) else magnitude
         index = positions.long()
         return self.cos[index], self.sin[index]
 
@@ -56,7 +68,10 @@ class HalfRotation:
         x = x.float()
         half = x.shape[-1] // 2
         turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos - turned * sin if inverse else x * cos + turned * sin
+        if not inverse:
+            return x * cos + turned * sin
+        undone = x * cos - turned * sin
+        return undone if self.magnitude is None else undone / self.magnitude[positions.long()]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,3 +111,17 @@ class RotateHalfGlue(ModelGlue):
 
     def key_rotation(self, model) -> HalfRotation:
         return HalfRotation(self.rope_table(model))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LengthRopeGlue(RotateHalfGlue):
+    """A Llama-family architecture whose rotary module takes a length and returns the rows of its table, and
+    whose apply_rotary_pos_emb picks the positions' rows (Qwen2, Mixtral in 4.44.2)."""
+
+    def rotate_qk(self, module, q, k, v, position_ids, position_embeddings):
+        # the model asks for kv_seq_len rows; rows past the positions asked for are never read
+        cos, sin = module.rotary_emb(v, seq_len=int(position_ids.max()) + 1)
+        return self.apply_rotary_pos_emb(q, k, cos, sin, position_ids)
+
+    def rope_table(self, model) -> RopeTable:
+        return functools.partial(length_table, decoder(model).layers[0].self_attn.rotary_emb)

@@ -8,7 +8,8 @@ import torch
 
 from pyramidkv import compress, load_model, make_method
 from pyramidkv.generation import generate
-from pyramidkv.models.patch import MODEL_GLUE, UncompressedWarning
+from pyramidkv.models.patch import UncompressedWarning
+from tests.models.families import SMOLLM2_AS
 from tests.prompts import STORY, passkey_prompt
 
 CAPITAL = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -46,7 +47,7 @@ def test_batch_reports_each_prompt_bytes_as_if_alone(smollm2):
         assert b.kv_bytes_per_prompt == per_token * (min(64, s.prompt_tokens) + fed_back)
 
 
-@pytest.mark.parametrize("model_class", [name for name, glue in MODEL_GLUE.items() if glue.llama_layout])
+@pytest.mark.parametrize("model_class", SMOLLM2_AS)
 def test_use_cache_false_runs_the_unpatched_attention(smollm2_path, model_class):
     model, tokenizer = load_model(smollm2_path, attn_implementation="sdpa", device="cpu", model_class=model_class)
     ids = tokenizer(CAPITAL, return_tensors="pt", add_special_tokens=False).input_ids

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from pyramidkv import METHODS, compress, load_model, make_method
 from pyramidkv.generation import generate
-from pyramidkv.models.patch import MODEL_GLUE
+from tests.models.families import SMOLLM2_AS
 from tests.prompts import STORY
 
 
@@ -39,7 +39,7 @@ def step_logits(model, ids, steps, cache):
     return out
 
 
-@pytest.mark.parametrize("model_class", [name for name, glue in MODEL_GLUE.items() if glue.llama_layout])
+@pytest.mark.parametrize("model_class", SMOLLM2_AS)
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_fullkv_logits_equal_unpatched(models, attn, model_class):
     model, tokenizer = models(attn, model_class)
@@ -75,7 +75,7 @@ def test_budget_at_least_prompt_generates_like_full_cache(models, name):
         assert got.text == full.text, (name, budget)
 
 
-@pytest.mark.parametrize("model_class", [name for name, glue in MODEL_GLUE.items() if glue.llama_layout and name != "llama"])
+@pytest.mark.parametrize("model_class", [name for name in SMOLLM2_AS if name != "llama"])
 def test_every_class_keeps_and_generates_what_llama_does(models, model_class):
     """SmolLM2's weights loaded into each glued architecture: the same kept tokens, the same text."""
     llama, tokenizer = models("sdpa", "llama")

@@ -22,16 +22,26 @@ from pyramidkv.models.loading import check_model
 from pyramidkv.models.patch import MODEL_GLUE
 from pyramidkv.models.rope import RotateHalfGlue
 from pyramidkv.runner.cli import add_model_and_method_args
+from tests.models.families import FAMILY_CONFIGS, SIZES, family_implementation_pairs
 
-SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=8192, rope_theta=10000.0, head_dim=16)
 KVQUANT = dict(quant_method="kvquant", nbits=8, group_size=16, residual_length=16)
 
 
 def tiny(glue, **settings):
-    """A 2-layer random model of the glue's architecture (GQA 4 query / 2 KV heads, head_dim 16)."""
+    """A 2-layer random model of the glue's architecture (GQA 4 query / 2 KV heads, head_dim 16; its family's
+    own settings from tests/models/families.py)."""
     torch.manual_seed(0)
-    return glue.causal_lm(glue.config_class(**{**SIZES, **settings})).eval()
+    family = FAMILY_CONFIGS.get(glue.config_class.model_type, SIZES)
+    return glue.causal_lm(glue.config_class(**{**family, **settings})).eval()
+
+
+def key_projection(attention):
+    """(module, output [B, n, Hkv*D] -> keys before RoPE [B, n, Hkv*D]): where the modeling file projects keys
+    (k_proj, or the key slice of a fused qkv_proj, as Phi3Attention slices it)."""
+    if hasattr(attention, "k_proj"):
+        return attention.k_proj, lambda out: out
+    start = attention.num_heads * attention.head_dim
+    return attention.qkv_proj, lambda out: out[..., start:start + attention.num_key_value_heads * attention.head_dim]
 
 
 def patch_warnings(caplog) -> list[str]:
@@ -41,8 +51,8 @@ def patch_warnings(caplog) -> list[str]:
 def own_forward(glue, model, n: int = 1300):
     """The unpatched forward of two random prompts of n tokens at RoPE positions in no order (each a
     permutation of 0..n-1: past the first table of 1,024), with what the glue makes of each attention
-    module's input. Returns (positions [2, n], per layer: k_proj's output [2, Hkv, n, D], project_qkv's
-    (q, k, v), the keys and values the model cached)."""
+    module's input. Returns (positions [2, n], per layer: the keys before RoPE [2, Hkv, n, D] (key_projection),
+    project_qkv's (q, k, v), the keys and values the model cached)."""
     generator = torch.Generator().manual_seed(3)
     ids = torch.randint(0, SIZES["vocab_size"], (2, n), generator=generator)
     positions = torch.stack([torch.randperm(n, generator=generator) for _ in range(2)])
@@ -57,8 +67,9 @@ def own_forward(glue, model, n: int = 1300):
 
     layers = model.model.layers
     hooks = [layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True) for layer in layers]
-    hooks += [layer.self_attn.k_proj.register_forward_hook(lambda m, i, o, layer=l: keep(layer, o))
-              for l, layer in enumerate(layers)]
+    for l, layer in enumerate(layers):
+        module, keys_of = key_projection(layer.self_attn)
+        hooks.append(module.register_forward_hook(lambda m, i, o, l=l, keys_of=keys_of: keep(l, keys_of(o))))
     try:
         with torch.no_grad():
             cached = model(ids, position_ids=positions, past_key_values=DynamicCache(), use_cache=True).past_key_values
@@ -105,8 +116,7 @@ def test_projection_gives_the_keys_and_values_the_model_caches(model_type):
         assert torch.equal(keys, cached_keys) and torch.equal(values, cached_values)
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("model_type", list(MODEL_GLUE))
+@pytest.mark.parametrize("model_type, attn", family_implementation_pairs())
 def test_without_a_cache_the_patched_model_runs_its_own_attention(model_type, attn):
     """use_cache=False inside compress(): each implementation's own forward, called with the arguments its
     decoder gives (Mistral's eager attention takes no position_embeddings)."""
