@@ -19,6 +19,8 @@ FAMILY_SETTINGS = {
     "qwen2": {},
     "phi3": dict(bos_token_id=1, eos_token_id=2, pad_token_id=0, original_max_position_embeddings=4096),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    # a query scalar other than head_dim, and a cap the tiny model's logits can reach
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0, pad_token_id=0),
 }
 FAMILY_CONFIGS = {model_type: {**SIZES, **settings} for model_type, settings in FAMILY_SETTINGS.items()}
 # The families whose weights layout is Llama's (q/k/v/o, gate/up/down), so that SmolLM2 loads as them

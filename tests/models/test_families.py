@@ -64,6 +64,8 @@ def test_llama_weights_load_as_the_families_of_llamas_layout_only(tiny_model_dir
 
 
 REFUSED_LLAMA = {
+    "gemma2": "llama weights do not load as gemma2: llama has no model.layers.*.post_feedforward_layernorm.weight, "
+              "model.layers.*.pre_feedforward_layernorm.weight",
     "phi3": "llama weights do not load as phi3: Phi3ForCausalLM has no model.layers.*.mlp.gate_proj.weight, "
             "model.layers.*.mlp.up_proj.weight, model.layers.*.self_attn.k_proj.weight, "
             "model.layers.*.self_attn.q_proj.weight, model.layers.*.self_attn.v_proj.weight; llama has no "
