@@ -72,6 +72,14 @@ class Quantizer(Component):
                                  f"unquantized cache in the model's dtype: nothing would be saved; "
                                  f"{self.bytes_advice()}")
 
+    def check_layers(self, layer_windows: tuple) -> None:
+        """A sliding-window layer is stored in full precision (its store drops what leaves the window, which a
+        quantized store cannot): refused when every layer slides, so that nothing would be quantized."""
+        if layer_windows and all(w is not None for w in layer_windows):
+            raise ValueError(f"{self.name}: every layer of this model has a sliding window ({layer_windows[0]} "
+                             f"tokens) and is stored in full precision, so nothing would be quantized; quantizers "
+                             f"apply to global layers (docs/models.md, \"Sliding windows\")")
+
     def bytes_per_entry(self, head_dim: int) -> float:
         """Average bytes one quantized key or value entry costs in a long block: its code plus its share of
         the group's fp16 scale and zero, plus what the unit adds (`extra_bytes_per_entry`)."""

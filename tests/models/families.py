@@ -15,7 +15,7 @@ SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_la
              num_key_value_heads=2, max_position_embeddings=8192, rope_theta=10000.0)
 FAMILY_SETTINGS = {
     "llama": {},
-    "mistral": {},
+    "mistral": dict(sliding_window=None),   # v0.2 and later (tests/models/test_sliding_windows.py: v0.1's)
     "qwen2": {},
     "phi3": dict(bos_token_id=1, eos_token_id=2, pad_token_id=0, original_max_position_embeddings=4096),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),

@@ -220,3 +220,93 @@ def test_phi3_scaled_key_rotation_is_the_models_rotation_of_its_newest_position(
     for layer in range(model.config.num_hidden_layers):
         raw = torch.cat([step[layer] for step in raws], dim=2)
         torch.testing.assert_close(rotation.rotate(raw, positions), cache[layer][0], rtol=1e-5, atol=1e-5)
+
+
+# ---- every method and axis, as on Llama --------------------------------------------------------------------
+BUDGET, PROMPT_LEN = 16, 40
+KIVI = dict(quant_method="kivi", nbits=2, group_size=8, residual_length=8)
+METHODS = {   # name -> (spec, what the cache must hold after the prompt: per layer and KV head)
+    "snapkv": dict(name="snapkv", budget=BUDGET, window_size=4),
+    "adakv": dict(name="adakv", budget=BUDGET, window_size=4),
+    "cam": dict(name="snapkv", budget=BUDGET, window_size=4, merge="cam"),
+    "kivi": dict(name="snapkv", budget=BUDGET, window_size=4, **KIVI),
+    "decode_budget": dict(name="snapkv", budget=BUDGET, window_size=4, decode_budget=BUDGET, decode_interval=2),
+    "think": dict(name="think", budget=BUDGET, window_size=4, key_channel_ratio=0.5, key_recent_size=4),
+    "quest": dict(name="quest", page_budget=BUDGET, page_size=4, page_dense_layers=0),
+    "minicache": dict(name="minicache", cross_layer_start=0),
+}
+
+
+def prompt_ids(batch: int = 1, seed: int = 5) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("model_type", list(MODEL_GLUE))
+def test_every_method_holds_its_budget_on_every_family(model_type, method):
+    """After a 40-token prompt and 8 greedy tokens, counted by hand: the evicting methods keep 16 tokens per
+    KV head (AdaKV: 16 x heads per layer, split as it likes), a merge rule's 16 slots, KIVI its 16 tokens in
+    fewer bytes than full precision, a decode budget at most 16 + 2 held, ThinK its 16 in fewer bytes than
+    SnapKV's, Quest every token held and at most 16 of them (whole pages) read per step, MiniCache both layers
+    of its pair in fewer bytes than fullkv. Gemma2's merged pairs would hold a sliding layer: refused."""
+    model = tiny_family(model_type)
+    spec = METHODS[method]
+    if model_type == "gemma2" and method == "minicache":
+        with pytest.raises(ValueError, match="sliding-window layers"):
+            compress(model, make_method(**spec))
+        return
+    heads, layers = model.config.num_key_value_heads, model.config.num_hidden_layers
+
+    def run(settings, new_tokens=8):
+        with compress(model, make_method(**settings)) as patch, torch.no_grad():
+            cache = patch.new_cache()
+            model.generate(prompt_ids(), attention_mask=torch.ones(1, PROMPT_LEN, dtype=torch.long), do_sample=False,
+                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+                           past_key_values=cache)
+        return cache
+
+    cache = run(spec, 1)   # the prompt alone
+    kept = [cache.kept_counts(layer)[0] for layer in range(layers)]
+    if method == "adakv":
+        assert [sum(k) for k in kept] == [BUDGET * heads] * layers and any(len(set(k)) > 1 for k in kept)
+    elif method in ("quest", "minicache"):
+        assert kept == [[PROMPT_LEN] * heads] * layers
+    else:
+        assert kept == [[BUDGET] * heads] * layers
+    if method in ("kivi", "think"):
+        assert cache.kv_bytes() < run(METHODS["snapkv"], 1).kv_bytes()
+    if method == "minicache":
+        assert cache.kv_bytes() < run(dict(name="fullkv"), 1).kv_bytes()
+    cache = run(spec)
+    held = [cache.held_counts(layer)[0] for layer in range(layers)]
+    if method == "decode_budget":
+        assert all(BUDGET <= h <= BUDGET + 2 for row in held for h in row)
+    if method == "quest":
+        full = PROMPT_LEN + 7
+        assert held == [[full] * heads] * layers
+        assert cache.decode_read_bytes() < cache.kv_bytes()
+        for layer in range(layers):   # whole pages of 4, at most the page budget's 16 tokens, per head
+            pages = cache.layers[layer].chosen_pages
+            assert pages.shape[-1] * 4 <= BUDGET and bool((pages >= 0).any())
+
+
+@pytest.mark.parametrize("method", ["fullkv", "snapkv", "adakv"])
+@pytest.mark.parametrize("model_type", list(MODEL_GLUE))
+def test_a_left_padded_batch_of_three_is_each_prompt_alone(model_type, method):
+    """Prompts of 40, 33 and 21 real tokens left-padded into one batch: each prompt's greedy tokens and every
+    step's logits as when it runs alone (to float rounding)."""
+    model = tiny_family(model_type)
+    ids = prompt_ids(3, seed=7)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    mask[2, :19] = 0
+    spec = METHODS.get(method, dict(name=method))
+    with compress(model, make_method(**spec)), torch.no_grad():
+        batch = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                               pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        for b in range(3):
+            pad = int((mask[b] == 0).sum())
+            alone_tokens, alone_logits = greedy(model, ids[b:b + 1, pad:], new_tokens=6)
+            assert torch.equal(batch.sequences[b, PROMPT_LEN:], alone_tokens[0, PROMPT_LEN - pad:])
+            torch.testing.assert_close(torch.stack([step[b] for step in batch.logits]), alone_logits,
+                                       rtol=1e-5, atol=1e-5)

@@ -142,10 +142,27 @@ def test_scorer_attention_is_gemma2s_own():
     assert (seen["uncapped"][0].double() - own).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("spec, message", [
-    (dict(name="minicache"), "sliding-window layers (2)"),
-    (dict(name="minference"), "sliding-window layers or a soft-capped attention"),
+@pytest.mark.parametrize("model_type, spec, message", [
+    ("gemma2", dict(name="minicache"), "sliding-window layers (2)"),
+    ("gemma2", dict(name="minference"), "sliding-window layers or a soft-capped attention"),
+    ("mistral", dict(name="snapkv", budget=12, window_size=4, quant_method="kivi"), "every layer of this model has a sliding window (16"),
 ])
-def test_gemma2_refuses_what_cannot_hold_a_window(spec, message):
+def test_what_cannot_hold_a_window_is_refused(model_type, spec, message):
+    """One line each, from the config: a merged pair holding a sliding layer, a sparse prefill that applies no
+    window, a quantizer on a model whose every layer slides (its sliding layers are kept in full precision)."""
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        make_method(**spec).check_model(model_shape(tiny("gemma2").config, 4))
+        make_method(**spec).check_model(model_shape(tiny(model_type).config, 4))
+
+
+def test_a_quantizer_stores_gemma2s_sliding_layers_in_full_precision():
+    """KIVI on Gemma2: the global layers (1, 3) quantized, the sliding ones (0, 2) in full precision, each at the
+    bytes of its 12 kept tokens x 2 KV heads x 16 channels x K and V in float32."""
+    model = tiny("gemma2")
+    with compress(model, make_method("snapkv", budget=12, window_size=4, quant_method="kivi", nbits=2, group_size=8,
+                                     residual_length=0)) as patch:
+        cache = patch.new_cache()
+        with torch.no_grad():
+            model(ids(), past_key_values=cache, use_cache=True)
+    full = 12 * 2 * 16 * 2 * 4
+    assert [cache.layers[layer].nbytes() == full for layer in range(LAYERS)] == [True, False, True, False]
+    assert all(cache.layers[layer].nbytes() < full for layer in (1, 3))
