@@ -145,7 +145,7 @@ def test_scorer_attention_is_gemma2s_own():
 @pytest.mark.parametrize("model_type, spec, message", [
     ("gemma2", dict(name="minicache"), "sliding-window layers (2)"),
     ("gemma2", dict(name="minference"), "sliding-window layers or a soft-capped attention"),
-    ("mistral", dict(name="snapkv", budget=12, window_size=4, quant_method="kivi"), "every layer of this model has a sliding window (16"),
+    ("mistral", dict(name="snapkv", budget=12, window_size=4, quant_method="kivi", group_size=8), "every layer of this model has a sliding window (16"),
 ])
 def test_what_cannot_hold_a_window_is_refused(model_type, spec, message):
     """One line each, from the config: a merged pair holding a sliding layer, a sparse prefill that applies no
