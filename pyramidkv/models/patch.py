@@ -78,15 +78,20 @@ class CompressionPatch:
             attention = layer.self_attn
             if not isinstance(attention, self.glue.attention_classes):
                 raise TypeError(f"unexpected attention class {type(attention).__name__}")
-            attention.forward = types.MethodType(forward, attention)
-            self._modules.append(attention)
+            # accelerate's hook on a module mapped alone wraps its forward and calls `_old_forward`: patch that
+            patched = "_old_forward" if hasattr(attention, "_hf_hook") else "forward"
+            self._modules.append((attention, patched, attention.__dict__.get(patched)))
+            setattr(attention, patched, types.MethodType(forward, attention))
         self._hook = decoder(self.model).register_forward_pre_hook(self._provide_cache, with_kwargs=True)
         self.model._pyramidkv_patch = self
         return self
 
     def remove(self) -> None:
-        for attention in self._modules:
-            del attention.forward  # back to the class's forward
+        for attention, patched, before in self._modules:
+            if before is None:
+                delattr(attention, patched)  # back to the class's forward
+            else:
+                setattr(attention, patched, before)
         self._modules = []
         if self._hook is not None:
             self._hook.remove()

@@ -23,32 +23,36 @@ RopeTable = Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]
 
 
 def position_ids_table(rotary_emb, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The table of a rotary module called as Llama's is in 4.44.2: rotary_emb(x, position_ids [1, size])."""
-    ids = torch.arange(size, device=device).unsqueeze(0)
-    probe = torch.zeros(1, device=device, dtype=torch.float32)
+    """The table of a rotary module called as Llama's is in 4.44.2: rotary_emb(x, position_ids [1, size]),
+    computed where the module's frequencies are (a model spread over devices) and brought to `device`."""
+    home = next(rotary_emb.buffers(), torch.zeros(0)).device
+    ids = torch.arange(size, device=home).unsqueeze(0)
+    probe = torch.zeros(1, device=home, dtype=torch.float32)
     cos, sin = rotary_emb(probe, ids)
-    return cos[0], sin[0]
+    return cos[0].to(device), sin[0].to(device)
 
 
 class HalfRotation:
     """RoPE on keys outside the model (core/rotary.py's `KeyRotation`), rotate_half convention.
 
     cos / sin [P, D] (float32) of positions 0..P-1 come from the model (`table`), computed once for at
-    least 1,024 positions and recomputed, twice as many, when a larger position is asked for.
+    least 1,024 positions and recomputed, twice as many, when a larger position is asked for; one table per
+    device asked for (a model spread over devices).
     """
 
     def __init__(self, table: RopeTable):
         self.table = table
-        self.cos = self.sin = None
+        self.tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         needed = int(positions.max()) + 1 if positions.numel() else 1
-        if self.cos is None or self.cos.shape[0] < needed or self.cos.device != positions.device:
-            size = max(needed, 2 * (0 if self.cos is None else self.cos.shape[0]), 1024)
+        cos, sin = self.tables.get(positions.device, (None, None))
+        if cos is None or cos.shape[0] < needed:
+            size = max(needed, 2 * (0 if cos is None else cos.shape[0]), 1024)
             cos, sin = self.table(size, positions.device)
-            self.cos, self.sin = cos.float(), sin.float()
+            cos, sin = self.tables[positions.device] = cos.float(), sin.float()
         index = positions.long()
-        return self.cos[index], self.sin[index]
+        return cos[index], sin[index]
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """x [..., T, D] rotated (inverse: un-rotated) to positions [..., T], in float32."""
