@@ -1,7 +1,7 @@
 """What the patch costs on each model family: prefill and decode ms/token of fullkv and snapkv against the
 unpatched model, measured side by side in one run (docs/models.md, "Benchmarks").
 
-    python scripts/bench_families.py [--models tiny-llama smollm2-135m ...] [--repeats 5] [--threads N]
+    python scripts/bench_families.py [--models tiny-llama smollm2-135m ...] [--repeats 5] [--threads 1]
 
 Models: a tiny random instance of every family in MODEL_GLUE (read when the script runs: 2 layers, hidden 64,
 GQA 4 / 2 heads, vocabulary 96; a 512-token prompt) and the default model (SmolLM2-135M; 1,024 tokens). Each
@@ -80,7 +80,8 @@ def main(argv=None) -> int:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=None, help=f"default: all of {', '.join(model_names())}")
     parser.add_argument("--repeats", type=int, default=5)
-X
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (on a shared CPU more threads wait on each other: 1)")
     parser.add_argument("--attn_implementation", default="sdpa", choices=["eager", "sdpa"])
     args = parser.parse_args(argv)
     names = args.models or model_names()
@@ -89,10 +90,9 @@ X
         parser.error(f"--models {unknown[0]}: choose from {', '.join(model_names())}")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: at least 1")
-    if args.threads is not None:
-        if args.threads < 1:
-            parser.error(f"--threads {args.threads}: at least 1")
-        torch.set_num_threads(args.threads)
+    if args.threads < 1:
+        parser.error(f"--threads {args.threads}: at least 1")
+    torch.set_num_threads(args.threads)
     logging.getLogger("pyramidkv.models.patch").setLevel(logging.ERROR)   # once per compress(): noise here
     print(f"{args.attn_implementation}, {torch.get_num_threads()} threads, {args.repeats} repeats (median), "
           f"{NEW_TOKENS} new tokens, snapkv budget 128")
