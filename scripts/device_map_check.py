@@ -28,6 +28,7 @@ import time
 import torch
 
 from pyramidkv import DEFAULT_MODEL_NAME, compress, load_model, make_method
+from pyramidkv.models.patch import layer_devices
 from pyramidkv.runner.arguments import ArgumentParser
 
 METHODS = {"fullkv": ("fullkv", {}), "snapkv": ("snapkv", dict(budget=128)),
@@ -55,16 +56,6 @@ def split_map(num_layers: int, gpu: str) -> dict[str, str]:
     half = num_layers // 2
     return {"model.embed_tokens": gpu, "lm_head": gpu, "model.norm": "cpu",
             **{f"model.layers.{i}": gpu if i < half else "cpu" for i in range(num_layers)}}
-
-
-def layer_devices(model) -> list[str]:
-    """The device each decoder layer computes on (its accelerate hook's execution device, else its weights')."""
-    out = []
-    for layer in model.model.layers:
-        hook = getattr(layer, "_hf_hook", None)
-        device = getattr(hook, "execution_device", None) if hook is not None else None
-        out.append(str(torch.device(device if device is not None else next(layer.parameters()).device)))
-    return out
 
 
 def run(model, ids, mask, method, new_tokens: int, pad_id: int):

@@ -16,6 +16,7 @@ import logging
 import types
 import warnings
 
+import torch
 from transformers.cache_utils import Cache
 
 from pyramidkv.allocation.base import ModelShape
@@ -63,6 +64,7 @@ class CompressionPatch:
                 logger.warning("config.%s=%s is not applied to the compressed cache during decoding", name, value)
         # e.g. HeadKV's table, a quantizer's group size or bytes, l2norm's skipped layers: fail here, not mid-run
         method.check_model(model_shape(model.config, next(model.parameters()).dtype.itemsize))
+        check_shared_layers(model, method)
         self.model = model
         self.method = method
         self.glue = glue
@@ -152,6 +154,31 @@ def model_shape(config, dtype_bytes: int = 0) -> ModelShape:
     return ModelShape(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
                       getattr(config, "_name_or_path", "") or "", head_dim=head_dim, dtype_bytes=dtype_bytes,
                       context_window=getattr(config, "max_position_embeddings", 0) or 0)
+
+
+def layer_devices(model) -> list[str]:
+    """Per decoder layer, the device it computes on: its accelerate hook's execution device (a model loaded with a
+    device_map), else its weights'."""
+    out = []
+    for layer in decoder(model).layers:
+        device = getattr(getattr(layer, "_hf_hook", None), "execution_device", None)
+        if device is None:
+            device = next(layer.parameters()).device
+        out.append(str(torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)))
+    return out
+
+
+def check_shared_layers(model, method: Method) -> None:
+    """Layers that share one storage (MiniCache's pairs) must compute on one device."""
+    sharing = method.layer_sharing
+    if sharing is None:
+        return
+    devices = layer_devices(model)
+    for lower, upper in sharing.pairs(len(devices)).items():
+        if devices[lower] != devices[upper]:
+            raise ValueError(f"{method.name}: layers {lower} and {upper} share one storage but compute on "
+                             f"{devices[lower]} and {devices[upper]}; set cross_layer_start so that no pair spans "
+                             f"two devices, or map both layers to one device")
 
 
 def compress(model, method: Method) -> CompressionPatch:

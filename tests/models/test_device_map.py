@@ -112,3 +112,23 @@ def test_device_map_flag_is_checked_and_recorded(tiny_model_dir, tmp_path, capsy
             RU.main([*common, "--save_dir", str(tmp_path / "refused"), *extra])
         err = capsys.readouterr().err
         assert exc.value.code == 2 and len(err.strip().splitlines()) == 1 and says in err, err
+
+
+def test_a_minicache_pair_across_two_devices_is_refused(loads):
+    """Layers 0 and 1 share MiniCache's storage: computing on two devices (layer 1's hook says meta here) is
+    refused in one line naming both; on one device the patch applies."""
+    from pyramidkv.models.patch import layer_devices
+
+    _, _, _, hooked = loads
+    method = make_method("minicache", cross_layer_start=0)
+    with compress(hooked, method):
+        pass
+    hook = hooked.model.layers[1]._hf_hook
+    kept, hook.execution_device = hook.execution_device, torch.device("meta")
+    try:
+        assert layer_devices(hooked) == ["cpu", "meta"]
+        with pytest.raises(ValueError, match=r"^minicache: layers 0 and 1 share one storage but compute on cpu and "
+                                             r"meta; set cross_layer_start"):
+            compress(hooked, method)
+    finally:
+        hook.execution_device = kept
