@@ -161,7 +161,7 @@ def check_device_map_modules(device_map: dict, config) -> None:
     from accelerate import init_empty_weights
 
     with init_empty_weights():
-        model = MODEL_GLUE[config.model_type].causal_lm._from_config(config)
+        model = MODEL_GLUE[config.model_type].causal_lm(config)
     modules = dict(model.named_modules())
     unknown = [name for name in device_map if name not in modules]
     if unknown:
