@@ -270,7 +270,9 @@ def _left_padded(model, tokenizer, token_lists: list[list[int]]):
     for row, tokens in enumerate(token_lists):
         input_ids[row, width - len(tokens):] = torch.tensor(tokens)
         attention_mask[row, width - len(tokens):] = 1
-    device = next(model.parameters()).device
+    device = model.get_input_embeddings().weight.device
+    if device.type == "meta":  # offloaded by accelerate: its hook brings the inputs to where it computes
+        device = torch.device("cpu")
     return input_ids.to(device), attention_mask.to(device), width, pad_id
 
 

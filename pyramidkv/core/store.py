@@ -51,8 +51,9 @@ class StoreSetup:
     def rope_positions(self, kept: list[KeptKV]) -> list[torch.Tensor]:
         """Per prompt, long [T] the RoPE position of each kept row: its position id (its padded position without)."""
         padded = [torch.cat(kv.all_positions()) + pad for kv, pad in zip(kept, self.pad_lens)]
-        ids = self.position_ids
-        return padded if ids is None else [ids[min(b, ids.shape[0] - 1)][p].long() for b, p in enumerate(padded)]
+        ids = self.position_ids   # the first layer's: on its device, which may not be this layer's
+        return padded if ids is None else [ids[min(b, ids.shape[0] - 1)].to(p.device)[p].long()
+                                           for b, p in enumerate(padded)]
 
 
 class LayerStore(ABC):

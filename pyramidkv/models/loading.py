@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import os
 import re
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -15,6 +16,9 @@ from pyramidkv.models.default_model import DEFAULT_MODEL_NAME, default_model_pat
 from pyramidkv.models.patch import ATTENTION_IMPLEMENTATIONS, MODEL_GLUE, check_family_implementation
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# accelerate's placement strategies, as from_pretrained(device_map=...) takes them by name
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+DeviceMap = Union[str, dict]
 
 
 def resolve_model_path(model_path: str) -> str:
@@ -66,14 +70,24 @@ def resolve_dtype(dtype: Optional[str], device: str) -> str:
 
 
 def check_model(model_path: str = DEFAULT_MODEL_NAME, attn_implementation: str = "sdpa", device: str = "auto",
-                dtype: Optional[str] = None, model_class: Optional[str] = None):
-    """Everything load_model checks, without loading weights: (resolved path, config, device, dtype).
+                dtype: Optional[str] = None, model_class: Optional[str] = None,
+                device_map: Optional[DeviceMap] = None):
+    """Everything load_model checks, without loading weights: (resolved path, config, device, dtype); with a
+    device_map, device is the kind it runs on ("cuda" when it names a GPU or places by a strategy on a machine
+    with one, else "cpu").
 
     Raises ValueError / ImportError / FileNotFoundError / OSError with a one-line message.
     """
     from transformers import AutoConfig
 
-    device = resolve_device(device)
+    if device_map is not None:
+        device_map = resolve_device_map(device_map)
+        if device != "auto":
+            raise ValueError(f"device={device!r} and a device_map: the device map places every module; "
+                             f"leave device at 'auto'")
+        device = device_map_kind(device_map)
+    else:
+        device = resolve_device(device)
     check_attn_implementation(attn_implementation, device)
     dtype = resolve_dtype(dtype, device)
     path = resolve_model_path(model_path)
@@ -84,7 +98,83 @@ def check_model(model_path: str = DEFAULT_MODEL_NAME, attn_implementation: str =
         raise ValueError(f"unsupported model type {config.model_type!r} ({model_path}); "
                          f"supported: {', '.join(MODEL_GLUE)}")
     check_family_implementation(config.model_type, attn_implementation)
+    if isinstance(device_map, dict):
+        check_device_map_modules(device_map, config)
     return path, config, device, dtype
+
+
+def resolve_device_map(device_map: DeviceMap) -> DeviceMap:
+    """A device map as load_model takes it -> a strategy name or {module name: "cpu" | "cuda:N"}.
+
+    device_map: a strategy (auto, balanced, balanced_low_0, sequential: accelerate places the layers, filling
+    the GPUs first, then CPU memory), a JSON object (text starting with "{") or the path of a JSON file holding
+    one, or a dict; an object maps module names ("model.embed_tokens", "model.layers.0", "lm_head", "" for the
+    whole model) to devices: "cpu", "cuda", "cuda:N" or a GPU index N.
+    """
+    given = device_map
+    if isinstance(device_map, str) and device_map not in DEVICE_MAP_STRATEGIES:
+        text = device_map
+        if not device_map.lstrip().startswith("{"):
+            path = Path(device_map).expanduser()
+            if not path.is_file():
+                raise ValueError(f"device_map {given!r} is neither a strategy ({', '.join(DEVICE_MAP_STRATEGIES)}) "
+                                 f"nor a JSON file or object mapping module names to devices")
+            text = path.read_text()
+        try:
+            device_map = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"device_map {given!r}: not valid JSON ({e})") from None
+    if isinstance(device_map, str):
+        return device_map
+    if not isinstance(device_map, dict) or not device_map:
+        raise ValueError(f"device_map {given!r}: give a strategy ({', '.join(DEVICE_MAP_STRATEGIES)}) or a "
+                         f"non-empty mapping of module names to devices")
+    return {str(name): _map_device(name, device) for name, device in device_map.items()}
+
+
+def _map_device(name: str, device) -> str:
+    """One device of a device map as a torch device string, checked against the machine."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = f"cuda:{device}"
+    if not isinstance(device, str) or not (device == "cpu" or device == "cuda" or
+                                           (device.startswith("cuda:") and device[5:].isdigit())):
+        raise ValueError(f"device_map[{name!r}] = {device!r}: a device is cpu, cuda, cuda:N or a GPU index N "
+                         f"(disk offloading is not supported)")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device_map[{name!r}] = {device!r} but CUDA is not available; map it to cpu")
+        index = int(device[5:] or 0)
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device_map[{name!r}] = {device!r} but this machine has {torch.cuda.device_count()} "
+                             f"GPU(s)")
+        device = f"cuda:{index}"
+    return device
+
+
+def device_map_kind(device_map: DeviceMap) -> str:
+    """"cuda" when the (resolved) map computes on a GPU, else "cpu"."""
+    if isinstance(device_map, str):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if any(d.startswith("cuda") for d in device_map.values()) else "cpu"
+
+
+def check_device_map_modules(device_map: dict, config) -> None:
+    """Every name of the map is a module of the model and every weight falls under one name (checked on the
+    model built on the meta device: no memory, no weights read)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = MODEL_GLUE[config.model_type].causal_lm(config)
+    modules = dict(model.named_modules())
+    unknown = [name for name in device_map if name not in modules]
+    if unknown:
+        raise ValueError(f"device_map names {unknown[0]!r}, which is no module of {type(model).__name__} "
+                         f"(modules are named like model.embed_tokens, model.layers.0, model.norm, lm_head)")
+    prefixes = tuple("" if name == "" else name + "." for name in device_map)
+    missing = [name for name, _ in model.named_parameters() if not name.startswith(prefixes)]
+    if missing:
+        raise ValueError(f"device_map places no device for {len(missing)} weight(s), e.g. {missing[0]!r}: map "
+                         f"every module (or \"\" for the rest)")
 
 
 def load_model(
@@ -93,19 +183,31 @@ def load_model(
     device: str = "auto",
     dtype: Optional[str] = None,
     model_class: Optional[str] = None,
+    device_map: Optional[DeviceMap] = None,
 ):
     """Return (model, tokenizer), model in eval mode on `device`, tokenizer left-padding.
 
-    dtype: float32|float16|bfloat16; default float32 on CPU, bfloat16 on CUDA.
+    dtype: float32|float16|bfloat16; default float32 on CPU, bfloat16 on CUDA (with a device map: on CUDA
+        when it names a GPU).
     model_class: None (from the config), or a type in MODEL_GLUE (models/patch.py) to load the weights
         into that architecture (SmolLM2's weights load as Mistral too).
+    device_map: None (the whole model on `device`), or the modules spread over devices by accelerate
+        (from_pretrained's device_map; `resolve_device_map` says what it takes; `model.hf_device_map` then
+        says where each module went). With a map, `device` must stay "auto". Each layer's cache lives on the
+        device its layer computes on. Under accelerate's rule a module mapped to "cpu" in a map that also
+        names a GPU is offloaded: its weights stay in CPU memory and it computes on the first GPU.
     """
     from transformers import AutoTokenizer
 
-    path, config, device, dtype = check_model(model_path, attn_implementation, device, dtype, model_class)
-    model = MODEL_GLUE[config.model_type].causal_lm.from_pretrained(path, config=config, torch_dtype=DTYPES[dtype],
-                                                                    attn_implementation=attn_implementation)
-    model.to(device).eval()
+    path, config, device, dtype = check_model(model_path, attn_implementation, device, dtype, model_class,
+                                              device_map)
+    model_class = MODEL_GLUE[config.model_type].causal_lm
+    kwargs = dict(config=config, torch_dtype=DTYPES[dtype], attn_implementation=attn_implementation)
+    if device_map is None:
+        model = model_class.from_pretrained(path, **kwargs).to(device)
+    else:
+        model = model_class.from_pretrained(path, device_map=resolve_device_map(device_map), **kwargs)
+    model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:

@@ -17,6 +17,7 @@ import types
 import warnings
 from typing import Optional
 
+import torch
 from transformers.cache_utils import Cache
 
 from pyramidkv.allocation.base import ModelShape
@@ -88,6 +89,7 @@ class CompressionPatch:
         # e.g. HeadKV's table, a quantizer's group size or bytes, l2norm's skipped layers: fail here, not mid-run
         self.shape = model_shape(model.config, next(model.parameters()).dtype.itemsize, implementation)
         method.check_model(self.shape)
+        check_shared_layers(model, method)
         self.model = model
         self.method = method
         self.glue = glue
@@ -105,8 +107,10 @@ class CompressionPatch:
             attention = layer.self_attn
             if not isinstance(attention, self.glue.attention_classes):
                 raise TypeError(f"unexpected attention class {type(attention).__name__}")
-            attention.forward = types.MethodType(forward, attention)
-            self._modules.append(attention)
+            # accelerate's hook on a module mapped alone wraps its forward and calls `_old_forward`: patch that
+            patched = "_old_forward" if hasattr(attention, "_hf_hook") else "forward"
+            self._modules.append((attention, patched, attention.__dict__.get(patched)))
+            setattr(attention, patched, types.MethodType(forward, attention))
         self._hook = decoder(self.model).register_forward_pre_hook(self._provide_cache, with_kwargs=True)
         # generate() would allocate the cache its config names (Gemma2's "hybrid": every layer at full length)
         # only for the patch to replace it: while patched it starts from an empty DynamicCache instead.
@@ -118,8 +122,11 @@ class CompressionPatch:
         return self
 
     def remove(self) -> None:
-        for attention in self._modules:
-            del attention.forward  # back to the class's forward
+        for attention, patched, before in self._modules:
+            if before is None:
+                delattr(attention, patched)  # back to the class's forward
+            else:
+                setattr(attention, patched, before)
         self._modules = []
         if self._hook is not None:
             self._hook.remove()
@@ -194,6 +201,31 @@ def model_shape(config, dtype_bytes: int = 0, implementation: Optional[str] = No
     return ModelShape(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
                       getattr(config, "_name_or_path", "") or "", head_dim=head_dim, dtype_bytes=dtype_bytes,
                       context_window=context, layer_windows=windows, softcap=softcap)
+
+
+def layer_devices(model) -> list[str]:
+    """Per decoder layer, the device it computes on: its accelerate hook's execution device (a model loaded with a
+    device_map), else its weights'."""
+    out = []
+    for layer in decoder(model).layers:
+        device = getattr(getattr(layer, "_hf_hook", None), "execution_device", None)
+        if device is None:
+            device = next(layer.parameters()).device
+        out.append(str(torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)))
+    return out
+
+
+def check_shared_layers(model, method: Method) -> None:
+    """Layers that share one storage (MiniCache's pairs) must compute on one device."""
+    sharing = method.layer_sharing
+    if sharing is None:
+        return
+    devices = layer_devices(model)
+    for lower, upper in sharing.pairs(len(devices)).items():
+        if devices[lower] != devices[upper]:
+            raise ValueError(f"{method.name}: layers {lower} and {upper} share one storage but compute on "
+                             f"{devices[lower]} and {devices[upper]}; set cross_layer_start so that no pair spans "
+                             f"two devices, or map both layers to one device")
 
 
 def compress(model, method: Method) -> CompressionPatch:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -25,11 +25,13 @@ RopeTable = Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]
 
 
 def position_ids_table(rotary_emb, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The table of a rotary module called as Llama's is in 4.44.2: rotary_emb(x, position_ids [1, size])."""
-    ids = torch.arange(size, device=device).unsqueeze(0)
-    probe = torch.zeros(1, device=device, dtype=torch.float32)
+    """The table of a rotary module called as Llama's is in 4.44.2: rotary_emb(x, position_ids [1, size]),
+    computed where the module's frequencies are (a model spread over devices) and brought to `device`."""
+    home = next(rotary_emb.buffers(), torch.zeros(0)).device
+    ids = torch.arange(size, device=home).unsqueeze(0)
+    probe = torch.zeros(1, device=home, dtype=torch.float32)
     cos, sin = rotary_emb(probe, ids)
-    return cos[0], sin[0]
+    return cos[0].to(device), sin[0].to(device)
 
 
 def length_table(rotary_emb, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,35 +45,38 @@ class HalfRotation:
     """RoPE on keys outside the model (core/rotary.py's `KeyRotation`), rotate_half convention.
 
     cos / sin [P, D] (float32) of positions 0..P-1 come from the model (`table`), computed once for at
-    least 1,024 positions and recomputed, twice as many, when a larger position is asked for; undoing a scaled
-    table divides by cos^2 + sin^2 (its attention factor, squared; an unscaled one is undone with -sin alone).
+    least 1,024 positions and recomputed, twice as many, when a larger position is asked for; one table per
+    device asked for (a model spread over devices). Undoing a scaled table divides by cos^2 + sin^2 (its
+    attention factor, squared; an unscaled one is undone with -sin alone).
     """
 
     def __init__(self, table: RopeTable):
         self.table = table
-        self.cos = self.sin = self.magnitude = None
+        # device -> (cos, sin, magnitude: cos^2 + sin^2 where the table is scaled, else None)
+        self.tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = {}
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         needed = int(positions.max()) + 1 if positions.numel() else 1
-        if self.cos is None or self.cos.shape[0] < needed or self.cos.device != positions.device:
-            size = max(needed, 2 * (0 if self.cos is None else self.cos.shape[0]), 1024)
-            cos, sin = self.table(size, positions.device)
-            self.cos, self.sin = cos.float(), sin.float()
-            magnitude = self.cos.square() + self.sin.square()   # 1 to float32 rounding unless scaled (or bf16)
-            self.magnitude = None if torch.allclose(magnitude, torch.ones_like(magnitude), atol=1e-5) else magnitude
+        cos, sin, magnitude = self.tables.get(positions.device, (None, None, None))
+        if cos is None or cos.shape[0] < needed:
+            size = max(needed, 2 * (0 if cos is None else cos.shape[0]), 1024)
+            cos, sin = (t.float() for t in self.table(size, positions.device))
+            magnitude = cos.square() + sin.square()   # 1 to float32 rounding unless scaled (or bf16)
+            magnitude = None if torch.allclose(magnitude, torch.ones_like(magnitude), atol=1e-5) else magnitude
+            self.tables[positions.device] = cos, sin, magnitude
         index = positions.long()
-        return self.cos[index], self.sin[index]
+        return cos[index], sin[index], None if magnitude is None else magnitude[index]
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """x [..., T, D] rotated (inverse: un-rotated) to positions [..., T], in float32."""
-        cos, sin = self.lookup(positions)
+        cos, sin, magnitude = self.lookup(positions)
         x = x.float()
         half = x.shape[-1] // 2
         turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         if not inverse:
             return x * cos + turned * sin
         undone = x * cos - turned * sin
-        return undone if self.magnitude is None else undone / self.magnitude[positions.long()]
+        return undone if magnitude is None else undone / magnitude
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -61,28 +61,34 @@ class Scratch:
     """Work buffers that every read of one cache's quantized blocks reuses (as large as the largest span, so
     bounded): a decode step then allocates no multi-MB temporaries, which cost page faults on every step. A
     tensor taken from it is overwritten by the next read: use it at once. The views handed out are kept per
-    shape (a step asks for the same shapes as the last one), up to VIEWS_PER_BUFFER per buffer."""
+    shape (a step asks for the same shapes as the last one), up to VIEWS_PER_BUFFER per buffer. Buffers are
+    per device (a model spread over devices: each device's layers share theirs)."""
 
     VIEWS_PER_BUFFER = 16
 
     def __init__(self):
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._views: dict[str, dict[tuple, torch.Tensor]] = {}
+        self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._views: dict[tuple[str, torch.device], dict[tuple, torch.Tensor]] = {}
 
     def take(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        views = self._views.setdefault(name, {})
-        view = views.get((shape, dtype, device))
+        key = (name, torch.device(device))
+        views = self._views.setdefault(key, {})
+        view = views.get((shape, dtype))
         if view is not None:
             return view
         numel = math.prod(shape)
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
-            buffer = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:
+            buffer = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
             views.clear()                                  # views of the buffer replaced
         if len(views) >= self.VIEWS_PER_BUFFER:
             views.clear()
-        view = views[(shape, dtype, device)] = buffer[:numel].view(shape)
+        view = views[(shape, dtype)] = buffer[:numel].view(shape)
         return view
+
+    def devices(self) -> set[torch.device]:
+        """The devices holding buffers."""
+        return {device for _, device in self._buffers}
 
 
 def levels_of(codes: torch.Tensor, nbits: int, count: int, codebook: Optional[torch.Tensor],

@@ -242,7 +242,11 @@ def add_model_and_method_args(parser: argparse.ArgumentParser, scope: HelpScope 
                    help="load the weights into this family's transformers class instead of the config's (weights "
                         "of the same layout: SmolLM2's load as mistral)")
     g.add_argument("--attn_implementation", default="sdpa", choices=list(ATTENTION_IMPLEMENTATIONS))
-    g.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto")
+    g.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto (with --device_map: leave it out)")
+    g.add_argument("--device_map", default=None,
+                   help="spread the model over devices with accelerate: auto (also balanced, balanced_low_0, "
+                        "sequential), or a JSON file or object mapping module names to devices "
+                        "(docs/models.md, \"Larger than one device\"); refused together with --device")
     g.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="when not given: float32 on CPU, bfloat16 on CUDA")
     m = parser.add_argument_group(
@@ -397,10 +401,13 @@ def run_dir(save_dir: str, model_path: str, method: Method, question_as_decode: 
 def check_model_args(args: argparse.Namespace, method: Method | None = None):
     """load_model's checks without loading weights: (resolved path, config, device, dtype). With the method:
     also what the method needs from the model (Method.check_model: head tables, quantizer settings, layers)."""
-    from pyramidkv.models.loading import DTYPES, check_model
+    from pyramidkv.models.loading import DTYPES, check_model, resolve_device_map
     from pyramidkv.models.patch import model_shape
 
-    checked = check_model(args.model_path, args.attn_implementation, args.device, args.dtype, args.model_class)
+    if getattr(args, "device_map", None) is not None:   # a JSON file is recorded and fingerprinted by its map
+        args.device_map = resolve_device_map(args.device_map)
+    checked = check_model(args.model_path, args.attn_implementation, args.device, args.dtype, args.model_class,
+                          getattr(args, "device_map", None))
     config, dtype = checked[1], checked[3]
     if method is not None and config is not None:
         method.check_model(model_shape(config, DTYPES[dtype].itemsize))

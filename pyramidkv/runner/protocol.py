@@ -313,7 +313,7 @@ def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], 
     run decodes exactly the samples missing."""
     from tqdm import tqdm
 
-    from pyramidkv.runner.results import ResultsWriter
+    from pyramidkv.runner.results import ResultsWriter, record_placement
 
     total = sum(len(f.samples) for f in files)
     model = tokenizer = None
@@ -330,7 +330,10 @@ def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], 
 
                     apply_num_threads(args)
                     model, tokenizer = load_model(args.model_path, attn_implementation=args.attn_implementation,
-                                                  device=args.device, dtype=args.dtype, model_class=args.model_class)
+                                                  device=args.device, dtype=args.dtype, model_class=args.model_class,
+                                                  device_map=args.device_map)
+                    if args.device_map is not None:
+                        record_placement(out_dir, model.hf_device_map)
                 bar.set_postfix_str(sample_file.name)
                 for batch in batches(pending, args.eval_batch_size, benchmark.batch_by_length):
                     outputs = decode_batch(model, tokenizer, method, batch, sample_file.stop_token_ids,

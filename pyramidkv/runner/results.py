@@ -198,3 +198,12 @@ def write_run_meta(out_dir: Path, args: dict, method=None, extra: dict | None = 
     path = Path(out_dir) / "run_meta.json"
     atomic_write_json(path, meta)
     return path
+
+
+def record_placement(out_dir: Path, device_map: dict) -> None:
+    """Add to run_meta.json where accelerate placed each module (`model.hf_device_map`, known once the model has
+    loaded), as "device_map_placed"; the device map as given is among the arguments."""
+    path = Path(out_dir) / "run_meta.json"
+    meta = json.loads(path.read_text())
+    meta["device_map_placed"] = {name: str(device) for name, device in device_map.items()}
+    atomic_write_json(path, meta)
