@@ -14,8 +14,8 @@ depend on which prompts share a batch. Prefill blocks that split into G-token gr
 low-rank term or codebook: KIVI) are stacked group by group with the decode groups (`DecodeBlocks`); the others stay
 whole (`prefill`).
 
-Keys are stored after RoPE, except for quantizers with `keys_before_rope` (KVQuant): their quantized keys are
-un-rotated first (in float32, at the token's RoPE position, kept as int32) and rotated again when read. With ThinK the
+Keys are stored after RoPE, except for quantizers with `keys_before_rope` (KVQuant): their quantized keys are un-
+rotated first (in float32, at the token's RoPE position, kept as int32) and rotated again when read. With ThinK the
 prefill-quantized keys are thin (after RoPE, which mixes channels c and c + D/2). Attention: scores per part, one
 joint softmax (float32), values per part; scale and zero fold into the query and the probabilities, so quantized
 parts are read as levels, never dequantized (pyramidkv.quantization.kernels), the stack in as few spans as the
@@ -49,14 +49,12 @@ class QuantizedStore(LayerStore):
                    setup.scratch, setup.softcap)
 
     def __init__(self, quantizer: Quantizer, kept: list[KeptKV], rope_positions: list[torch.Tensor],
-                 real_lens: list[int], rotary: Optional[KeyRotation], scratch: Optional[Scratch] = None,
-                 softcap: Optional[float] = None):
-        """kept: per prompt what the prefill kept; rope_positions: per prompt, long [T] RoPE position of
-        each kept row; real_lens: per prompt its real length; scratch: buffers shared by a cache's layers;
-        softcap: the model's attention logit soft-cap (None: none)."""
+                 real_lens: list[int], rotary: Optional[KeyRotation], scratch: Optional[Scratch] = None, softcap=None):
+        """kept: per prompt what the prefill kept; rope_positions: per prompt, long [T] RoPE position of each kept
+        row; real_lens: per prompt its real length; scratch: buffers shared by a cache's layers; softcap: the
+        model's attention logit soft-cap (None: none)."""
         q = self.quantizer = quantizer
-        self.scratch = scratch
-        self.softcap = softcap
+        self.scratch, self.softcap = scratch, softcap
         self.kept_lengths = [k.counts() for k in kept]                  # per prompt, per head
         self.kept_in_prompt = [torch.cat(k.all_positions()) for k in kept]  # per prompt, its kept rows' positions
         self.real_lens = list(real_lens)
@@ -107,17 +105,14 @@ class QuantizedStore(LayerStore):
         # Full-precision rows: the sink, then the window; room for the most a window ever holds (R + G).
         fp = [k.shape[0] - c for k, c in zip(keys, quantized)]
         capacity = max(max(fp) + 1, max(sink) + r + g)
-        self.fp_keys = first.new_zeros(self.segments, capacity, dim)
-        self.fp_values = first.new_zeros(self.segments, capacity, dim)
+        self.fp_keys, self.fp_values = (first.new_zeros(self.segments, capacity, dim) for _ in range(2))
         self.fp_positions = torch.zeros(self.segments, capacity, dtype=torch.long, device=self.device)
         for s in range(self.segments):
-            rows = torch.cat([torch.arange(sink[s]), torch.arange(sink[s] + quantized[s], keys[s].shape[0])])
-            rows = rows.to(self.device)
+            rows = torch.cat([torch.arange(sink[s]), torch.arange(sink[s] + quantized[s], keys[s].shape[0])]).to(self.device)
             self.fp_keys[s, :fp[s]] = keys[s][rows]
             self.fp_values[s, :fp[s]] = values[s][rows]
             self.fp_positions[s, :fp[s]] = rope[s][rows]
-        self.fp_len = torch.tensor(fp, device=self.device)
-        self.sink = torch.tensor(sink, device=self.device)
+        self.fp_len, self.sink = torch.tensor(fp, device=self.device), torch.tensor(sink, device=self.device)
         held = torch.arange(capacity, device=self.device) < self.fp_len.unsqueeze(1)
         self.fp_mask = first.new_zeros(held.shape).masked_fill_(~held, torch.finfo(self.dtype).min)  # added to scores
         self.every_segment = torch.arange(self.segments, device=self.device)
@@ -184,11 +179,12 @@ class QuantizedStore(LayerStore):
 
     def _key_scores(self, block, queries, start: int, stop: int, codebook, positions) -> torch.Tensor:
         """queries [n, rows, D'] . keys [start, stop) of a block: float32 [n, rows, stop - start]; positions (keys
-        stored before RoPE, [n, T]): the keys are dequantized and rotated first, else scale and zero fold."""
+        stored before RoPE, [n, T]): the keys are dequantized and rotated first, else scale and zero fold; soft-capped
+        where the model caps."""
         if positions is None:
-            return key_scores(block, queries, start, stop, codebook, self.scratch)
+            return cap_logits(key_scores(block, queries, start, stop, codebook, self.scratch), self.softcap)
         keys = dequantize_span(block, start, stop, torch.float32, codebook, self.scratch)
-        return queries.float() @ self.rotary.rotate(keys, positions[:, start:stop]).transpose(1, 2)
+        return cap_logits(queries.float() @ self.rotary.rotate(keys, positions[:, start:stop]).transpose(1, 2), self.softcap)
 
     def attend(self, queries: torch.Tensor) -> torch.Tensor:
         bsz, num_q_heads, q_len, dim = queries.shape
@@ -205,8 +201,7 @@ class QuantizedStore(LayerStore):
                 step, stop = self._chunk(group.segments.numel(), dim), group.tokens
                 q = group.queries(grouped if whole else grouped[group.segments])
                 scores = torch.cat([self._key_scores(group.keys, q, a, min(a + step, stop), None, group.positions)
-                                    for a in range(0, stop, step)], dim=-1)
-                scores = cap_logits(scores, self.softcap).to(dtype)
+                                    for a in range(0, stop, step)], dim=-1).to(dtype)
                 if whole:
                     pre = scores
                 else:
@@ -221,15 +216,13 @@ class QuantizedStore(LayerStore):
             for span in spans:
                 queries_of_rows = grouped.index_select(0, span.segment)
                 scores = self._key_scores(span.keys, queries_of_rows, 0, g, span.key_codebooks, span.positions)
-                grid.index_copy_(0, span.cell, cap_logits(scores, self.softcap).to(dtype))
+                grid.index_copy_(0, span.cell, scores.to(dtype))
             parts.append(grid.view(segs, slots, rows, g).transpose(1, 2).reshape(segs, rows, slots * g))
         # Full-precision window: [S, rows, F], rows not held masked.
         width = self.fp_width
-        if self.softcap is None:
-            parts.append(torch.baddbmm(self.fp_mask[:, None, :width], grouped, self.fp_keys[:, :width].transpose(1, 2)))
-        else:  # capped before the mask is added
-            fp = cap_logits(torch.bmm(grouped, self.fp_keys[:, :width].transpose(1, 2)), self.softcap)
-            parts.append(fp + self.fp_mask[:, None, :width])
+        fp_keys, fp_mask = self.fp_keys[:, :width].transpose(1, 2), self.fp_mask[:, None, :width]
+        parts.append(torch.baddbmm(fp_mask, grouped, fp_keys) if self.softcap is None else   # capped, then masked
+                     cap_logits(torch.bmm(grouped, fp_keys), self.softcap) + fp_mask)
 
         probs = softmax(torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0], dtype)
         out = torch.bmm(probs[..., probs.shape[-1] - width:], self.fp_values[:, :width])
@@ -271,10 +264,8 @@ class QuantizedStore(LayerStore):
             rows = rows[self.decoded.slot[rows].argsort()]
             k, v = self.decoded.dequantize(rows)                                   # [n, G, D] each
             k = k if self.rotary is None else self.rotary.rotate(k, self.decoded.positions[rows])
-            keys.append(k.to(self.dtype).flatten(0, 1))
-            values.append(v.to(self.dtype).flatten(0, 1))
-        keys.append(self.fp_keys[s, sink:fp])
-        values.append(self.fp_values[s, sink:fp])
+            keys.append(k.to(self.dtype).flatten(0, 1)), values.append(v.to(self.dtype).flatten(0, 1))
+        keys.append(self.fp_keys[s, sink:fp]), values.append(self.fp_values[s, sink:fp])
         positions = [self.prompt_positions[s]] + [p[s // self.heads: s // self.heads + 1] for p in self.tail_positions]
         return torch.cat(positions), torch.cat(keys), torch.cat(values)
 
