@@ -410,7 +410,7 @@ def check_model_args(args: argparse.Namespace, method: Method | None = None):
                           getattr(args, "device_map", None))
     config, dtype = checked[1], checked[3]
     if method is not None and config is not None:
-        method.check_model(model_shape(config, DTYPES[dtype].itemsize))
+        method.check_model(model_shape(config, DTYPES[dtype].itemsize, args.attn_implementation))
     return checked
 
 
