@@ -79,7 +79,7 @@ def test_a_table_edited_by_hand_is_found_and_rewritten(tmp_path, edit):
 
 def test_a_family_added_to_model_glue_is_a_row_of_the_model_tables_and_of_help(monkeypatch, capsys):
     """The README's and docs/models.md's model tables and the runners' --help list MODEL_GLUE's rows, a row added
-    there (Qwen2's, as its glue would declare it) included, with no other edit."""
+    there (a Qwen2 variant under a model_type of its own) included, with no other edit."""
     from transformers.models.qwen2 import modeling_qwen2
 
     import pyramidkv.models.loading as loading
@@ -89,17 +89,17 @@ def test_a_family_added_to_model_glue_is_a_row_of_the_model_tables_and_of_help(m
     from pyramidkv.runner.protocol import build_parser
     from pyramidkv.benchmarks.ruler.run import Ruler
 
-    glues = {**MODEL_GLUE, "qwen2": RotateHalfGlue(causal_lm=modeling_qwen2.Qwen2ForCausalLM,
+    glues = {**MODEL_GLUE, "my_qwen2": RotateHalfGlue(causal_lm=modeling_qwen2.Qwen2ForCausalLM,
                                                    attention_classes=(modeling_qwen2.Qwen2Attention,),
                                                    apply_rotary_pos_emb=modeling_qwen2.apply_rotary_pos_emb,
                                                    unapplied_settings=("sliding_window",))}
     rows = model_table(glues).split("\n")[2:]
     assert rows[:-1] == model_table().split("\n")[2:]
-    assert rows[-1] == "| Qwen2 | `qwen2` | `Qwen2ForCausalLM` | `Qwen2Attention` | `sliding_window` |"
+    assert rows[-1] == "| Qwen2 | `my_qwen2` | `Qwen2ForCausalLM` | `Qwen2Attention` | `sliding_window` |"
     monkeypatch.setattr(loading, "MODEL_GLUE", glues)
     help_text = " ".join(build_parser(Ruler(), []).format_help().split())
     assert all(f"{model_type} ({glue.causal_lm.__name__})" in help_text for model_type, glue in glues.items())
-    assert "qwen2 (Qwen2ForCausalLM) (docs/models.md)" in help_text
+    assert "my_qwen2 (Qwen2ForCausalLM) (docs/models.md)" in help_text
 
 
 # ---- the README ---------------------------------------------------------------------------------------

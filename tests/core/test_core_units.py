@@ -67,7 +67,9 @@ def test_ratio_budget():
     assert method.prompt_budget(40) == 32  # never below the window
 
 
-def test_chunked_column_sums_equal_dense_and_stay_small(monkeypatch):
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_chunked_column_sums_equal_dense_and_stay_small(monkeypatch, softcap):
+    """Against a dense reference; with a soft-cap (Gemma2), the logits capped as cap * tanh(s / cap) first."""
     torch.manual_seed(0)
     bsz, hq, hkv, n, d = 2, 4, 2, 50, 8
     q, k = torch.randn(bsz, hq, n, d), torch.randn(bsz, hkv, n, d)
@@ -76,6 +78,7 @@ def test_chunked_column_sums_equal_dense_and_stay_small(monkeypatch):
     # dense reference
     kr = k.repeat_interleave(hq // hkv, dim=1)
     s = q @ kr.transpose(-1, -2) / math.sqrt(d)
+    s = s if softcap is None else softcap * torch.tanh(s / softcap)
     causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
     allowed = causal[None, None] & real[:, None, None, :] & real[:, None, :, None]
     p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
@@ -83,13 +86,13 @@ def test_chunked_column_sums_equal_dense_and_stay_small(monkeypatch):
     seen = []
     original = scoring.grouped_scores
 
-    def spy(queries, keys):
-        out = original(queries, keys)
+    def spy(queries, keys, cap=None):
+        out = original(queries, keys, cap)
         seen.append(out.numel())
         return out
 
     monkeypatch.setattr(scoring, "grouped_scores", spy)
-    got = scoring.attention_column_sums(q, k, real, max_chunk_elements=bsz * hq * n * 8)
+    got = scoring.attention_column_sums(q, k, real, max_chunk_elements=bsz * hq * n * 8, softcap=softcap)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert len(seen) == math.ceil(n / 8) and max(seen) <= bsz * hq * n * 8  # no [n, n] block per head
 
