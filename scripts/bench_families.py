@@ -26,6 +26,9 @@ from pyramidkv.runner.arguments import ArgumentParser
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=8192)
+# What a family's tiny config needs besides TINY: token ids inside the vocabulary, a few experts.
+FAMILY_SETTINGS = {"phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                   "mixtral": dict(num_local_experts=4, num_experts_per_tok=2), "gemma2": dict(pad_token_id=0)}
 PROMPT = {"tiny": 512, "default": 1024}
 NEW_TOKENS = 32
 VARIANTS = ("unpatched", "fullkv", "snapkv")
@@ -40,9 +43,10 @@ def build(name: str, implementation: str):
     if name == DEFAULT_MODEL_NAME:
         model, _ = load_model(name, attn_implementation=implementation, device="cpu")
         return model, PROMPT["default"]
-    glue = MODEL_GLUE[name.removeprefix("tiny-")]
+    family = name.removeprefix("tiny-")
+    glue = MODEL_GLUE[family]
     torch.manual_seed(0)
-    config = glue.config_class(**TINY)
+    config = glue.config_class(**TINY, **FAMILY_SETTINGS.get(family, {}))
     config._attn_implementation = implementation
     return glue.causal_lm(config).eval(), PROMPT["tiny"]
 
