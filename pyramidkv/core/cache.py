@@ -117,8 +117,7 @@ class CompressedCache(Cache):
         missing = [a for a in store_abilities(method) if a not in self.store_class.abilities]
         if missing:  # make_method refuses these; an object driving the engine directly is checked here
             raise ValueError(f"{method.name}: the {store_kind(method)} store lacks the abilities {missing} it needs")
-        sliding = any(w is not None for w in self.windows)
-        if store_kind(method) == "paired" and (sliding or softcap is not None):  # the method's check_model refuses it
+        if store_kind(method) == "paired" and (any(self.windows) or softcap is not None):  # check_model refuses it
             raise ValueError(f"{method.name}: the paired store holds no sliding-window layer and applies no soft-cap")
         # A sliding layer's store drops what leaves the window: one that cannot is replaced by full precision.
         self.sliding_class = self.store_class if "reselect" in self.store_class.abilities else FullPrecisionStore
@@ -226,7 +225,8 @@ class CompressedCache(Cache):
         (positions below new - W + 1, per prompt), so that it holds at most W with the new token."""
         store, window = self.layers[layer_idx], self.windows[layer_idx]
         first = [real + store.appended - window + 1 for real in self.prompt.real_lens]   # new - W + 1
-        if all(min(int(p[0]) for p in store.held_positions(b) if p.numel()) >= f for b, f in enumerate(first)):
+        if all(min((int(p[0]) for p in store.held_positions(b) if p.numel()), default=f) >= f
+               for b, f in enumerate(first)):
             return
         if self.decoding is not None:
             self.decoding.drop_before(layer_idx, first)
