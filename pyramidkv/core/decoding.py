@@ -136,32 +136,23 @@ class DecodeCompressor:
 
     def _compress(self, layer_idx: int, fire: list[bool]) -> None:
         """Re-select the prompts in `fire`; every prompt's tail is folded into its kept set."""
-        new_kept, new_stats = [], []
-        for b in range(len(fire)):
-            heads = self._held(layer_idx, b)
-            if fire[b]:
-                heads = self._reselect(layer_idx, b, heads)
-            new_kept.append(KeptKV.from_heads([(k, v, p) for k, v, p, _ in heads]))
-            if self.stats is not None:
-                new_stats.append(torch.cat([a for *_, a in heads]))
-        self.stores[layer_idx].replace(new_kept, max_tail=self.interval)
+        held = [self._held(layer_idx, b) for b in range(len(fire))]
+        self._replace(layer_idx, [self._reselect(layer_idx, b, heads) if fire[b] else heads
+                                  for b, heads in enumerate(held)])
         self.compressions[layer_idx] += 1
-        if self.stats is not None:
-            self.stats.replace(layer_idx, new_stats)
 
     def drop_before(self, layer_idx: int, first: list[int]) -> None:
         """A sliding layer's window: every held token of prompt b before position first[b] leaves (with its
         statistics); what stays is folded into the kept sets, as a re-selection does."""
-        new_kept, new_stats = [], []
-        for b, f in enumerate(first):
-            heads = [(k[p >= f], v[p >= f], p[p >= f], None if a is None else a[p >= f])
-                     for k, v, p, a in self._held(layer_idx, b)]
-            new_kept.append(KeptKV.from_heads([(k, v, p) for k, v, p, _ in heads]))
-            if self.stats is not None:
-                new_stats.append(torch.cat([a for *_, a in heads]))
-        self.stores[layer_idx].replace(new_kept, max_tail=self.interval)
+        self._replace(layer_idx, [[(k[p >= f], v[p >= f], p[p >= f], None if a is None else a[p >= f])
+                                   for k, v, p, a in self._held(layer_idx, b)] for b, f in enumerate(first)])
+
+    def _replace(self, layer_idx: int, held: list[list[HeldHead]]) -> None:
+        """Per prompt its held heads become the store's kept sets (and their statistics the kept rows')."""
+        self.stores[layer_idx].replace([KeptKV.from_heads([(k, v, p) for k, v, p, _ in heads]) for heads in held],
+                                       max_tail=self.interval)
         if self.stats is not None:
-            self.stats.replace(layer_idx, new_stats)
+            self.stats.replace(layer_idx, [torch.cat([a for *_, a in heads]) for heads in held])
 
     def _context(self, layer_idx: int, b: int, heads: list[HeldHead]) -> tuple[DecodeScoreContext, list[int]]:
         """Prompt b's held tokens in the prefill layout (DecodeScoreContext), and each head's left padding."""

@@ -63,11 +63,18 @@ LOSSLESS = {"think": lambda budget: {"budget": budget, "key_channel_ratio": 0.0}
             "quest": lambda budget: {"budget": -(-(budget + 20 + 16) // 16) * 16}}   # whole pages of 16
 
 
-@pytest.mark.parametrize("name", [m for m, cls in METHODS.items() if cls.needs_budget])
-def test_budget_at_least_prompt_generates_like_full_cache(models, name):
+@pytest.fixture(scope="module")
+def full_story(models):
+    """fullkv's 20 greedy tokens after STORY (sdpa): the reference of every method's lossless budget."""
     model, tokenizer = models("sdpa")
     ids = tokenizer(STORY, add_special_tokens=False).input_ids
-    full = generate(model, tokenizer, [ids], make_method("fullkv"), 20, min_new_tokens=20)[0]
+    return ids, generate(model, tokenizer, [ids], make_method("fullkv"), 20, min_new_tokens=20)[0]
+
+
+@pytest.mark.parametrize("name", [m for m, cls in METHODS.items() if cls.needs_budget])
+def test_budget_at_least_prompt_generates_like_full_cache(models, full_story, name):
+    model, tokenizer = models("sdpa")
+    ids, full = full_story
     settings = LOSSLESS.get(name, lambda budget: {"budget": budget})
     for budget in (len(ids), len(ids) + 50):
         got = generate(model, tokenizer, [ids], make_method(name, **settings(budget)), 20, min_new_tokens=20)[0]
