@@ -46,6 +46,7 @@ class HeadAllocation(Allocation):
     """How a layer's selected tokens are split across its stored heads."""
 
     global_over_layers: ClassVar[bool] = False  # True: shares are fixed over all layers and heads at once
+    needs_scores: ClassVar[bool] = False        # True: the split depends on every layer's scores (selected_over_layers)
 
     def selected_per_head(self, scores: torch.Tensor, selected: int, layer_idx: int, model: ModelShape) -> list[int]:
         """scores: [H, candidates] of one prompt and layer (higher = keep). Returns H counts summing

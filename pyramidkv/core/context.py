@@ -90,6 +90,7 @@ class CompressionMethod(Protocol):
     accumulates_attention: ClassVar[bool]   # the cache accumulates received attention while decoding (H2O)
     needs_column_sums: ClassVar[bool]       # the prefill attention pass returns its column sums (H2O's score)
     history_window: Optional[int]           # the cache keeps each token's last attention rows (Scissorhands)
+    global_scale: ClassVar[str]             # "raw" | "zscore": how one budget over all layers compares their scores
     window_size: int
     gqa_layout: str                         # "kv_head" | "query_head"
     gqa_reduce: str                         # "mean" | "max" | "sum"
@@ -120,3 +121,7 @@ class CompressionMethod(Protocol):
 
     def head_budgets(self, scores: torch.Tensor, layer_budget: int, layer_idx: int, model: "ModelShape") -> list[int]:
         """Tokens kept by each stored head of a layer; scores [H, candidates]."""
+
+    def model_head_budgets(self, budget: int, layer_scores: list[torch.Tensor]) -> Optional[list[list[int]]]:
+        """Per layer and stored head the tokens kept when one budget spans every layer (per layer [H, candidates]
+        scores of one prompt), else None (layer_budgets and head_budgets decide)."""

@@ -15,8 +15,9 @@ H stored heads: Hkv in the `kv_head` layout, Hq in `query_head`; D head dim), to
 A prompt no longer than its budget is kept whole (SnapKV's rule) and not scored (its key channels
 are still pruned, as ThinK's code does). Every step after
 `score` runs prompt by prompt on the prompt's own rows, so a prompt keeps what it keeps alone.
-Layer budgets are fixed when the first layer is scored, or, for layer allocations that need every
-layer's scores (ZigZagKV), when the last layer is: until then each layer waits with its full K/V.
+Layer budgets are fixed when the first layer is scored, or, for allocations that need every layer's scores
+(ZigZagKV's layers, one budget over the whole model: `model_head_budgets`), when the last layer is: until then
+each layer waits with its full K/V.
 With cross-layer merging (MiniCache) the lower layer of each merged pair waits for the upper one; the
 pair then selects once, on the sum of its two layers' scores (same budget, same seeds), so both keep the
 same tokens.
@@ -80,6 +81,7 @@ class PromptCompressor:
         self.real_lens = [prompt_len - pad for pad in pad_lens]
         self.stored_heads = model.num_query_heads if method.gqa_layout == "query_head" else model.num_kv_heads
         self.layer_budgets: Optional[list[list[int]]] = None      # per prompt, per layer
+        self.head_plans: list[Optional[list[list[int]]]] = []     # per prompt: per layer and head (one budget over all)
         self.waiting: dict[int, ScoredLayer] = {}                  # layers scored, not yet kept
         self.peak_waiting_bytes = 0
         self.pairs = {} if method.layer_sharing is None else method.layer_sharing.pairs(model.num_layers)
@@ -166,15 +168,17 @@ class PromptCompressor:
         return sum(s.nbytes() for s in self.waiting.values())
 
     def _candidate_scores(self) -> list[Optional[list[torch.Tensor]]]:
-        """Per compressed prompt, per layer its [H, candidates] scores (the window excluded)."""
+        """Per compressed prompt, per layer its [H, candidates] scores (the window excluded; on a sliding layer the
+        tokens it sees)."""
         n = self.waiting[0].keys.shape[2]
         out = []
         for b, pad in enumerate(self.pad_lens):
             if self.waiting[0].scores is None or not self.compressed(b):
                 out.append(None)
                 continue
-            first, stop = self.candidates(b, n)
-            out.append([self.waiting[layer].scores[b, :, first:stop] for layer in range(self.model.num_layers)])
+            bounds = [self.candidates(b, n, self.layer_pads(layer, n)[b])
+                      for layer in range(self.model.num_layers)]
+            out.append([self.waiting[layer].scores[b, :, first:stop] for layer, (first, stop) in enumerate(bounds)])
         return out
 
     def _fix_layer_budgets(self, layer_scores: Optional[list] = None) -> None:
@@ -185,10 +189,14 @@ class PromptCompressor:
         self.layer_budgets = []
         for b, n in enumerate(self.real_lens):
             budget = self.nominal_budget(n)
+            scores = None if layer_scores is None or n <= budget else layer_scores[b]
+            plan = None if scores is None else self.method.model_head_budgets(budget, scores)
+            self.head_plans.append(plan)
             if n <= budget:
                 self.layer_budgets.append([n] * self.model.num_layers)
+            elif plan is not None:   # one budget over every layer: a layer's reported budget is its heads' mean
+                self.layer_budgets.append([round(sum(heads) / len(heads)) for heads in plan])
             else:
-                scores = None if layer_scores is None else layer_scores[b]
                 self.layer_budgets.append(self.method.layer_budgets(budget, self.model.num_layers, n, scores))
 
     def _keep_layer(self, layer_idx: int, scored: ScoredLayer, scores: Optional[torch.Tensor] = None,
@@ -202,13 +210,14 @@ class PromptCompressor:
         n = keys.shape[2]
         kept = []
         for b, (pad, seen) in enumerate(zip(self.pad_lens, self.layer_pads(layer_idx, n))):
-            budget = self.layer_budgets[b][layer_idx]
-            if n - seen <= budget:
+            budget, plan = self.layer_budgets[b][layer_idx], self.head_plans[b] if self.head_plans else None
+            if n - seen <= (budget if plan is None else min(plan[layer_idx])):
                 whole = [torch.arange(seen, n, device=keys.device)] * keys.shape[1]
                 kept.append(KeptKV.gather(keys[b], values[b], whole, pad))
                 continue
             first, stop = self.candidates(b, n, seen)
-            head_budgets = method.head_budgets(scores[b, :, first:stop], budget, selecting, self.model)
+            head_budgets = plan[layer_idx] if plan is not None else \
+                method.head_budgets(scores[b, :, first:stop], budget, selecting, self.model)
             positions = select_kept_positions(
                 scores[b], seen, head_budgets, method.window_size, method.selection.num_sinks,
                 method.selection.random_fraction, lambda head: sampling_generator(method, selecting, head))

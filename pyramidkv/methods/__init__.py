@@ -83,11 +83,13 @@ def canonical(method: Method) -> Method:
     """The method under the name that says what it computes: among the registered methods that compute the
     same as its class (same scorer and rules, only other defaults) and take its settings, the one whose fields
     differ least from its defaults (a unit of the default's kind with other settings counts half, another
-    unit one; then the most derived class, then registration order). So one computation has one
-    name, one label and one results folder: snapkv with layer_allocation=pyramid is pyramidkv, fullkv with
-    cross_layer_merge=true is minicache, minicache with cross_layer_merge=false is fullkv."""
+    unit one; then the fewest defaults of its own class set otherwise, then the most derived class, then
+    registration order). So one computation has one name, one label and one results folder: snapkv with
+    layer_allocation=pyramid is pyramidkv, fullkv with cross_layer_merge=true is minicache, minicache with
+    cross_layer_merge=false is fullkv, adakv with head_allocation=global is snapkv with it."""
     values = {f.name: getattr(method, f.name) for f in dataclasses.fields(method)}
     behaviour = _behaviour(type(method))
+    base_defaults = {f.name: f.default for f in dataclasses.fields(Method)}
     best, best_count = method, None
     for cls in METHODS.values():
         if _behaviour(cls) != behaviour:
@@ -99,8 +101,10 @@ def canonical(method: Method) -> Method:
                 candidate = cls(**values)
             except (ValueError, TypeError):
                 continue
-        count = (sum(_distance(getattr(candidate, f.name), f.default) for f in dataclasses.fields(candidate)),
-                 -len(cls.__mro__))
+        fields = dataclasses.fields(candidate)
+        overridden = sum(f.default != base_defaults.get(f.name, f.default) and getattr(candidate, f.name) != f.default
+                         for f in fields)   # a default the class chose itself, set otherwise
+        count = (sum(_distance(getattr(candidate, f.name), f.default) for f in fields), overridden, -len(cls.__mro__))
         if best_count is None or count < best_count:
             best, best_count = candidate, count
     return best

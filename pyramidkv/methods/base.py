@@ -31,7 +31,7 @@ from pyramidkv.components import Component
 from pyramidkv.core.context import DecodeScoreContext, ScoreContext
 from pyramidkv.merging import make_merge_rule
 from pyramidkv.merging.base import MergeRule
-from pyramidkv.methods.composition import check_nothing_evicted, check_units
+from pyramidkv.methods.composition import check_budget, check_nothing_evicted, check_units
 from pyramidkv.quantization import make_quantizer
 from pyramidkv.quantization.base import Quantizer
 from pyramidkv.sparse_prefill import make_sparse_prefill
@@ -89,6 +89,7 @@ class Method(Component):
     accumulates_attention: ClassVar[bool] = False
     needs_column_sums: ClassVar[bool] = False
     history_window: ClassVar[Optional[int]] = None
+    global_scale: ClassVar[str] = "zscore"  # how head_allocation=global compares layers' scores (allocation/global_.py)
     flat_units = {axis: capability_class(axis) for axis in CAPABILITY_AXES}
     # Settings a method takes under another unit's name (Quest: budget -> page_budget).
     budget_aliases: ClassVar[dict[str, str]] = {}
@@ -130,7 +131,16 @@ class Method(Component):
 
     @property
     def layer_budgets_need_scores(self) -> bool:
-        return self.layer_allocation.needs_scores
+        return self.layer_allocation.needs_scores or self.head_allocation.needs_scores
+
+    def model_head_budgets(self, budget: int, layer_scores: list[torch.Tensor]) -> Optional[list[list[int]]]:
+        """Per layer and stored head the tokens kept (window and sinks included) where the head allocation splits
+        the budget over every layer at once by their scores (per layer [H, candidates]: global); else None."""
+        if not self.head_allocation.needs_scores:
+            return None
+        selected = self.head_allocation.selected_over_layers(layer_scores, budget - self.protected_tokens,
+                                                             self.global_scale)
+        return [[self.protected_tokens + count for count in layer] for layer in selected]
 
     def layer_budgets(self, budget: int, num_layers: int, prompt_len: int,
                       layer_scores: Optional[list[torch.Tensor]] = None) -> list[int]:
@@ -245,15 +255,4 @@ class Method(Component):
             self.merge.check_method(self)
         if self.budget_aliases:
             return
-        if (self.budget is None) == (self.budget_ratio is None):
-            raise ValueError(f"{self.name} needs exactly one of budget (max_capacity_prompts) or budget_ratio "
-                             f"(max_capacity_prompts_ratio); got budget={self.budget}, budget_ratio={self.budget_ratio}")
-        if self.budget is not None:
-            if self.budget < 1:
-                raise ValueError(f"budget (max_capacity_prompts) must be an integer >= 1, got {self.budget!r}")
-            if self.budget < self.protected_tokens:
-                raise ValueError(f"budget (max_capacity_prompts) {self.budget} is smaller than window_size "
-                                 f"{self.window_size} + num_sinks {self.selection.num_sinks}; the budget includes the "
-                                 f"window and the sinks, so it must be >= {self.protected_tokens}")
-        elif not (0.0 < self.budget_ratio <= 1.0):
-            raise ValueError(f"budget_ratio (max_capacity_prompts_ratio) must be in (0, 1], got {self.budget_ratio!r}")
+        check_budget(self)

@@ -46,3 +46,20 @@ def check_nothing_evicted(method) -> None:
         if getattr(method, setting) != defaults[setting]:
             raise ValueError(f"{method.name} keeps every prompt token, so {setting} has no effect (it only shapes which "
                              f"tokens an evicting method keeps); got {setting}={getattr(method, setting)!r}, leave it out")
+
+
+def check_budget(method) -> None:
+    """ValueError (one line) unless exactly one of budget and budget_ratio is set, in range, the budget holding the
+    window and the sinks."""
+    if (method.budget is None) == (method.budget_ratio is None):
+        raise ValueError(f"{method.name} needs exactly one of budget (max_capacity_prompts) or budget_ratio "
+                         f"(max_capacity_prompts_ratio); got budget={method.budget}, budget_ratio={method.budget_ratio}")
+    if method.budget is not None:
+        if method.budget < 1:
+            raise ValueError(f"budget (max_capacity_prompts) must be an integer >= 1, got {method.budget!r}")
+        if method.budget < method.protected_tokens:
+            raise ValueError(f"budget (max_capacity_prompts) {method.budget} is smaller than window_size "
+                             f"{method.window_size} + num_sinks {method.selection.num_sinks}; the budget includes the "
+                             f"window and the sinks, so it must be >= {method.protected_tokens}")
+    elif not (0.0 < method.budget_ratio <= 1.0):
+        raise ValueError(f"budget_ratio (max_capacity_prompts_ratio) must be in (0, 1], got {method.budget_ratio!r}")

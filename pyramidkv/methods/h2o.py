@@ -23,6 +23,7 @@ from pyramidkv.methods.base import Method
 @dataclass(frozen=True)
 class H2O(Method):
     name = "h2o"
+    global_scale = "raw"   # attention received: comparable across layers as it is
     accumulates_attention = True
     needs_column_sums = True
 

@@ -32,6 +32,7 @@ class NACL(Method):
         default stays causal: every result so far was made with it, and a row then reads what the model read."""
 
     name = "nacl"
+    global_scale = "raw"   # attention received: comparable across layers as it is
     selection: Selection = Selection(num_sinks=4, random_fraction=7 / 19)
     proxy_size: int = 32
     proxy_causal: bool = True

@@ -39,6 +39,7 @@ class Scissorhands(Method):
         queries a sequence has."""
 
     name = "scissorhands"
+    global_scale = "raw"   # attention received: comparable across layers as it is
     history_window: int = 64
 
     def validate(self) -> None:

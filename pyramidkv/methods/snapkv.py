@@ -30,6 +30,7 @@ class SnapKV(Method):
     """
 
     name = "snapkv"
+    global_scale = "raw"   # attention received: comparable across layers as it is
     kernel_size: int = 7
     pooling: str = "max"
     gqa_pooling: str = "after_reduce"
