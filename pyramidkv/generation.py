@@ -81,7 +81,7 @@ def generate(
     input_ids, attention_mask, width, pad_id = _left_padded(model, tokenizer, token_lists)
     eos = default_stop_token_ids(model, tokenizer) if stop_token_ids is None else [int(t) for t in stop_token_ids]
     with compress(model, method) as patch, _prompt_then_decode(model, decode_threads):
-        cache = patch.new_cache()
+        cache = patch.new_cache(token_lists, tokenizer)
         output = model.generate(
             input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=False, temperature=None,
@@ -199,7 +199,7 @@ def _generate_after_questions(model, tokenizer, contexts: list[list[int]], quest
     eos = default_stop_token_ids(model, tokenizer) if stop_token_ids is None else [int(t) for t in stop_token_ids]
     steps = max(len(q) for q in questions) + max_new_tokens
     with compress(model, method) as patch, _prompt_then_decode(model, decode_threads):
-        cache = patch.new_cache()
+        cache = patch.new_cache(contexts, tokenizer)
         output = model.generate(
             input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=steps,
             do_sample=False, temperature=None, top_p=None, top_k=None, num_beams=1, eos_token_id=None,

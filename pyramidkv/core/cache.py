@@ -32,37 +32,12 @@ from pyramidkv.allocation.base import ModelShape
 from pyramidkv.core.context import CompressionMethod
 from pyramidkv.core.decoding import DecodeCompressor
 from pyramidkv.core.full_precision import FullPrecisionStore
-from pyramidkv.core.merged_pair import PairedLayerStore
-from pyramidkv.core.paged import PagedStore
 from pyramidkv.core.prefill import PromptCompressor
-from pyramidkv.core.quantized import QuantizedStore
+from pyramidkv.core.reconstruction import Reconstruction
+from pyramidkv.core.store_kinds import STORES, store_abilities, store_kind
 from pyramidkv.core.rotary import KeyRotation
 from pyramidkv.core.store import Heads, LayerStore, StoreSetup
 from pyramidkv.quantization.kernels import Scratch
-
-# Store kinds: the unit that needs one names it (`store_kind`: page selection -> paged, a quantizer ->
-# quantized, layer sharing -> paired); a method whose units name none gets full_precision.
-STORES: dict[str, type[LayerStore]] = {"full_precision": FullPrecisionStore, "paged": PagedStore,
-                                       "quantized": QuantizedStore, "paired": PairedLayerStore}
-
-
-def store_abilities(method: CompressionMethod) -> tuple[str, ...]:
-    """The optional store abilities a configuration needs: its units' (a decode budget: reselect), and attention
-    statistics when a decode budget re-selects by them (H2O, Scissorhands)."""
-    units = (method.decode, method.selection, method.channels, method.pages, method.layer_sharing)
-    needed = tuple(ability for unit in units if unit is not None for ability in unit.store_abilities)
-    if method.decode is not None and (method.accumulates_attention or method.history_window is not None):
-        needed += ("attention_statistics",)
-    return needed
-
-
-def store_kind(method: CompressionMethod) -> str:
-    """The store kind the method's units name (the first of them; a method refuses two different ones)."""
-    for unit in (method.pages, method.layer_sharing, method.quant_method):
-        if unit is not None:
-            return unit.store_kind
-    return "full_precision"
-
 
 def left_padding_lengths(attention_mask: Optional[torch.Tensor], batch_size: int, seq_len: int) -> list[int]:
     """Number of left-padding tokens per row of a 2-D attention mask (0 = padding)."""
@@ -126,6 +101,7 @@ class CompressedCache(Cache):
                              softcap)
         self.setup: Optional[StoreSetup] = None
         self.stopped_bytes: dict[int, int] = {}   # per prompt that stopped early, its bytes then (record_stop)
+        self.reconstruction: Optional[Reconstruction] = None   # a reconstructing method's repeat passes (KVzip)
 
     # ---- transformers Cache API -------------------------------------------------------------
     def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
@@ -178,10 +154,28 @@ class CompressedCache(Cache):
         if self.decoding is not None:
             self.decoding.observe_prefill(layer_idx, queries, keys, scored.raw_scores, self.pad_lens, pattern,
                                           column_sums)
-        ready = self.prompt.keep(layer_idx, scored)
         if self.setup is None:
             self.setup = StoreSetup(self.prompt.real_lens, self.pad_lens, position_ids, self.method, self.num_layers,
                                     self.rotary, self.scratch, self.model_shape.softcap)
+        self._store(self.prompt.keep(layer_idx, scored))
+
+    @torch.no_grad()
+    def reconstructed(self) -> None:
+        """After a reconstructing method's repeat passes (`reconstruction`, kept for inspection: its scores, the
+        tokens it ran): every layer keeps what they scored."""
+        done = self.reconstruction
+        self._store(self.prompt.reconstructed(done.scores, [(plan.prefix, plan.suffix) for plan in done.plans]))
+
+    def repeat_attend(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor,
+                      values: torch.Tensor) -> torch.Tensor:
+        """One layer of a repeat input of the `reconstruction` (queries [1, Hq, m, D], keys, values [1, Hkv, m, D]):
+        its attention output [1, Hq, m, D] over the prompt's waiting K/V and its own; nothing is stored."""
+        b, held = self.reconstruction.current[0], self.prompt.waiting[layer_idx]
+        return self.reconstruction.attend(layer_idx, queries, keys, values, held.keys[b], held.values[b],
+                                          self.pad_lens[b], self.model_shape.softcap)
+
+    def _store(self, ready: dict) -> None:
+        """Build the stores of the layers whose kept tokens are known (layer -> per prompt its KeptKV)."""
         sliding = {layer: kv for layer, kv in ready.items() if self.windows[layer] is not None}
         built = self.store_class.build({layer: kv for layer, kv in ready.items() if layer not in sliding}, self.setup)
         built.update(self.sliding_class.build(sliding, self.setup) if sliding else {})

@@ -39,6 +39,8 @@ class ScoreContext:
     softcap: the model's attention logit soft-cap (Gemma2), which the scoring helpers take (`softcap=`) so that
     a scorer's attention is the model's; None: none. Queries come scaled so that q . k / sqrt(D) is the
     model's logit (Gemma2's query_pre_attn_scalar folded in).
+    reconstruction: [B, Hq, n] float32, for methods that `reconstruct` (KVzip): the most attention each key got
+    from the repeat passes (core/reconstruction.py), given once they have run (queries and real are None then).
     """
 
     layer_idx: int
@@ -50,6 +52,7 @@ class ScoreContext:
     pattern: Optional["PrefillPattern"] = None
     column_sums: Optional[torch.Tensor] = None
     softcap: Optional[float] = None
+    reconstruction: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -89,6 +92,7 @@ class CompressionMethod(Protocol):
     name: ClassVar[str]
     accumulates_attention: ClassVar[bool]   # the cache accumulates received attention while decoding (H2O)
     needs_column_sums: ClassVar[bool]       # the prefill attention pass returns its column sums (H2O's score)
+    reconstructs: ClassVar[bool]            # scored by repeat passes after the prefill (KVzip: reconstruction.py)
     history_window: Optional[int]           # the cache keeps each token's last attention rows (Scissorhands)
     global_scale: ClassVar[str]             # "raw" | "zscore": how one budget over all layers compares their scores
     window_size: int

@@ -85,12 +85,19 @@ class PromptCompressor:
         self.waiting: dict[int, ScoredLayer] = {}                  # layers scored, not yet kept
         self.peak_waiting_bytes = 0
         self.pairs = {} if method.layer_sharing is None else method.layer_sharing.pairs(model.num_layers)
+        # per prompt (prefix, suffix) tokens it protects itself, in place of the sinks and the window (KVzip's
+        # template): the budget is then the method's on the rest, plus them
+        self.edges: Optional[list[tuple[int, int]]] = None
 
-    def nominal_budget(self, real_len: int) -> int:
-        return self.method.prompt_budget(real_len)
+    def extra(self, b: int) -> int:
+        """Tokens prompt b protects beyond the method's own budget (its prefix and suffix, where it has them)."""
+        return 0 if self.edges is None else sum(self.edges[b])
+
+    def nominal_budget(self, b: int) -> int:
+        return self.extra(b) + self.method.prompt_budget(self.real_lens[b] - self.extra(b))
 
     def compressed(self, b: int) -> bool:
-        return self.real_lens[b] > self.nominal_budget(self.real_lens[b])
+        return self.real_lens[b] > self.nominal_budget(b)
 
     def any_compressed(self) -> bool:
         return any(self.compressed(b) for b in range(len(self.pad_lens)))
@@ -111,7 +118,7 @@ class PromptCompressor:
         else:
             stored_keys, stored_values = keys, values
         scores = raw = merge_attention = None
-        if self.any_compressed():
+        if self.any_compressed() and not method.reconstructs:   # a reconstructing method is scored at the end
             n = keys.shape[2]
             real = real_positions(self.layer_pads(layer_idx, n), n, keys.device)
             raw = method.score(ScoreContext(layer_idx, model.num_layers, queries, keys, values, real, pattern,
@@ -128,7 +135,7 @@ class PromptCompressor:
     def keep(self, layer_idx: int, scored: ScoredLayer) -> dict[int, list[KeptKV]]:
         """The layers whose kept tokens are known now -> per prompt its KeptKV: this layer, or none until
         the last layer when the budgets need every layer's scores (then all of them)."""
-        if not self.method.layer_budgets_need_scores:
+        if not (self.method.layer_budgets_need_scores or self.method.reconstructs):
             self._fix_layer_budgets()
             if layer_idx in self.pairs:  # the lower layer of a merged pair waits for the upper one
                 self._wait(layer_idx, scored)
@@ -140,8 +147,21 @@ class PromptCompressor:
                         layer_idx: self._keep_layer(layer_idx, scored, both, layer_idx - 1)}
             return {layer_idx: self._keep_layer(layer_idx, scored)}
         self._wait(layer_idx, scored)
-        if layer_idx < self.model.num_layers - 1:
+        if layer_idx < self.model.num_layers - 1 or self.method.reconstructs:
             return {}
+        self._fix_layer_budgets(self._candidate_scores())
+        return {layer: self._keep_layer(layer, self.waiting.pop(layer)) for layer in range(self.model.num_layers)}
+
+    def reconstructed(self, scores: dict[int, torch.Tensor], edges: list[tuple[int, int]]) -> dict[int, list[KeptKV]]:
+        """Every layer's kept tokens once a reconstructing method's passes have run: scores per layer [B, Hq, n]
+        (core/reconstruction.py), edges per prompt its protected (prefix, suffix)."""
+        self.edges = edges
+        if self.any_compressed():
+            for layer, scored in self.waiting.items():
+                raw = self.method.score(ScoreContext(layer, self.model.num_layers, None, scored.keys, scored.values,
+                                                     None, reconstruction=scores[layer]))
+                scored.scores = scores_per_stored_head(raw, self.method, self.model.num_kv_heads,
+                                                       self.model.num_query_heads)
         self._fix_layer_budgets(self._candidate_scores())
         return {layer: self._keep_layer(layer, self.waiting.pop(layer)) for layer in range(self.model.num_layers)}
 
@@ -159,10 +179,16 @@ class PromptCompressor:
     def candidates(self, b: int, n: int, pad: Optional[int] = None) -> tuple[int, int]:
         """[first, stop) of prompt b's selectable positions (padded coordinates): not the sinks, not the window;
         pad: where the layer's tokens start (default: the prompt's padding)."""
+        sinks, window = self.protected(b, n, pad)
+        return (self.pad_lens[b] if pad is None else pad) + sinks, n - window
+
+    def protected(self, b: int, n: int, pad: Optional[int] = None) -> tuple[int, int]:
+        """(sinks, window) of prompt b on a layer whose tokens start at pad: the method's, or the prompt's own
+        prefix and suffix, at most what the layer sees."""
         pad = self.pad_lens[b] if pad is None else pad
-        window = min(self.method.window_size, n - pad)
-        sinks = min(self.method.selection.num_sinks, n - pad - window)
-        return pad + sinks, n - window
+        sinks, window = (self.method.selection.num_sinks, self.method.window_size) if self.edges is None else self.edges[b]
+        window = min(window, n - pad)
+        return min(sinks, n - pad - window), window
 
     def waiting_bytes(self) -> int:
         return sum(s.nbytes() for s in self.waiting.values())
@@ -188,16 +214,18 @@ class PromptCompressor:
             return
         self.layer_budgets = []
         for b, n in enumerate(self.real_lens):
-            budget = self.nominal_budget(n)
-            scores = None if layer_scores is None or n <= budget else layer_scores[b]
+            extra = self.extra(b)   # the budgets are the method's on the rest of the prompt, plus these
+            budget = self.nominal_budget(b) - extra
+            scores = None if layer_scores is None or n <= budget + extra else layer_scores[b]
             plan = None if scores is None else self.method.model_head_budgets(budget, scores)
-            self.head_plans.append(plan)
-            if n <= budget:
+            self.head_plans.append(None if plan is None else [[extra + h for h in heads] for heads in plan])
+            if n <= budget + extra:
                 self.layer_budgets.append([n] * self.model.num_layers)
             elif plan is not None:   # one budget over every layer: a layer's reported budget is its heads' mean
-                self.layer_budgets.append([round(sum(heads) / len(heads)) for heads in plan])
+                self.layer_budgets.append([extra + round(sum(heads) / len(heads)) for heads in plan])
             else:
-                self.layer_budgets.append(self.method.layer_budgets(budget, self.model.num_layers, n, scores))
+                self.layer_budgets.append([extra + count for count in
+                                           self.method.layer_budgets(budget, self.model.num_layers, n - extra, scores)])
 
     def _keep_layer(self, layer_idx: int, scored: ScoredLayer, scores: Optional[torch.Tensor] = None,
                     selecting_layer: Optional[int] = None) -> list[KeptKV]:
@@ -216,10 +244,12 @@ class PromptCompressor:
                 kept.append(KeptKV.gather(keys[b], values[b], whole, pad))
                 continue
             first, stop = self.candidates(b, n, seen)
+            extra = self.extra(b)
             head_budgets = plan[layer_idx] if plan is not None else \
-                method.head_budgets(scores[b, :, first:stop], budget, selecting, self.model)
+                [extra + h for h in method.head_budgets(scores[b, :, first:stop], budget - extra, selecting, self.model)]
+            sinks, window = self.protected(b, n, seen)
             positions = select_kept_positions(
-                scores[b], seen, head_budgets, method.window_size, method.selection.num_sinks,
+                scores[b], seen, head_budgets, window, sinks,
                 method.selection.random_fraction, lambda head: sampling_generator(method, selecting, head))
             merged = None
             if method.merge is not None:

@@ -13,6 +13,7 @@ from pyramidkv.methods.cam import CAM
 from pyramidkv.methods.fullkv import FullKV
 from pyramidkv.methods.h2o import H2O
 from pyramidkv.methods.headkv import HeadKV
+from pyramidkv.methods.kvzip import KVzip
 from pyramidkv.methods.l2norm import L2Norm
 from pyramidkv.methods.minference import MInferenceMethod
 from pyramidkv.methods.minicache import MiniCache
@@ -28,7 +29,7 @@ from pyramidkv.methods.zigzagkv import ZigZagKV
 
 METHODS: dict[str, type[Method]] = {
     cls.name: cls for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, L2Norm, AdaKV, AdaPyramidKV, HeadKV,
-                              ZigZagKV, CAM, ThinK, NACL, Scissorhands, Quest, MiniCache, MInferenceMethod)
+                              ZigZagKV, CAM, ThinK, NACL, Scissorhands, Quest, MiniCache, MInferenceMethod, KVzip)
 }
 
 

@@ -89,6 +89,7 @@ class Method(Component):
     accumulates_attention: ClassVar[bool] = False
     needs_column_sums: ClassVar[bool] = False
     history_window: ClassVar[Optional[int]] = None
+    reconstructs: ClassVar[bool] = False   # scored by the model repeating the prompt's context (KVzip)
     global_scale: ClassVar[str] = "zscore"  # how head_allocation=global compares layers' scores (allocation/global_.py)
     flat_units = {axis: capability_class(axis) for axis in CAPABILITY_AXES}
     # Settings a method takes under another unit's name (Quest: budget -> page_budget).

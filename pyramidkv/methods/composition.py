@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from pyramidkv.capabilities.base import shown
-from pyramidkv.core.cache import STORES, store_abilities, store_kind
+from pyramidkv.core.store_kinds import STORES, store_abilities, store_kind
 
 # What each store ability means, for refusals.
 ABILITY_TEXT = {"reselect": "re-select while decoding", "attention_statistics": "keep decode-time attention statistics"}

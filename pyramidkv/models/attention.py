@@ -135,7 +135,9 @@ def compressed_attention_forward(
 
     weights = None
     layer = module.layer_idx
-    if not cache.is_prefilled(layer):
+    if cache.reconstruction is not None and cache.reconstruction.current is not None:   # a repeat pass (KVzip)
+        out = cache.repeat_attend(layer, scaled, keys, values).transpose(1, 2)
+    elif not cache.is_prefilled(layer):
         sparse = cache.method.prefill_attention
         pads = cache.pad_lens or [0] * bsz
         pattern = None if sparse is None else sparse.pattern(layer, scaled, keys, pads, cache.model_shape.name)

@@ -95,7 +95,7 @@ class CompressionPatch:
         self.glue = glue
         self.implementation = implementation
         self._modules = []
-        self._hook = None
+        self._hook = self._repeat_hook = None
         self._cache_implementation = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -112,6 +112,8 @@ class CompressionPatch:
             self._modules.append((attention, patched, attention.__dict__.get(patched)))
             setattr(attention, patched, types.MethodType(forward, attention))
         self._hook = decoder(self.model).register_forward_pre_hook(self._provide_cache, with_kwargs=True)
+        if self.method.reconstructs:
+            self._repeat_hook = decoder(self.model).register_forward_hook(self._reconstruct, with_kwargs=True)
         # generate() would allocate the cache its config names (Gemma2's "hybrid": every layer at full length)
         # only for the patch to replace it: while patched it starts from an empty DynamicCache instead.
         generation = getattr(self.model, "generation_config", None)
@@ -128,9 +130,10 @@ class CompressionPatch:
             else:
                 setattr(attention, patched, before)
         self._modules = []
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for hook in (self._hook, self._repeat_hook):
+            if hook is not None:
+                hook.remove()
+        self._hook = self._repeat_hook = None
         if self._cache_implementation is not None:
             self.model.generation_config.cache_implementation = self._cache_implementation
             self._cache_implementation = None
@@ -143,13 +146,31 @@ class CompressionPatch:
         self.remove()
         return False
 
+    def _reconstruct(self, module, args, kwargs, output):
+        """After the decoder's forward: where it was a reconstructing method's prefill, run its repeat passes."""
+        cache = kwargs.get("past_key_values")
+        if not isinstance(cache, CompressedCache) or cache.prompt is None or len(cache.prompt.waiting) == 0:
+            return None
+        if cache.reconstruction is None:
+            raise ValueError(f"{self.method.name} scores by making the model repeat each prompt's context: the cache "
+                             f"needs the repeat inputs, which pyramidkv.generate builds with the tokenizer (or pass "
+                             f"patch.new_cache(prompt_token_lists, tokenizer) to model.generate)")
+        if cache.reconstruction.current is None:
+            run_repeats(module, cache)
+        return None
+
     # ---- cache provisioning -------------------------------------------------------------------
-    def new_cache(self) -> CompressedCache:
+    def new_cache(self, prompts=None, tokenizer=None) -> CompressedCache:
+        """An empty cache for one generate(); prompts (token-id lists) and their tokenizer: what a reconstructing
+        method (KVzip) repeats."""
         config = self.model.config
         rotation = self.glue.key_rotation(self.model) if self.method.quant_method is not None else None
-        return CompressedCache(self.method, config.num_hidden_layers, config.num_key_value_heads,
-                               config.num_attention_heads, model_name=getattr(config, "_name_or_path", "") or "",
-                               rotation=rotation, layer_windows=self.shape.layer_windows, softcap=self.shape.softcap)
+        cache = CompressedCache(self.method, config.num_hidden_layers, config.num_key_value_heads,
+                                config.num_attention_heads, model_name=getattr(config, "_name_or_path", "") or "",
+                                rotation=rotation, layer_windows=self.shape.layer_windows, softcap=self.shape.softcap)
+        if self.method.reconstructs and prompts is not None:
+            cache.reconstruction = self.method.reconstruction(prompts, tokenizer)
+        return cache
 
     def _provide_cache(self, module, args, kwargs):
         cache = kwargs.get("past_key_values")
@@ -182,6 +203,27 @@ class CompressionPatch:
         cache.set_padding(kwargs.get("attention_mask"), bsz, seq_len)
         kwargs["past_key_values"] = cache
         return args, kwargs
+
+
+@torch.no_grad()
+def run_repeats(decoder_module, cache: CompressedCache) -> None:
+    """A reconstructing method's repeat passes, once the prompt's prefill has run with every layer waiting: each
+    compressed prompt's repeat inputs through the decoder alone (positions right after the prompt, the cache in
+    its repeat mode: nothing is stored), then every layer keeps what they scored (core/reconstruction.py)."""
+    recon, prompt = cache.reconstruction, cache.prompt
+    prompt.edges = [(plan.prefix, plan.suffix) for plan in recon.plans]
+    device = prompt.waiting[0].keys.device
+    for b, plan in enumerate(recon.plans):
+        if not prompt.compressed(b):
+            continue
+        start = prompt.real_lens[b]
+        for chunk in plan.chunks:
+            recon.current = (b, chunk)
+            decoder_module(input_ids=torch.tensor([chunk.ids], device=device), past_key_values=cache, use_cache=True,
+                           position_ids=torch.arange(start, start + len(chunk.ids), device=device)[None])
+            recon.repeat_tokens += len(chunk.ids)
+    recon.current = None
+    cache.reconstructed()
 
 
 def model_shape(config, dtype_bytes: int = 0, implementation: Optional[str] = None) -> ModelShape:

@@ -1,0 +1,166 @@
+"""KVzip: the repeat inputs against the authors' prompt wording, the scores against the model's own eager attention
+over [prompt, repeat input] (the authors' restricted softmax and maxima taken in float64), the kept sets against one
+threshold over every layer, head and context position, the bytes, that the repeat passes leave no trace, refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pyramidkv import compress, make_method
+from pyramidkv.generation import generate
+from tests.prompts import STORY
+
+CHUNK = 64
+
+
+def chat_prompt(tokenizer, text: str) -> list[int]:
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer(rendered, add_special_tokens=False).input_ids
+
+
+def test_repeat_inputs_are_the_authors_prompts_chunk_by_chunk(smollm2):
+    """Chunk 0: the repeat instruction, the assistant header, the chunk; chunk c: the continuation instruction
+    quoting the last 8 tokens of chunk c - 1, the header, the chunk. The template's system prefix and the closing
+    header are protected, the context between them is cut into chunks of chunk_size."""
+    _, tokenizer = smollm2
+    text = STORY[:600]
+    tokens = chat_prompt(tokenizer, text)
+    plan = make_method("kvzip", budget_ratio=0.5, chunk_size=CHUNK).reconstruction([tokens], tokenizer).plans[0]
+    header = "<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(tokens[:plan.prefix]).endswith("<|im_start|>user\n")
+    assert tokenizer.decode(tokens[len(tokens) - plan.suffix:]) == header
+    context = tokens[plan.prefix:len(tokens) - plan.suffix]
+    assert tokenizer.decode(context) == text
+    assert [(c.start - plan.prefix, c.stop - plan.prefix) for c in plan.chunks] == \
+        [(s, min(s + CHUNK, len(context))) for s in range(0, len(context), CHUNK)]
+    assert len(plan.chunks) >= 3
+    first = plan.chunks[0]
+    assert tokenizer.decode(first.ids) == "\n\nRepeat the previous context exactly." + header + \
+        tokenizer.decode(context[:CHUNK])
+    for c, chunk in enumerate(plan.chunks[1:], start=1):
+        quoted = tokenizer.decode(context[c * CHUNK - 8:c * CHUNK])
+        assert tokenizer.decode(chunk.ids) == "\n\nRepeat the part of the previous context exactly, starting with " + \
+            quoted + header + tokenizer.decode(context[c * CHUNK:(c + 1) * CHUNK])
+
+
+def reference_scores(model, tokens: list[int], plan) -> np.ndarray:
+    """[L, Hq, n] from the model's own eager attention weights over [prompt, repeat input] per chunk: each
+    chunk column's weight renormalised over K' = prefix + chunk + repeat (float64), maximised over the repeat's
+    queries; 0 outside the context."""
+    n = len(tokens)
+    layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
+    scores = np.zeros((layers, heads, n))
+    for chunk in plan.chunks:
+        ids = torch.tensor([list(tokens) + chunk.ids])
+        with torch.no_grad():
+            weights = model(ids, output_attentions=True, use_cache=False).attentions
+        extent = np.zeros(ids.shape[1], dtype=bool)
+        extent[:plan.prefix] = True
+        extent[chunk.start:chunk.stop] = True
+        extent[n:] = True
+        for layer, w in enumerate(weights):
+            rows = w[0, :, n:].double().numpy()                                   # [Hq, m, n + m]
+            restricted = rows[..., extent] / rows[..., extent].sum(-1, keepdims=True)
+            columns = np.flatnonzero(extent)
+            inside = (columns >= chunk.start) & (columns < chunk.stop)
+            scores[layer, :, chunk.start:chunk.stop] = restricted[..., inside].max(1)
+    return scores
+
+
+@pytest.fixture(scope="module")
+def reconstructed(smollm2):
+    """One prompt's scores by the engine and by the reference, and its kept sets in both GQA layouts."""
+    model, tokenizer = smollm2
+    tokens = chat_prompt(tokenizer, STORY[:900])
+    out = {}
+    for layout in ("kv_head", "query_head"):
+        method = make_method("kvzip", budget_ratio=0.3, chunk_size=CHUNK, gqa_layout=layout)
+        with torch.no_grad(), compress(model, method) as patch:
+            cache = patch.new_cache([tokens], tokenizer)
+            model(torch.tensor([tokens]), past_key_values=cache, use_cache=True)
+        out[layout] = cache
+    plan = out["kv_head"].reconstruction.plans[0]
+    return tokens, plan, reference_scores(model, tokens, plan), out
+
+
+def test_scores_equal_the_eager_reference(reconstructed):
+    tokens, plan, expected, caches = reconstructed
+    got = np.stack([caches["kv_head"].reconstruction.scores[layer][0].numpy() for layer in range(expected.shape[0])])
+    context = slice(plan.prefix, len(tokens) - plan.suffix)
+    np.testing.assert_allclose(got[..., context], expected[..., context], rtol=2e-4, atol=1e-6)
+    assert np.all(got[..., :plan.prefix] == 0) and expected[..., context].max() > 0.1
+
+
+@pytest.mark.parametrize("layout", ["kv_head", "query_head"])
+def test_kept_sets_are_one_threshold_over_every_layer_head_and_position(smollm2, reconstructed, layout):
+    """kv_head: a KV head's score is the maximum over its query group (the authors'); query_head: each query head
+    its own. The best round(0.3 x context) x L x H context entries are kept, the prefix and suffix in every head,
+    and the total is exact. Bytes: every kept token's key and value, float32."""
+    model, _ = smollm2
+    tokens, plan, expected, caches = reconstructed
+    cache = caches[layout]
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    scores = expected.reshape(expected.shape[0], -1, group, expected.shape[2]).max(2) if layout == "kv_head" \
+        else expected
+    layers, heads, n = scores.shape
+    start, stop = plan.prefix, n - plan.suffix
+    total = layers * heads * round(0.3 * (stop - start))
+    flat = scores[..., start:stop].reshape(-1)
+    threshold = np.sort(flat)[::-1][total - 1]
+    protected = set(range(start)) | set(range(stop, n))
+    kept_total = 0
+    for layer in range(layers):
+        for h, positions in enumerate(cache.kept_positions(layer)):
+            kept = set(positions.tolist())
+            assert protected <= kept
+            context = kept - protected
+            kept_total += len(context)
+            for j in context ^ {j for j in range(start, stop) if scores[layer, h, j] > threshold}:
+                assert scores[layer, h, j] == pytest.approx(threshold, rel=1e-4), (layer, h, j)
+    assert kept_total == total
+    counts = [len(p) for layer in range(layers) for p in cache.kept_positions(layer)]
+    assert len(set(counts)) > 1      # ragged: layers and heads keep what their scores earn
+    assert cache.kv_bytes() == sum(counts) * 2 * model.config.hidden_size // model.config.num_attention_heads * 4
+
+
+def test_repeat_passes_leave_no_trace(reconstructed):
+    """After the repeat passes the cache holds prompt positions only, reports the prompt's length, and the
+    tokens the passes ran are the repeat inputs'."""
+    tokens, plan, _, caches = reconstructed
+    cache = caches["kv_head"]
+    assert cache.get_seq_length() == len(tokens)
+    assert all(int(p.max()) < len(tokens) for layer in range(len(cache.layers)) for p in cache.held_positions(layer))
+    assert cache.reconstruction.repeat_tokens == sum(len(c.ids) for c in plan.chunks)
+
+
+def test_generation_decodes_from_the_compressed_context(smollm2):
+    """A ratio of 1 keeps every context token: kvzip then generates what fullkv does (the repeat passes changed
+    nothing the model reads)."""
+    model, tokenizer = smollm2
+    prompt = chat_prompt(tokenizer, STORY[:500] + "\n\nWho is the story about?")
+    full = generate(model, tokenizer, [prompt], make_method("fullkv"), max_new_tokens=8)[0]
+    kept = generate(model, tokenizer, [prompt], make_method("kvzip", budget_ratio=1.0, chunk_size=CHUNK),
+                    max_new_tokens=8)[0]
+    assert kept.text == full.text
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(budget_ratio=0.5, chunk_size=0), "chunk_size must be an integer >= 1"),
+    (dict(budget_ratio=0.5, window_size=8), "window_size must be 0"),
+    (dict(budget_ratio=0.5, decode_budget=64), "kvzip does not combine with decode_budget"),
+    (dict(budget_ratio=0.5, head_allocation="global", layer_allocation="pyramid"), "cannot be combined with"),
+])
+def test_bad_settings_are_refused_in_one_line(settings, message):
+    with pytest.raises(ValueError, match=message) as error:
+        make_method("kvzip", **settings)
+    assert "\n" not in str(error.value)
+
+
+def test_a_prompt_with_no_context_is_refused(smollm2):
+    model, tokenizer = smollm2
+    template_only = chat_prompt(tokenizer, "")
+    with pytest.raises(ValueError, match="prompt 0 .* has no context to reconstruct"):
+        generate(model, tokenizer, [template_only], make_method("kvzip", budget_ratio=0.5), max_new_tokens=2)
