@@ -1,0 +1,93 @@
+"""One budget across the whole model (head_allocation=global): the kept sets are the top scores over every layer
+and stored head (a hand-worked case; a z-scored scorer against a float64 computation), the total is exact, a
+model with one layer splits as AdaKV without its floor, the bytes follow, and the peak of the waiting layers is
+reported. Refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pyramidkv import compress, make_method
+from pyramidkv.allocation.global_ import GlobalHeads, global_counts
+
+PROMPT = 48
+
+
+def test_hand_worked_counts_follow_the_best_scores_over_layers_and_heads():
+    """Two layers of two heads: the best of 12 scores are 9 (layer 0 head 1), 8 and 7 (layer 1 head 0), then three
+    6s: layer 0 head 0 first (the lower layer), then of layer 1's two (same position) head 0 (the lower head)."""
+    layer0 = torch.tensor([[1., 6., 2.], [9., 0., 3.]])
+    layer1 = torch.tensor([[8., 7., 6.], [5., 4., 6.]])
+    assert global_counts([layer0, layer1], 5) == [[1, 1], [3, 0]]
+    assert global_counts([layer0, layer1], 6) == [[1, 1], [3, 1]]
+    assert global_counts([layer0, layer1], 4) == [[1, 1], [2, 0]]
+    assert GlobalHeads(normalize="raw").selected_over_layers([layer0, layer1], 1) == [[1, 1], [2, 0]]
+
+
+def tiny(layers: int) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         attn_implementation="sdpa")
+    torch.manual_seed(layers)
+    return LlamaForCausalLM(config).eval()
+
+
+def prefilled(model, method):
+    ids = torch.randint(3, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), compress(model, method) as patch:
+        cache = patch.new_cache()
+        model(ids, past_key_values=cache, use_cache=True)
+    return cache
+
+
+def test_one_layer_splits_as_adakv_without_a_floor():
+    model = tiny(1)
+    ours = prefilled(model, make_method("snapkv", budget=20, window_size=4, head_allocation="global"))
+    adakv = prefilled(model, make_method("adakv", budget=20, window_size=4, floor_ratio=0.0))
+    for a, b in zip(ours.kept_positions(0), adakv.kept_positions(0)):
+        assert torch.equal(a, b)
+    assert len({len(p) for p in ours.kept_positions(0)}) > 1
+
+
+@pytest.mark.parametrize("scorer, scale", [("snapkv", "raw"), ("l2norm", "zscore")])
+def test_total_is_exact_and_sets_are_the_best_over_the_model(scorer, scale):
+    """The selected tokens (window excluded) of all layers and heads are the L x H x (budget - window) best
+    scores, the scores as the scorer gives them (snapkv: attention) or standardised per layer over its heads and
+    positions (l2norm: minus a key norm), computed here in float64 from the keys the cache holds whole."""
+    model, budget, window = tiny(3), 20, 4
+    method = make_method(scorer, budget=budget, window_size=window, head_allocation="global",
+                         **({"skip_layers": 0} if scorer == "l2norm" else {}))
+    cache = prefilled(model, method)
+    layers, heads = 3, 2
+    counts = [[len(p) - window for p in cache.kept_positions(layer)] for layer in range(layers)]
+    assert sum(map(sum, counts)) == layers * heads * (budget - window)
+    assert len({c for row in counts for c in row}) > 1
+    assert cache.kv_bytes() == sum(len(p) for layer in range(layers) for p in cache.kept_positions(layer)) * 2 * 16 * 4
+    assert cache.peak_prefill_kv_bytes >= layers * heads * PROMPT * 2 * 16 * 4   # every layer waited whole
+    if scorer != "l2norm":
+        return
+    full = prefilled(model, make_method("fullkv"))
+    scores = []
+    for layer in range(layers):
+        norms = np.stack([-k.double().norm(dim=-1).numpy()[: PROMPT - window] for _, k, _ in full.kept_kv(layer)])
+        scores.append((norms - norms.mean()) / norms.std(ddof=1))
+    total = layers * heads * (budget - window)
+    cut = np.sort(np.concatenate([s.reshape(-1) for s in scores]))[::-1][total - 1]
+    for layer in range(layers):
+        for h, positions in enumerate(cache.kept_positions(layer)):
+            chosen = {int(p) for p in positions if p < PROMPT - window}
+            assert chosen == set(np.flatnonzero(scores[layer][h] >= cut).tolist()), (layer, h)
+
+
+@pytest.mark.parametrize("name, settings, message", [
+    ("snapkv", dict(budget=20, head_allocation="global", layer_allocation="pyramid"), "cannot be combined with"),
+    ("fullkv", dict(head_allocation="global"), "takes no budget allocation"),
+    ("snapkv", dict(budget=20, head_allocation="global", head_normalize="softmax"), "normalize must be one of"),
+])
+def test_refusals(name, settings, message):
+    with pytest.raises(ValueError, match=message) as error:
+        make_method(name, **settings)
+    assert "\n" not in str(error.value)
