@@ -216,16 +216,22 @@ class PromptCompressor:
         for b, n in enumerate(self.real_lens):
             extra = self.extra(b)   # the budgets are the method's on the rest of the prompt, plus these
             budget = self.nominal_budget(b) - extra
-            scores = None if layer_scores is None or n <= budget + extra else layer_scores[b]
-            plan = None if scores is None else self.method.model_head_budgets(budget, scores)
-            self.head_plans.append(None if plan is None else [[extra + h for h in heads] for heads in plan])
             if n <= budget + extra:
+                self.head_plans.append(None)
                 self.layer_budgets.append([n] * self.model.num_layers)
-            elif plan is not None:   # one budget over every layer: a layer's reported budget is its heads' mean
-                self.layer_budgets.append([extra + round(sum(heads) / len(heads)) for heads in plan])
-            else:
-                self.layer_budgets.append([extra + count for count in
-                                           self.method.layer_budgets(budget, self.model.num_layers, n - extra, scores)])
+                continue
+            scores = None if layer_scores is None else layer_scores[b]
+            budgets = self.method.layer_budgets(budget, self.model.num_layers, n - extra, scores)
+            self.layer_budgets.append([extra + count for count in budgets])
+            whole = [layer for layer, count in enumerate(budgets) if count >= n - extra]   # e.g. l2norm's skipped
+            plan = None if scores is None else \
+                self.method.model_head_budgets(budget, [s for layer, s in enumerate(scores) if layer not in whole])
+            if plan is not None:   # one budget over the compressed layers; a layer's reported budget: its heads' mean
+                rest = iter(plan)
+                plan = [[n] * len(scores[layer]) if layer in whole else [extra + h for h in next(rest)]
+                        for layer in range(self.model.num_layers)]
+                self.layer_budgets[b] = [round(sum(heads) / len(heads)) for heads in plan]
+            self.head_plans.append(plan)
 
     def _keep_layer(self, layer_idx: int, scored: ScoredLayer, scores: Optional[torch.Tensor] = None,
                     selecting_layer: Optional[int] = None) -> list[KeptKV]:

@@ -60,10 +60,15 @@ KEEPS_THE_PROMPT = {"quest"}
 
 
 class TokenIds:
-    """The tokenizer generate() needs for prompts given as token ids: a pad id and decode()."""
+    """The tokenizer generate() needs for prompts given as token ids: a pad id and decode(); and for KVzip's repeat
+    instructions an encoder (a byte per character) and no chat template."""
 
     pad_token_id = 0
     eos_token_id = None
+    chat_template = None
+
+    def __call__(self, text: str, add_special_tokens: bool = False):
+        return type("Encoding", (), {"input_ids": list(text.encode())})()
 
     def decode(self, ids, skip_special_tokens=True) -> str:
         return " ".join(str(i) for i in ids)
