@@ -6,7 +6,7 @@ The total is the uniform one, exactly: L x H x (budget - window - sinks) selecte
 then the more recent position, then the lower head; within one layer the order of AdaKV's split). Every layer's
 scores are known only after the last layer, so each layer waits with its full K/V until then (as ZigZagKV's).
 
-Scores of different layers must be comparable. `normalize="method"` takes the scorer's own rule
+Scores of different layers must be comparable. `score_scale="method"` takes the scorer's own rule
 (`Method.global_scale`): "raw" for scores that are attention a query gives a key (KVzip's maxima, SnapKV's
 window sums, TOVA's and Expected Attention's probabilities), "zscore" for the others (a key norm, a cosine):
 each layer's candidate scores are standardised over all its heads and positions.
@@ -21,7 +21,7 @@ import torch
 
 from pyramidkv.allocation.base import HeadAllocation
 
-NORMALIZATIONS = ("method", "raw", "zscore")
+SCORE_SCALES = ("method", "raw", "zscore")
 
 
 def standardized(scores: torch.Tensor) -> torch.Tensor:
@@ -56,22 +56,22 @@ def global_counts(layer_scores: Sequence[torch.Tensor], total: int) -> list[list
 class GlobalHeads(HeadAllocation):
     """One budget over every layer and head of the model.
 
-    normalize: how the layers' scores are made comparable: method (the scorer's own rule, its
+    score_scale: how the layers' scores are made comparable: method (the scorer's own rule, its
         `global_scale`), raw (as scored), zscore (standardised per layer over its heads and positions).
     """
 
     name = "global"
     global_over_layers = True
     needs_scores = True
-    normalize: str = "method"
+    score_scale: str = "method"
 
     def validate(self) -> None:
-        if self.normalize not in NORMALIZATIONS:
-            raise ValueError(f"normalize must be one of {'|'.join(NORMALIZATIONS)}, got {self.normalize!r}")
+        if self.score_scale not in SCORE_SCALES:
+            raise ValueError(f"score_scale must be one of {'|'.join(SCORE_SCALES)}, got {self.score_scale!r}")
 
     def scale(self, method_scale: str) -> str:
         """"raw" or "zscore": the rule that applies with a scorer whose own rule is `method_scale`."""
-        return method_scale if self.normalize == "method" else self.normalize
+        return method_scale if self.score_scale == "method" else self.score_scale
 
     def selected_over_layers(self, layer_scores: Sequence[torch.Tensor], selected: int,
                              method_scale: str = "raw") -> list[list[int]]:

@@ -4,11 +4,6 @@ context (core/reconstruction.py), and one threshold over every layer, head and p
 (`head_allocation="global"`; "uniform" is the authors' `pair-uniform`). The chat template's prefix and what follows
 the context (end of turn, assistant header) are never evicted and not counted in the budget: `budget_ratio` is the
 kept fraction of the context (the authors' `ratio`), `budget` the context tokens a head keeps on average.
-
-The repeat inputs follow the authors' prompts: chunk 0 "\\n\\nRepeat the previous context exactly." + the
-assistant header + the chunk; chunk c > 0 "\\n\\nRepeat the part of the previous context exactly, starting with "
-+ the last `chunk_overlap` tokens of chunk c - 1 + the assistant header + the chunk. The header is the end of the
-model's chat template after a user turn (none without a template).
 """
 
 from __future__ import annotations
@@ -90,7 +85,11 @@ class KVzip(Method):
         return ctx.reconstruction   # [B, Hq, n]
 
     def reconstruction(self, token_lists: Sequence[Sequence[int]], tokenizer) -> Reconstruction:
-        """The repeat passes of a batch of prompts (token ids, chat template applied as the runners do)."""
+        """The repeat passes of a batch of prompts (token ids, chat template applied as the runners do), in the
+        authors' wording: chunk 0 "\\n\\nRepeat the previous context exactly." + the assistant header + the chunk;
+        chunk c > 0 "\\n\\nRepeat the part of the previous context exactly, starting with " + the last
+        `chunk_overlap` tokens of chunk c - 1 + the header + the chunk. The header is the end of the model's chat
+        template after a user turn (none without a template); prefix and suffix: `edge_lengths`."""
         prefix_ids, suffix_ids = template_edges(tokenizer)
         first = tokenizer(FIRST_REPEAT, add_special_tokens=False).input_ids
         later = tokenizer(NEXT_REPEAT, add_special_tokens=False).input_ids

@@ -24,7 +24,7 @@ def test_hand_worked_counts_follow_the_best_scores_over_layers_and_heads():
     assert global_counts([layer0, layer1], 5) == [[1, 1], [3, 0]]
     assert global_counts([layer0, layer1], 6) == [[1, 1], [3, 1]]
     assert global_counts([layer0, layer1], 4) == [[1, 1], [2, 0]]
-    assert GlobalHeads(normalize="raw").selected_over_layers([layer0, layer1], 1) == [[1, 1], [2, 0]]
+    assert GlobalHeads(score_scale="raw").selected_over_layers([layer0, layer1], 1) == [[1, 1], [2, 0]]
 
 
 def tiny(layers: int) -> LlamaForCausalLM:
@@ -85,7 +85,7 @@ def test_total_is_exact_and_sets_are_the_best_over_the_model(scorer, scale):
 @pytest.mark.parametrize("name, settings, message", [
     ("snapkv", dict(budget=20, head_allocation="global", layer_allocation="pyramid"), "cannot be combined with"),
     ("fullkv", dict(head_allocation="global"), "takes no budget allocation"),
-    ("snapkv", dict(budget=20, head_allocation="global", head_normalize="softmax"), "normalize must be one of"),
+    ("snapkv", dict(budget=20, head_allocation="global", score_scale="softmax"), "score_scale must be one of"),
 ])
 def test_refusals(name, settings, message):
     with pytest.raises(ValueError, match=message) as error:
