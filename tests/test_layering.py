@@ -42,8 +42,9 @@ CORE_ORDER = {
     **{f"pyramidkv.core.{m}": (0, "contract and helpers") for m in (
         "context", "scoring", "selection", "kept", "layout", "rotary", "pages", "channels", "cross_layer",
         "token_stats")},
-    **{f"pyramidkv.core.{m}": (1, "stores") for m in ("store", "full_precision", "paged", "quantized", "merged_pair")},
-    **{f"pyramidkv.core.{m}": (2, "pipeline and decoding") for m in ("prefill", "decoding")},
+    **{f"pyramidkv.core.{m}": (1, "stores") for m in ("store", "full_precision", "paged", "quantized", "merged_pair",
+                                                                            "store_kinds")},
+    **{f"pyramidkv.core.{m}": (2, "pipeline and decoding") for m in ("prefill", "decoding", "reconstruction")},
     "pyramidkv.core.cache": (3, "cache"),
 }
 
