@@ -137,7 +137,8 @@ class CompressedCache(Cache):
         if self.pad_lens is None:
             self.pad_lens = [0] * bsz
         if self.prompt is None:
-            self.prompt = PromptCompressor(self.method, self.model_shape, self.pad_lens, n)
+            self.prompt = PromptCompressor(self.method, self.model_shape, self.pad_lens, n,
+                                           reconstructing=self.reconstruction is not None)
         return self.prompt
 
     @torch.no_grad()

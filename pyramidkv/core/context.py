@@ -92,9 +92,7 @@ class CompressionMethod(Protocol):
     name: ClassVar[str]
     accumulates_attention: ClassVar[bool]   # the cache accumulates received attention while decoding (H2O)
     needs_column_sums: ClassVar[bool]       # the prefill attention pass returns its column sums (H2O's score)
-    reconstructs: ClassVar[bool]            # scored by repeat passes after the prefill (KVzip: reconstruction.py)
     history_window: Optional[int]           # the cache keeps each token's last attention rows (Scissorhands)
-    global_scale: ClassVar[str]             # "raw" | "zscore": how one budget over all layers compares their scores
     window_size: int
     gqa_layout: str                         # "kv_head" | "query_head"
     gqa_reduce: str                         # "mean" | "max" | "sum"
@@ -120,12 +118,9 @@ class CompressionMethod(Protocol):
         """The per-layer budget (window included) for a prompt of real_len tokens (real_len: kept whole)."""
 
     def layer_budgets(self, budget: int, num_layers: int, prompt_len: int,
-                      layer_scores: Optional[list[torch.Tensor]] = None) -> list[int]:
-        """Tokens kept by each layer for a prompt longer than its budget."""
+                      layer_scores: Optional[list[torch.Tensor]] = None) -> list:
+        """Tokens kept by each layer for a prompt longer than its budget (per layer an int, or where one budget
+        spans every layer the list of its stored heads' counts)."""
 
     def head_budgets(self, scores: torch.Tensor, layer_budget: int, layer_idx: int, model: "ModelShape") -> list[int]:
         """Tokens kept by each stored head of a layer; scores [H, candidates]."""
-
-    def model_head_budgets(self, budget: int, layer_scores: list[torch.Tensor]) -> Optional[list[list[int]]]:
-        """Per layer and stored head the tokens kept when one budget spans every layer (per layer [H, candidates]
-        scores of one prompt), else None (layer_budgets and head_budgets decide)."""

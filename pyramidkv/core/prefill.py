@@ -16,7 +16,7 @@ A prompt no longer than its budget is kept whole (SnapKV's rule) and not scored 
 are still pruned, as ThinK's code does). Every step after
 `score` runs prompt by prompt on the prompt's own rows, so a prompt keeps what it keeps alone.
 Layer budgets are fixed when the first layer is scored, or, for allocations that need every layer's scores
-(ZigZagKV's layers, one budget over the whole model: `model_head_budgets`), when the last layer is: until then
+(ZigZagKV's layers, one budget over the whole model: head_allocation global), when the last layer is: until then
 each layer waits with its full K/V.
 With cross-layer merging (MiniCache) the lower layer of each merged pair waits for the upper one; the
 pair then selects once, on the sum of its two layers' scores (same budget, same seeds), so both keep the
@@ -74,8 +74,11 @@ def sampling_generator(method: CompressionMethod, layer_idx: int, head: int) -> 
 class PromptCompressor:
     """The prefill pipeline of one batch of prompts, layer by layer."""
 
-    def __init__(self, method: CompressionMethod, model: ModelShape, pad_lens: list[int], prompt_len: int):
+    def __init__(self, method: CompressionMethod, model: ModelShape, pad_lens: list[int], prompt_len: int,
+                 reconstructing: bool = False):
+        """reconstructing: the method is scored by repeat passes after the prefill (`reconstructed`), not here."""
         self.method = method
+        self.reconstructing = reconstructing
         self.model = model
         self.pad_lens = pad_lens
         self.real_lens = [prompt_len - pad for pad in pad_lens]
@@ -118,7 +121,7 @@ class PromptCompressor:
         else:
             stored_keys, stored_values = keys, values
         scores = raw = merge_attention = None
-        if self.any_compressed() and not method.reconstructs:   # a reconstructing method is scored at the end
+        if self.any_compressed() and not self.reconstructing:   # a reconstructing method is scored at the end
             n = keys.shape[2]
             real = real_positions(self.layer_pads(layer_idx, n), n, keys.device)
             raw = method.score(ScoreContext(layer_idx, model.num_layers, queries, keys, values, real, pattern,
@@ -135,7 +138,7 @@ class PromptCompressor:
     def keep(self, layer_idx: int, scored: ScoredLayer) -> dict[int, list[KeptKV]]:
         """The layers whose kept tokens are known now -> per prompt its KeptKV: this layer, or none until
         the last layer when the budgets need every layer's scores (then all of them)."""
-        if not (self.method.layer_budgets_need_scores or self.method.reconstructs):
+        if not (self.method.layer_budgets_need_scores or self.reconstructing):
             self._fix_layer_budgets()
             if layer_idx in self.pairs:  # the lower layer of a merged pair waits for the upper one
                 self._wait(layer_idx, scored)
@@ -147,7 +150,7 @@ class PromptCompressor:
                         layer_idx: self._keep_layer(layer_idx, scored, both, layer_idx - 1)}
             return {layer_idx: self._keep_layer(layer_idx, scored)}
         self._wait(layer_idx, scored)
-        if layer_idx < self.model.num_layers - 1 or self.method.reconstructs:
+        if layer_idx < self.model.num_layers - 1 or self.reconstructing:
             return {}
         self._fix_layer_budgets(self._candidate_scores())
         return {layer: self._keep_layer(layer, self.waiting.pop(layer)) for layer in range(self.model.num_layers)}
@@ -222,16 +225,9 @@ class PromptCompressor:
                 continue
             scores = None if layer_scores is None else layer_scores[b]
             budgets = self.method.layer_budgets(budget, self.model.num_layers, n - extra, scores)
-            self.layer_budgets.append([extra + count for count in budgets])
-            whole = [layer for layer, count in enumerate(budgets) if count >= n - extra]   # e.g. l2norm's skipped
-            plan = None if scores is None else \
-                self.method.model_head_budgets(budget, [s for layer, s in enumerate(scores) if layer not in whole])
-            if plan is not None:   # one budget over the compressed layers; a layer's reported budget: its heads' mean
-                rest = iter(plan)
-                plan = [[n] * len(scores[layer]) if layer in whole else [extra + h for h in next(rest)]
-                        for layer in range(self.model.num_layers)]
-                self.layer_budgets[b] = [round(sum(heads) / len(heads)) for heads in plan]
-            self.head_plans.append(plan)
+            plan = [[extra + c for c in b] if isinstance(b, list) else [extra + b] * self.stored_heads for b in budgets]
+            self.layer_budgets.append([round(sum(heads) / len(heads)) for heads in plan])   # a ragged layer: the mean
+            self.head_plans.append(plan if any(isinstance(b, list) for b in budgets) else None)
 
     def _keep_layer(self, layer_idx: int, scored: ScoredLayer, scores: Optional[torch.Tensor] = None,
                     selecting_layer: Optional[int] = None) -> list[KeptKV]:

@@ -90,7 +90,7 @@ class Method(Component):
     needs_column_sums: ClassVar[bool] = False
     history_window: ClassVar[Optional[int]] = None
     reconstructs: ClassVar[bool] = False   # scored by the model repeating the prompt's context (KVzip)
-    global_scale: ClassVar[str] = "zscore"  # how head_allocation=global compares layers' scores (allocation/global_.py)
+    global_scale: ClassVar[str] = "zscore"  # how head_allocation global compares layers' scores (global_.py)
     flat_units = {axis: capability_class(axis) for axis in CAPABILITY_AXES}
     # Settings a method takes under another unit's name (Quest: budget -> page_budget).
     budget_aliases: ClassVar[dict[str, str]] = {}
@@ -124,35 +124,36 @@ class Method(Component):
         raise NotImplementedError
 
     def decode_score(self, ctx: DecodeScoreContext) -> torch.Tensor:
-        """Importance of each held token when the cache re-selects during decoding (only with a decode
-        budget), in score()'s layout (core/context.py). By default the method's own `score` over the held
-        tokens (the buffered recent queries as the observation window); methods that need something else
-        override it (H2O: the attention each token has accumulated)."""
+        """Importance of each held token when the cache re-selects during decoding (with a decode budget), in score()'s
+        layout (core/context.py). By default the method's own `score` over the held tokens (the buffered recent
+        queries as the observation window); others override it (H2O: the attention each token accumulated)."""
         return self.score(ctx)
 
     @property
     def layer_budgets_need_scores(self) -> bool:
         return self.layer_allocation.needs_scores or self.head_allocation.needs_scores
 
-    def model_head_budgets(self, budget: int, layer_scores: list[torch.Tensor]) -> Optional[list[list[int]]]:
-        """Per layer and stored head the tokens kept (window and sinks included) where the head allocation splits
-        the budget over every layer at once by their scores (per layer [H, candidates]: global); else None."""
-        if not self.head_allocation.needs_scores:
-            return None
-        selected = self.head_allocation.selected_over_layers(layer_scores, budget - self.protected_tokens,
-                                                             self.global_scale)
-        return [[self.protected_tokens + count for count in layer] for layer in selected]
 
     def layer_budgets(self, budget: int, num_layers: int, prompt_len: int,
-                      layer_scores: Optional[list[torch.Tensor]] = None) -> list[int]:
-        """Tokens kept by each layer (window included) for a prompt of `prompt_len` real tokens,
-        called only when prompt_len > budget: the window plus the layer allocation's share.
-        layer_scores (per layer [H, prompt_len - window]) only for allocations that need them.
-        A layer given `prompt_len` keeps the whole prompt."""
-        protected = self.protected_tokens
+                      layer_scores: Optional[list[torch.Tensor]] = None) -> list:
+        """Tokens kept by each layer (window included) for a prompt of `prompt_len` real tokens, called only when
+        prompt_len > budget: the window plus the layer allocation's share; a layer given `prompt_len` (l2norm's
+        `whole_layers`) keeps the whole prompt. Where one budget spans every layer (head_allocation global) each
+        other layer's entry is its stored heads' counts. layer_scores (per layer [H, candidates]) only for
+        allocations that need them."""
+        protected, whole = self.protected_tokens, self.whole_layers(num_layers)
         selected = self.layer_allocation.selected_per_layer(budget - protected, num_layers, prompt_len,
                                                             prompt_len - protected, layer_scores)
-        return [protected + count for count in selected]
+        budgets = [prompt_len if layer in whole else protected + count for layer, count in enumerate(selected)]
+        if not self.head_allocation.needs_scores or layer_scores is None:
+            return budgets
+        split = iter(self.head_allocation.selected_over_layers(
+            [s for layer, s in enumerate(layer_scores) if layer not in whole], budget - protected, self.global_scale))
+        return [b if layer in whole else [protected + c for c in next(split)] for layer, b in enumerate(budgets)]
+
+    def whole_layers(self, num_layers: int) -> range:
+        """The layers that keep the whole prompt (none; l2norm: its skipped layers)."""
+        return range(0)
 
     def head_budgets(self, scores: torch.Tensor, layer_budget: int, layer_idx: int, model: ModelShape) -> list[int]:
         """Tokens kept by each stored head of a layer (window and sinks included), summing to H x layer_budget.

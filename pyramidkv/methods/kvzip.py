@@ -82,6 +82,10 @@ class KVzip(Method):
                              f"{sorted({w for w in model.layer_windows if w})}); its repeat passes attend the whole prompt")
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
+        if ctx.reconstruction is None:
+            raise ValueError("kvzip scores by making the model repeat each prompt's context: the cache needs the repeat "
+                             "inputs, which pyramidkv.generate builds with the tokenizer (or pass "
+                             "patch.new_cache(prompt_token_lists, tokenizer) to model.generate)")
         return ctx.reconstruction   # [B, Hq, n]
 
     def reconstruction(self, token_lists: Sequence[Sequence[int]], tokenizer) -> Reconstruction:

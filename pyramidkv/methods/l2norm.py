@@ -40,9 +40,8 @@ class L2Norm(Method):
                              f"compressed (l2norm would keep the whole prompt); allowed: 0 <= skip_layers < "
                              f"{model.num_layers}")
 
-    def layer_budgets(self, budget, num_layers, prompt_len, layer_scores=None):
-        budgets = super().layer_budgets(budget, num_layers, prompt_len, layer_scores)
-        return [prompt_len if layer < self.skip_layers else b for layer, b in enumerate(budgets)]
+    def whole_layers(self, num_layers: int) -> range:
+        return range(self.skip_layers)
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         return -ctx.keys.float().norm(dim=-1)  # [B, Hkv, n]
