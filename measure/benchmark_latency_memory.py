@@ -70,12 +70,13 @@ def dynamic_cache_bytes(cache: DynamicCache) -> int:
 
 
 @torch.no_grad()
-def measure_once(model, ids, method: Optional[Method], new_tokens: int, device: str) -> dict:
+def measure_once(model, ids, method: Optional[Method], new_tokens: int, device: str, tokenizer=None) -> dict:
     """One prefill and `new_tokens` greedy decode steps, patched with `method` (None: the unpatched model);
-    returns the timings and the KV bytes."""
+    returns the timings and the KV bytes (the prefill of a reconstructing method, KVzip, includes its repeat
+    passes, built with `tokenizer`)."""
     patch = None if method is None else compress(model, method)
     try:
-        cache = DynamicCache() if patch is None else patch.new_cache()
+        cache = DynamicCache() if patch is None else patch.new_cache(ids.tolist(), tokenizer)
         sync(device)
         t0 = time.perf_counter()
         out = model(ids, past_key_values=cache, use_cache=True)
@@ -103,6 +104,8 @@ def measure_once(model, ids, method: Optional[Method], new_tokens: int, device: 
         if decoding is not None:  # the instants just before each decode-time re-selection
             peak_all = max(peak_all, decoding.peak_kv_bytes)
         final = stored()
+        per_layer = {} if patch is None else \
+            {f"kept_layer_{layer}": sum(cache.kept_counts(layer)[0]) for layer in range(len(cache.layers))}
     finally:
         if patch is not None:
             patch.remove()
@@ -114,7 +117,7 @@ def measure_once(model, ids, method: Optional[Method], new_tokens: int, device: 
               "read_bytes_per_step": statistics.fmean(read),
               "kv_bytes_after_prefill": kv_bytes, "peak_prefill_kv_bytes": peak_prefill,
               "kv_bytes_final": final, "peak_kv_bytes": peak_all,
-              "kv_bytes_fp16": fp16, **{f"kv_bytes_{part}": size for part, size in breakdown.items()}}
+              "kv_bytes_fp16": fp16, **{f"kv_bytes_{part}": size for part, size in breakdown.items()}, **per_layer}
     if formula is not None:
         result["formula_kv_bytes_fp16"] = formula
     return result
@@ -135,13 +138,13 @@ def kivi_formula_bytes_fp16(cache, method: Method, config) -> Optional[int]:
     return total
 
 
-def measure_all(model, ids, methods: dict, new_tokens: int, repeats: int, device: str) -> dict:
+def measure_all(model, ids, methods: dict, new_tokens: int, repeats: int, device: str, tokenizer=None) -> dict:
     """methods: row name -> Method (None: unpatched). Round-robin over the methods `repeats` times (after one warm-up round), so a change in machine
     load hits every method alike; the median of each figure per method."""
     samples = {name: [] for name in methods}
     for round_idx in range(repeats + 1):
         for name, method in methods.items():
-            result = measure_once(model, ids, method, new_tokens if round_idx else 1, device)
+            result = measure_once(model, ids, method, new_tokens if round_idx else 1, device, tokenizer)
             if round_idx:
                 samples[name].append(result)
     return {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in samples.items()}
@@ -182,7 +185,7 @@ def main(argv=None) -> None:
     device = str(next(model.parameters()).device)
     ids = prompt_ids(tokenizer, args.context_length).to(device)
     built = {PLAIN: None, **built}
-    rows = measure_all(model, ids, built, args.new_tokens, args.repeats, device)
+    rows = measure_all(model, ids, built, args.new_tokens, args.repeats, device, tokenizer)
     add_ratios(rows)
     print(f"\nn = {args.context_length} tokens, budget {args.max_capacity_prompts}, {args.attn_implementation}, "
           f"{device}, {args.gqa_layout}, {args.new_tokens} new tokens, median of {args.repeats} interleaved rounds, "
@@ -218,6 +221,14 @@ def main(argv=None) -> None:
                   f"{'-' if unquantized is None else f'{unquantized:.3f}'} | {r.get('kv_bytes_codes', 0) / 2**20:.2f} | "
                   f"{(r.get('kv_bytes_scales', 0) + r.get('kv_bytes_zeros', 0)) / 2**20:.2f} | {extra / 2**20:.2f} | "
                   f"{r['kv_bytes_residual'] / 2**20:.2f} |")
+    ragged = {name: [r[k] for k in sorted((k for k in r if k.startswith("kept_layer_")), key=lambda k: int(k[11:]))]
+              for name, r in rows.items() if name != PLAIN}
+    ragged = {name: counts for name, counts in ragged.items() if len(set(counts)) > 1}
+    if ragged:   # head_allocation global (kvzip): each layer keeps what its scores earn
+        print("\n| method | kept tokens per layer (all heads), layer 0 first |")
+        print("|---|---|")
+        for name, counts in ragged.items():
+            print(f"| {name} | {' '.join(str(int(c)) for c in counts)} |")
     report = {"arguments": vars(args), "device": device, "platform": platform.platform(),
               "dtype": str(next(model.parameters()).dtype), "torch": torch.__version__,
               "threads": torch.get_num_threads(), "results": rows}
