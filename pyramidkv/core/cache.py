@@ -111,6 +111,8 @@ class CompressedCache(Cache):
         quantizer = method.quant_method
         if quantizer is not None and quantizer.keys_before_rope and rotation is None:
             raise ValueError(f"{quantizer.name} stores keys before RoPE: the cache needs the model's key rotation")
+        if method.needs_rotation and rotation is None:
+            raise ValueError(f"{method.name} scores with the model's RoPE: the cache needs the model's key rotation")
         self.rotary = rotation
         self.scratch = None if quantizer is None else Scratch()  # dequantization buffers shared by the layers
         self.store_class = STORES[store_kind(method)]
@@ -123,7 +125,7 @@ class CompressedCache(Cache):
         self.sliding_class = self.store_class if "reselect" in self.store_class.abilities else FullPrecisionStore
         self.decoding = None if method.decode is None else \
             DecodeCompressor(method, self.layers, num_query_heads, self.stored_heads, method.decode.decode_query_window,
-                             softcap)
+                             softcap, rotation)
         self.setup: Optional[StoreSetup] = None
         self.stopped_bytes: dict[int, int] = {}   # per prompt that stopped early, its bytes then (record_stop)
 
@@ -174,7 +176,8 @@ class CompressedCache(Cache):
         column_sums: [B, Hq, n], that attention's column sums where `needs_column_sums` asked for them."""
         bsz, _, n, _ = keys.shape
         self.prompt_len = n
-        scored = self._compressor(bsz, n).score(layer_idx, queries, keys, values, pattern, column_sums)
+        scored = self._compressor(bsz, n).score(layer_idx, queries, keys, values, pattern, column_sums, position_ids,
+                                                self.rotary)
         if self.decoding is not None:
             self.decoding.observe_prefill(layer_idx, queries, keys, scored.raw_scores, self.pad_lens, pattern,
                                           column_sums)

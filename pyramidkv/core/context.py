@@ -17,6 +17,7 @@ import torch
 if TYPE_CHECKING:
     from pyramidkv.allocation.base import ModelShape
     from pyramidkv.capabilities import DecodeBudget, MiniCacheSharing, QuestPages, Selection, ThinKChannels
+    from pyramidkv.core.rotary import KeyRotation
     from pyramidkv.merging.base import MergeRule
     from pyramidkv.quantization.base import Quantizer
     from pyramidkv.sparse_prefill.base import PrefillPattern, SparsePrefill
@@ -39,6 +40,10 @@ class ScoreContext:
     softcap: the model's attention logit soft-cap (Gemma2), which the scoring helpers take (`softcap=`) so that
     a scorer's attention is the model's; None: none. Queries come scaled so that q . k / sqrt(D) is the
     model's logit (Gemma2's query_pre_attn_scalar folded in).
+    positions: long RoPE positions: at prefill [B, n] the prompt rows' (padding included); at decode [1, H, m]
+    (DecodeScoreContext).
+    rotation: the model's RoPE (core/rotary.py) for methods with `needs_rotation` (queries before RoPE, RoPE at
+    other positions), else None.
     """
 
     layer_idx: int
@@ -50,6 +55,8 @@ class ScoreContext:
     pattern: Optional["PrefillPattern"] = None
     column_sums: Optional[torch.Tensor] = None
     softcap: Optional[float] = None
+    positions: Optional[torch.Tensor] = None
+    rotation: Optional["KeyRotation"] = None
 
 
 @dataclass
@@ -74,7 +81,6 @@ class DecodeScoreContext(ScoreContext):
     else None.
     """
 
-    positions: Optional[torch.Tensor] = None
     accumulated: Optional[torch.Tensor] = None
     history: Optional[torch.Tensor] = None
     history_levels: Optional[torch.Tensor] = None
@@ -89,6 +95,7 @@ class CompressionMethod(Protocol):
     name: ClassVar[str]
     accumulates_attention: ClassVar[bool]   # the cache accumulates received attention while decoding (H2O)
     needs_column_sums: ClassVar[bool]       # the prefill attention pass returns its column sums (H2O's score)
+    needs_rotation: ClassVar[bool]          # the scorer reads the model's RoPE (ScoreContext.rotation)
     history_window: Optional[int]           # the cache keeps each token's last attention rows (Scissorhands)
     window_size: int
     gqa_layout: str                         # "kv_head" | "query_head"

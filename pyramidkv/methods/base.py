@@ -85,10 +85,11 @@ class Method(Component):
     needs_budget: ClassVar[bool] = True
     # What the scorer reads besides q/k/v (core/context.py): the attention each held token accumulates while
     # decoding (H2O), the column sums of the prompt's attention from the prefill pass itself (H2O), each held
-    # token's attention from the last w queries (Scissorhands).
+    # token's attention from the last w queries (Scissorhands), the model's RoPE (Expected Attention).
     accumulates_attention: ClassVar[bool] = False
     needs_column_sums: ClassVar[bool] = False
     history_window: ClassVar[Optional[int]] = None
+    needs_rotation: ClassVar[bool] = False
     flat_units = {axis: capability_class(axis) for axis in CAPABILITY_AXES}
     # Settings a method takes under another unit's name (Quest: budget -> page_budget).
     budget_aliases: ClassVar[dict[str, str]] = {}
