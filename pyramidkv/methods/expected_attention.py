@@ -13,6 +13,7 @@ across heads by AdaKV, epsilon 1e-2. docs/methods.md, "Expected Attention", has 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +27,11 @@ from pyramidkv.core.scoring import masked_softmax
 from pyramidkv.methods.base import Method
 
 
+@functools.lru_cache(maxsize=16)
 def mean_rotation(rotation: KeyRotation, first: int, count: int, dim: int, device) -> torch.Tensor:
     """[D, D] the mean of the RoPE matrices of positions first .. first + count - 1: M @ x = mean_j R_j x.
-    RoPE is linear, so the rotation of the identity's rows gives each R_j transposed."""
+    RoPE is linear, so the rotation of the identity's rows gives each R_j transposed. Kept for the next calls
+    (every layer of a prompt asks for the same; each cache has its own rotation object)."""
     positions = torch.arange(first, first + count, device=device)[:, None].expand(count, dim)   # [F, D]
     eye = torch.eye(dim, device=device).expand(count, dim, dim)
     return rotation.rotate(eye, positions).mean(dim=0).T

@@ -53,21 +53,18 @@ def reference(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, theta: float
     return out
 
 
-def projections(model, ids: torch.Tensor, layers: list[int]) -> dict:
-    """Per layer (q before RoPE [Hq, n, D], k after RoPE [Hkv, n, D], v) in float64 from the unpatched model."""
+def projections(model, hidden: dict, n: int) -> dict:
+    """Per layer (q before RoPE [Hq, n, D], k after RoPE [Hkv, n, D], v) in float64 from the layer's attention
+    input `hidden` [n, hidden size] by its own projection weights."""
     config = model.config
     dim = config.hidden_size // config.num_attention_heads
-    with torch.no_grad():
-        hidden = model(ids, output_hidden_states=True).hidden_states
-    rotations = torch.stack([rope_matrix(p, dim, config.rope_theta) for p in range(ids.shape[1])])   # [n, D, D]
+    rotations = torch.stack([rope_matrix(p, dim, config.rope_theta) for p in range(n)])   # [n, D, D]
     out = {}
-    for layer in layers:
-        block = model.model.layers[layer]
-        h = block.input_layernorm(hidden[layer][0]).double()
-        attn = block.self_attn
+    for layer, h in hidden.items():
+        attn = model.model.layers[layer].self_attn
 
         def heads(proj, count):
-            return (h @ proj.weight.double().T).view(-1, count, dim).transpose(0, 1)
+            return (h.double() @ proj.weight.double().T).view(n, count, dim).transpose(0, 1)
 
         k = heads(attn.k_proj, config.num_key_value_heads)
         out[layer] = (heads(attn.q_proj, config.num_attention_heads), torch.einsum("nde,hne->hnd", rotations, k),
@@ -75,8 +72,9 @@ def projections(model, ids: torch.Tensor, layers: list[int]) -> dict:
     return out
 
 
-def stored_scores(monkeypatch, model, ids, mask, method) -> dict[int, torch.Tensor]:
-    """Per layer the stored heads' scores [B, H, n] the prefill computed."""
+def stored_scores(monkeypatch, model, ids, mask, method, inputs: dict | None = None) -> dict[int, torch.Tensor]:
+    """Per layer the stored heads' scores [B, H, n] the prefill computed; `inputs`: layer -> filled with that
+    layer's attention input [n, hidden size] at the prefill (prompt 0)."""
     seen = {}
     original = PromptCompressor.score
 
@@ -85,38 +83,50 @@ def stored_scores(monkeypatch, model, ids, mask, method) -> dict[int, torch.Tens
         seen[layer_idx] = scored.scores.double()
         return scored
 
-    with monkeypatch.context() as patch, compress(model, method), torch.no_grad():
-        patch.setattr(PromptCompressor, "score", record)
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
+    def capture(layer):
+        def hook(module, args, kwargs):
+            if inputs[layer] is None:   # the prefill's, not a decode step's
+                inputs[layer] = kwargs["hidden_states"][0].detach().clone()
+        return hook
+
+    hooks = [model.model.layers[layer].self_attn.register_forward_pre_hook(capture(layer), with_kwargs=True)
+             for layer in (inputs or {})]
+    try:
+        with monkeypatch.context() as patch, compress(model, method), torch.no_grad():
+            patch.setattr(PromptCompressor, "score", record)
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
     return seen
 
 
-def test_mean_rope_matrix_is_the_mean_of_the_explicit_matrices(smollm2):
-    model, _ = smollm2
+def test_mean_rope_matrix_is_the_mean_of_the_explicit_matrices(random_llama):
+    model = random_llama[0]
     rotation = MODEL_GLUE["llama"].key_rotation(model)
-    mean = mean_rotation(rotation, 300, 512, 64, "cpu").double()
-    explicit = sum(rope_matrix(j, 64, model.config.rope_theta) for j in range(300, 812)) / 512
+    mean = mean_rotation(rotation, 300, 512, 16, torch.device("cpu")).double()
+    explicit = sum(rope_matrix(j, 16, model.config.rope_theta) for j in range(300, 812)) / 512
     torch.testing.assert_close(mean, explicit, rtol=0, atol=1e-6)
-    x = torch.randn(64, dtype=torch.float64)   # R x = the mean of RoPE_j(x)
-    rotated = rotation.rotate(x.float().expand(512, 1, 64), torch.arange(300, 812)[:, None]).double().mean(0)[0]
+    x = torch.randn(16, dtype=torch.float64)   # R x = the mean of RoPE_j(x)
+    rotated = rotation.rotate(x.float().expand(512, 1, 16), torch.arange(300, 812)[:, None]).double().mean(0)[0]
     torch.testing.assert_close(mean @ x, rotated, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["kv_head", "query_head"])
-def test_scores_equal_the_float64_rule_on_smollm2(smollm2, monkeypatch, layout):
+def test_scores_equal_the_float64_rule_on_smollm2_in_both_layouts(smollm2, monkeypatch):
     model, tokenizer = smollm2
     from tests.prompts import STORY
-    ids = tokenizer(STORY, return_tensors="pt", add_special_tokens=False).input_ids[:, :200]
-    method = make_method("ada_expected_attention", budget=64, gqa_layout=layout)
-    seen = stored_scores(monkeypatch, model, ids, torch.ones_like(ids), method)
-    layers = [0, 17, 29]
-    for layer, (q, k, v) in projections(model, ids, layers).items():
-        expected = reference(q[:, 4:], k, v, model.config.rope_theta, ids.shape[1], epsilon=0.01)   # [Hq, n]
-        if layout == "kv_head":
-            expected = expected.view(k.shape[0], -1, expected.shape[-1]).mean(1)
-        got = seen[layer][0]
-        scale = expected.abs().max()
-        torch.testing.assert_close(got / scale, expected / scale, rtol=1e-4, atol=1e-6, msg=f"layer {layer}")
+    ids = tokenizer(STORY, return_tensors="pt", add_special_tokens=False).input_ids[:, :160]
+    inputs = dict.fromkeys([0, 17, 29])
+    seen = {layout: stored_scores(monkeypatch, model, ids, torch.ones_like(ids),
+                                  make_method("ada_expected_attention", budget=64, gqa_layout=layout),
+                                  inputs if layout == "kv_head" else None) for layout in ("kv_head", "query_head")}
+    for layer, (q, k, v) in projections(model, inputs, ids.shape[1]).items():
+        per_query_head = reference(q[:, 4:], k, v, model.config.rope_theta, ids.shape[1], epsilon=0.01)   # [Hq, n]
+        for layout, expected in (("query_head", per_query_head),
+                                 ("kv_head", per_query_head.view(k.shape[0], -1, ids.shape[1]).mean(1))):
+            scale = expected.abs().max()
+            torch.testing.assert_close(seen[layout][layer][0] / scale, expected / scale, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"layer {layer}, {layout}: {m}")
 
 
 def test_a_left_padded_row_scores_as_alone(random_llama, monkeypatch):
