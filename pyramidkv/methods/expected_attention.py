@@ -1,14 +1,14 @@
 """Expected Attention (Devoto, Jeblick and Jégou, 2025, "Expected Attention: KV Cache Compression by Estimating
 Attention from Future Queries Distribution", arXiv 2510.00636): each key scored by the attention the next
-queries are expected to give it, from the prompt's own query statistics, with no attention matrix.
+queries are expected to give it, from the prompt's own query statistics, times its value's norm.
+`ada_expected_attention` is kvpress's leaderboard entry: AdaKV's head split, epsilon 1e-2.
 
 Per layer: the mean mu and biased covariance Sigma of each query head's queries before RoPE (the first
 `num_sinks` real rows left out), carried to the next `n_future_positions` positions by the mean RoPE matrix
 R = mean_j R_j (mu' = R mu, Sigma' = R Sigma R^T); key i gets z_i = mu' . k_i / sqrt(D) + k_i^T Sigma' k_i / (2 D),
 a softmax over the keys after the sinks (float32), and the score (p_i + epsilon) * ||v_i|| per query head, the
 query group reduced by `gqa_reduce` (mean, as the authors' code). The sinks are kept in every head, inside the
-budget (the authors' n_sink). `ada_expected_attention` is the kvpress leaderboard's entry: this score split
-across heads by AdaKV, epsilon 1e-2. docs/methods.md, "Expected Attention", has the differences from kvpress.
+budget (the authors' n_sink). docs/methods.md, "Expected Attention", has the differences from kvpress.
 """
 
 from __future__ import annotations
