@@ -111,8 +111,6 @@ class CompressedCache(Cache):
         quantizer = method.quant_method
         if quantizer is not None and quantizer.keys_before_rope and rotation is None:
             raise ValueError(f"{quantizer.name} stores keys before RoPE: the cache needs the model's key rotation")
-        if method.needs_rotation and rotation is None:
-            raise ValueError(f"{method.name} scores with the model's RoPE: the cache needs the model's key rotation")
         self.rotary = rotation
         self.scratch = None if quantizer is None else Scratch()  # dequantization buffers shared by the layers
         self.store_class = STORES[store_kind(method)]
@@ -163,7 +161,7 @@ class CompressedCache(Cache):
         if self.pad_lens is None:
             self.pad_lens = [0] * bsz
         if self.prompt is None:
-            self.prompt = PromptCompressor(self.method, self.model_shape, self.pad_lens, n)
+            self.prompt = PromptCompressor(self.method, self.model_shape, self.pad_lens, n, self.rotary)
         return self.prompt
 
     @torch.no_grad()
@@ -176,8 +174,7 @@ class CompressedCache(Cache):
         column_sums: [B, Hq, n], that attention's column sums where `needs_column_sums` asked for them."""
         bsz, _, n, _ = keys.shape
         self.prompt_len = n
-        scored = self._compressor(bsz, n).score(layer_idx, queries, keys, values, pattern, column_sums, position_ids,
-                                                self.rotary)
+        scored = self._compressor(bsz, n).score(layer_idx, queries, keys, values, pattern, column_sums, position_ids)
         if self.decoding is not None:
             self.decoding.observe_prefill(layer_idx, queries, keys, scored.raw_scores, self.pad_lens, pattern,
                                           column_sums)

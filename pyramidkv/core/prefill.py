@@ -73,8 +73,10 @@ def sampling_generator(method: CompressionMethod, layer_idx: int, head: int) -> 
 class PromptCompressor:
     """The prefill pipeline of one batch of prompts, layer by layer."""
 
-    def __init__(self, method: CompressionMethod, model: ModelShape, pad_lens: list[int], prompt_len: int):
+    def __init__(self, method: CompressionMethod, model: ModelShape, pad_lens: list[int], prompt_len: int,
+                 rotation=None):
         self.method = method
+        self.rotation = rotation   # the model's RoPE (core/rotary.py), for methods with `needs_rotation`
         self.model = model
         self.pad_lens = pad_lens
         self.real_lens = [prompt_len - pad for pad in pad_lens]
@@ -98,12 +100,12 @@ class PromptCompressor:
         return self.method.needs_column_sums and self.any_compressed()
 
     def score(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              pattern=None, column_sums: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-              rotation=None) -> ScoredLayer:
+              pattern=None, column_sums: Optional[torch.Tensor] = None,
+              position_ids: Optional[torch.Tensor] = None) -> ScoredLayer:
         """queries: [B, Hq, n, D]; keys, values: [B, Hkv, n, D] after RoPE; pattern: the layer's sparse prefill
         pattern (None: dense), what the attention statistics count; column_sums: [B, Hq, n] from the
         attention pass, for methods with `needs_column_sums`; position_ids: [B or 1, n] the rows' RoPE positions
-        (None: 0..n-1); rotation: the model's RoPE, for methods with `needs_rotation`."""
+        (None: 0..n-1)."""
         method, model = self.method, self.model
         if self.stored_heads != keys.shape[1]:  # query_head: K/V repeated to the query heads before compression
             group = self.stored_heads // keys.shape[1]
@@ -117,7 +119,7 @@ class PromptCompressor:
             positions = torch.arange(n, device=keys.device)[None] if position_ids is None else position_ids
             raw = method.score(ScoreContext(layer_idx, model.num_layers, queries, keys, values, real, pattern,
                                             column_sums, model.softcap, positions.to(keys.device).expand(len(real), n),
-                                            rotation))
+                                            self.rotation))
             scores = scores_per_stored_head(raw, method, model.num_kv_heads, model.num_query_heads)
             if method.merge is not None and method.merge.needs_attention:
                 attention = window_attention(queries, keys, real, method.window_size, pattern,
