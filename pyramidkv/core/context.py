@@ -42,8 +42,8 @@ class ScoreContext:
     model's logit (Gemma2's query_pre_attn_scalar folded in).
     positions: long RoPE positions: at prefill [B, n] the prompt rows' (padding included); at decode [1, H, m]
     (DecodeScoreContext).
-    rotation: the model's RoPE (core/rotary.py) for methods with `needs_rotation` (queries before RoPE, RoPE at
-    other positions), else None.
+    rotation: the model's RoPE (core/rotary.py) where the cache was given it (the model patch does for methods
+    with `needs_rotation`: queries before RoPE, RoPE at other positions), else None.
     """
 
     layer_idx: int
@@ -95,7 +95,6 @@ class CompressionMethod(Protocol):
     name: ClassVar[str]
     accumulates_attention: ClassVar[bool]   # the cache accumulates received attention while decoding (H2O)
     needs_column_sums: ClassVar[bool]       # the prefill attention pass returns its column sums (H2O's score)
-    needs_rotation: ClassVar[bool]          # the scorer reads the model's RoPE (ScoreContext.rotation)
     history_window: Optional[int]           # the cache keeps each token's last attention rows (Scissorhands)
     window_size: int
     gqa_layout: str                         # "kv_head" | "query_head"
