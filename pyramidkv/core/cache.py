@@ -98,7 +98,7 @@ class CompressedCache(Cache):
         self.sliding_class = self.store_class if "reselect" in self.store_class.abilities else FullPrecisionStore
         self.decoding = None if method.decode is None else \
             DecodeCompressor(method, self.layers, num_query_heads, self.stored_heads, method.decode.decode_query_window,
-                             softcap)
+                             softcap, rotation)
         self.setup: Optional[StoreSetup] = None
         self.stopped_bytes: dict[int, int] = {}   # per prompt that stopped early, its bytes then (record_stop)
         self.reconstruction: Optional[Reconstruction] = None   # a reconstructing method's repeat passes (KVzip)
@@ -137,7 +137,7 @@ class CompressedCache(Cache):
         if self.pad_lens is None:
             self.pad_lens = [0] * bsz
         if self.prompt is None:
-            self.prompt = PromptCompressor(self.method, self.model_shape, self.pad_lens, n,
+            self.prompt = PromptCompressor(self.method, self.model_shape, self.pad_lens, n, self.rotary,
                                            reconstructing=self.reconstruction is not None)
         return self.prompt
 
@@ -151,7 +151,7 @@ class CompressedCache(Cache):
         column_sums: [B, Hq, n], that attention's column sums where `needs_column_sums` asked for them."""
         bsz, _, n, _ = keys.shape
         self.prompt_len = n
-        scored = self._compressor(bsz, n).score(layer_idx, queries, keys, values, pattern, column_sums)
+        scored = self._compressor(bsz, n).score(layer_idx, queries, keys, values, pattern, column_sums, position_ids)
         if self.decoding is not None:
             self.decoding.observe_prefill(layer_idx, queries, keys, scored.raw_scores, self.pad_lens, pattern,
                                           column_sums)

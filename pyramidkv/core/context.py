@@ -17,6 +17,7 @@ import torch
 if TYPE_CHECKING:
     from pyramidkv.allocation.base import ModelShape
     from pyramidkv.capabilities import DecodeBudget, MiniCacheSharing, QuestPages, Selection, ThinKChannels
+    from pyramidkv.core.rotary import KeyRotation
     from pyramidkv.merging.base import MergeRule
     from pyramidkv.quantization.base import Quantizer
     from pyramidkv.sparse_prefill.base import PrefillPattern, SparsePrefill
@@ -39,6 +40,10 @@ class ScoreContext:
     softcap: the model's attention logit soft-cap (Gemma2), which the scoring helpers take (`softcap=`) so that
     a scorer's attention is the model's; None: none. Queries come scaled so that q . k / sqrt(D) is the
     model's logit (Gemma2's query_pre_attn_scalar folded in).
+    positions: long RoPE positions: at prefill [B, n] the prompt rows' (padding included); at decode [1, H, m]
+    (DecodeScoreContext).
+    rotation: the model's RoPE (core/rotary.py) where the cache was given it (the model patch does for methods
+    with `needs_rotation`: queries before RoPE, RoPE at other positions), else None.
     reconstruction: [B, Hq, n] float32, for methods that `reconstruct` (KVzip): the most attention each key got
     from the repeat passes (core/reconstruction.py), given once they have run (queries and real are None then).
     """
@@ -52,6 +57,8 @@ class ScoreContext:
     pattern: Optional["PrefillPattern"] = None
     column_sums: Optional[torch.Tensor] = None
     softcap: Optional[float] = None
+    positions: Optional[torch.Tensor] = None
+    rotation: Optional["KeyRotation"] = None
     reconstruction: Optional[torch.Tensor] = None
 
 
@@ -77,7 +84,6 @@ class DecodeScoreContext(ScoreContext):
     else None.
     """
 
-    positions: Optional[torch.Tensor] = None
     accumulated: Optional[torch.Tensor] = None
     history: Optional[torch.Tensor] = None
     history_levels: Optional[torch.Tensor] = None

@@ -62,12 +62,14 @@ class DecodeCompressor:
     recent queries each layer buffers for the re-selection's scores (None: max(window_size, 1))."""
 
     def __init__(self, method: CompressionMethod, stores: list[Optional[FullPrecisionStore]], num_query_heads: int,
-                 stored_heads: int, query_window: Optional[int] = None, softcap: Optional[float] = None):
+                 stored_heads: int, query_window: Optional[int] = None, softcap: Optional[float] = None,
+                 rotation=None):
         if query_window is not None and query_window < 1:
             raise ValueError(f"query_window must be >= 1 (recent queries buffered for decode-time scoring), "
                              f"got {query_window}")
         self.method = method
         self.softcap = softcap  # the model's attention logit soft-cap (None: none)
+        self.rotation = rotation  # the model's RoPE (core/rotary.py), for methods with `needs_rotation`
         self.stores = stores
         self.num_layers = len(stores)
         self.budget: int = method.decode.decode_budget
@@ -187,6 +189,7 @@ class DecodeCompressor:
         queries = buffered[:, :, buffered.shape[2] - w:].to(first.dtype)
         ctx = DecodeScoreContext(
             layer_idx, self.num_layers, queries, keys, values, real, softcap=self.softcap, positions=positions,
+            rotation=self.rotation,
             accumulated=None if accumulated is None else accumulated.reshape(1, rows * g, m),
             history=None if history is None else history.reshape(1, rows * g, self.stats.window, m),
             history_levels=levels)

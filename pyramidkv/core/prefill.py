@@ -75,9 +75,11 @@ class PromptCompressor:
     """The prefill pipeline of one batch of prompts, layer by layer."""
 
     def __init__(self, method: CompressionMethod, model: ModelShape, pad_lens: list[int], prompt_len: int,
-                 reconstructing: bool = False):
-        """reconstructing: the method is scored by repeat passes after the prefill (`reconstructed`), not here."""
+                 rotation=None, reconstructing: bool = False):
+        """rotation: the model's RoPE (core/rotary.py), for methods with `needs_rotation`; reconstructing: the
+        method is scored by repeat passes after the prefill (`reconstructed`), not here."""
         self.method = method
+        self.rotation = rotation
         self.reconstructing = reconstructing
         self.model = model
         self.pad_lens = pad_lens
@@ -110,10 +112,12 @@ class PromptCompressor:
         return self.method.needs_column_sums and self.any_compressed()
 
     def score(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              pattern=None, column_sums: Optional[torch.Tensor] = None) -> ScoredLayer:
+              pattern=None, column_sums: Optional[torch.Tensor] = None,
+              position_ids: Optional[torch.Tensor] = None) -> ScoredLayer:
         """queries: [B, Hq, n, D]; keys, values: [B, Hkv, n, D] after RoPE; pattern: the layer's sparse prefill
         pattern (None: dense), what the attention statistics count; column_sums: [B, Hq, n] from the
-        attention pass, for methods with `needs_column_sums`."""
+        attention pass, for methods with `needs_column_sums`; position_ids: [B or 1, n] the rows' RoPE positions
+        (None: 0..n-1)."""
         method, model = self.method, self.model
         if self.stored_heads != keys.shape[1]:  # query_head: K/V repeated to the query heads before compression
             group = self.stored_heads // keys.shape[1]
@@ -124,8 +128,10 @@ class PromptCompressor:
         if self.any_compressed() and not self.reconstructing:   # a reconstructing method is scored at the end
             n = keys.shape[2]
             real = real_positions(self.layer_pads(layer_idx, n), n, keys.device)
+            positions = torch.arange(n, device=keys.device)[None] if position_ids is None else position_ids
             raw = method.score(ScoreContext(layer_idx, model.num_layers, queries, keys, values, real, pattern,
-                                            column_sums, model.softcap))
+                                            column_sums, model.softcap, positions.to(keys.device).expand(len(real), n),
+                                            self.rotation))
             scores = scores_per_stored_head(raw, method, model.num_kv_heads, model.num_query_heads)
             if method.merge is not None and method.merge.needs_attention:
                 attention = window_attention(queries, keys, real, method.window_size, pattern,

@@ -85,12 +85,13 @@ class Method(Component):
     needs_budget: ClassVar[bool] = True
     # What the scorer reads besides q/k/v (core/context.py): the attention each held token accumulates while
     # decoding (H2O), the column sums of the prompt's attention from the prefill pass itself (H2O), each held
-    # token's attention from the last w queries (Scissorhands).
+    # token's attention from the last w queries (Scissorhands), the model's RoPE (Expected Attention).
     accumulates_attention: ClassVar[bool] = False
     needs_column_sums: ClassVar[bool] = False
     history_window: ClassVar[Optional[int]] = None
     reconstructs: ClassVar[bool] = False   # scored by the model repeating the prompt's context (KVzip)
     global_scale: ClassVar[str] = "zscore"  # how head_allocation global compares layers' scores (global_.py)
+    needs_rotation: ClassVar[bool] = False  # the scorer reads queries before RoPE or RoPE elsewhere (patch.py)
     flat_units = {axis: capability_class(axis) for axis in CAPABILITY_AXES}
     # Settings a method takes under another unit's name (Quest: budget -> page_budget).
     budget_aliases: ClassVar[dict[str, str]] = {}
@@ -156,8 +157,7 @@ class Method(Component):
         return range(0)
 
     def head_budgets(self, scores: torch.Tensor, layer_budget: int, layer_idx: int, model: ModelShape) -> list[int]:
-        """Tokens kept by each stored head of a layer (window and sinks included), summing to H x layer_budget.
-        scores: [H, candidates] of one prompt (the window and sinks excluded)."""
+        """Tokens kept by each stored head of a layer (window, sinks included; sum H x layer_budget); scores [H, cands]."""
         if isinstance(self.head_allocation, UniformHeads):
             return [layer_budget] * scores.shape[0]
         protected = self.protected_tokens

@@ -164,7 +164,8 @@ class CompressionPatch:
         """An empty cache for one generate(); prompts (token-id lists) and their tokenizer: what a reconstructing
         method (KVzip) repeats."""
         config = self.model.config
-        rotation = self.glue.key_rotation(self.model) if self.method.quant_method is not None else None
+        needed = self.method.quant_method is not None or self.method.needs_rotation
+        rotation = self.glue.key_rotation(self.model) if needed else None
         cache = CompressedCache(self.method, config.num_hidden_layers, config.num_key_value_heads,
                                 config.num_attention_heads, model_name=getattr(config, "_name_or_path", "") or "",
                                 rotation=rotation, layer_windows=self.shape.layer_windows, softcap=self.shape.softcap)

@@ -27,7 +27,7 @@ from pyramidkv import make_method
 from tests.engine_snapshot import assert_batch_equals_alone
 
 AXES = {
-    "scorer": ["streamingllm", "h2o", "snapkv", "l2norm", "nacl", "scissorhands"],
+    "scorer": ["streamingllm", "h2o", "snapkv", "l2norm", "nacl", "scissorhands", "expected_attention"],
     "head_allocation": ["uniform", "adakv", "headkv"],
     "layer_allocation": ["uniform", "pyramid", "zigzag"],
     "merge": [None, "pivot", "weighted", "mergingpress", "cam"],
@@ -155,6 +155,14 @@ CASES = [dict(zip(AXES, row)) for row in [
     ('l2norm', 'uniform', 'uniform', 'weighted', None, None, 0.0, False, None, False, None),
     ('nacl', 'uniform', 'uniform', None, 'kvquant', None, 0.0, False, None, False, None),
     ('scissorhands', 'uniform', 'uniform', 'cam', None, 40, 0.0, False, None, False, None),
+    # expected_attention's pairs (issue 27), appended
+    ('expected_attention', 'uniform', 'uniform', None, None, None, 0.0, False, None, False, None),
+    ('expected_attention', 'adakv', 'pyramid', 'pivot', None, 40, 0.0, True, 32, False, 'minference'),
+    ('expected_attention', 'uniform', 'zigzag', 'weighted', 'kivi', None, 0.4, False, None, False, None),
+    ('expected_attention', 'headkv', 'uniform', 'mergingpress', 'kvquant', None, 0.0, False, None, False, None),
+    ('expected_attention', 'uniform', 'uniform', None, None, None, 0.0, False, None, True, None),
+    ('expected_attention', 'uniform', 'uniform', None, 'kvquant-nuq', None, 0.0, False, None, False, None),
+    ('expected_attention', 'uniform', 'uniform', None, 'gear', None, 0.0, False, None, False, None),
 ]]
 
 
