@@ -107,7 +107,7 @@ def pairwise_cases(tables: dict) -> list[dict]:
 def cached_type_hints():
     """typing.get_type_hints with a cache. Every construction of a method or unit checks its settings
     against the type hints of its class, re-read each time (about 1 ms per make_method, 90 s for the
-    86,400 combinations); a class's hints never change, so the cache changes no decision, only the time."""
+    115,200 combinations); a class's hints never change, so the cache changes no decision, only the time."""
     return functools.cache(typing.get_type_hints)
 
 
