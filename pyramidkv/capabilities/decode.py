@@ -16,7 +16,8 @@ class DecodeBudget(Capability):
     decode_budget: tokens per stored head the cache may hold while generating (none: no compression
         during decoding). With it every layer re-selects (kept prompt + generated tokens) down to
         decode_budget with the method's scorer whenever a head would hold decode_budget +
-        decode_interval tokens (docs/decoding.md).
+        decode_interval tokens (docs/decoding.md). A method's own default may leave it None inside the unit
+        for "the method's budget", filled in when the method is built (tova).
     decode_interval: new tokens between two decode-time compressions, only with decode_budget (the
         memory overshoot is at most this many tokens per head, and each re-selection is amortised over
         them).
@@ -41,9 +42,11 @@ class DecodeBudget(Capability):
         if self.decode_query_window is not None and self.decode_query_window < 1:
             raise ValueError(f"decode_query_window must be an integer >= 1 (queries buffered for a decode-time "
                              f"re-selection) or none, got {self.decode_query_window!r}")
-        if self.decode_budget is None or self.decode_budget < 1:
+        if self.decode_budget is not None and self.decode_budget < 1:
             raise ValueError(f"decode_budget must be an integer >= 1 (tokens per head held while decoding), "
                              f"got {self.decode_budget!r}")
+        if self.decode_budget is None:   # a method's default, filled in from its budget (check_with)
+            return
         most = self.decode_budget + self.decode_interval
         if self.decode_query_window is not None and self.decode_query_window > most:
             raise ValueError(f"decode_query_window {self.decode_query_window} is more than a head ever holds at a "
@@ -51,6 +54,9 @@ class DecodeBudget(Capability):
                              f"at most {most}")
 
     def check_with(self, method) -> None:
+        if self.decode_budget is None:
+            raise ValueError(f"decode_budget must be an integer >= 1 (tokens per head held while decoding), "
+                             f"got None")
         if not method.needs_budget:
             raise ValueError(f"{method.name} keeps every token and has no scorer to choose which to keep while "
                              f"decoding; it takes no decode_budget (got {self.decode_budget}); use e.g. "

@@ -14,6 +14,7 @@ from pyramidkv.methods.cam import CAM
 from pyramidkv.methods.fullkv import FullKV
 from pyramidkv.methods.h2o import H2O
 from pyramidkv.methods.headkv import HeadKV
+from pyramidkv.methods.keydiff import KeyDiff
 from pyramidkv.methods.kvzip import KVzip
 from pyramidkv.methods.l2norm import L2Norm
 from pyramidkv.methods.minference import MInferenceMethod
@@ -26,12 +27,13 @@ from pyramidkv.methods.settings import build_method, method_from_spec, method_sp
 from pyramidkv.methods.snapkv import SnapKV
 from pyramidkv.methods.streamingllm import StreamingLLM
 from pyramidkv.methods.think import ThinK
+from pyramidkv.methods.tova import TOVA
 from pyramidkv.methods.zigzagkv import ZigZagKV
 
 METHODS: dict[str, type[Method]] = {
     cls.name: cls for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, L2Norm, AdaKV, AdaPyramidKV, HeadKV,
                               ZigZagKV, CAM, ThinK, NACL, Scissorhands, Quest, MiniCache, MInferenceMethod, KVzip,
-                              ExpectedAttention, AdaExpectedAttention)
+                              ExpectedAttention, AdaExpectedAttention, KeyDiff, TOVA)
 }
 
 

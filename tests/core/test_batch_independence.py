@@ -7,9 +7,9 @@ second instead of seven on SmolLM2.
 The matrix is scorer x head allocation x layer allocation x merge rule x quantizer x decode budget x key
 channels (ThinK) x sinks and random share (NACL) x Quest pages x cross-layer merging (MiniCache) x sparse
 prefill (MInference). Its combinations are covered pairwise: every pair of values of two axes that some
-valid combination has appears in at least one case of CASES (42 cases; combinations refused at build time,
+valid combination has appears in at least one case of CASES (53 cases; combinations refused at build time,
 such as headkv with a pyramid, are not cases). CASES is a table, so that collecting this file costs
-nothing; test_the_cases_cover_every_pair builds all 86,400 combinations to check it, and
+nothing; test_the_cases_cover_every_pair builds all 115,200 combinations to check it, and
 `python -m tests.core.test_batch_independence` prints a new table when the refusals change. Logits may
 differ in the last bits (the model's own batched matmuls round differently), so tokens, not logits, are
 compared.
@@ -27,7 +27,8 @@ from pyramidkv import make_method
 from tests.engine_snapshot import assert_batch_equals_alone
 
 AXES = {
-    "scorer": ["streamingllm", "h2o", "snapkv", "l2norm", "nacl", "scissorhands", "expected_attention"],
+    "scorer": ["streamingllm", "h2o", "snapkv", "l2norm", "nacl", "scissorhands", "expected_attention", "keydiff",
+               "tova", "kvzip"],
     "head_allocation": ["uniform", "adakv", "headkv"],
     "layer_allocation": ["uniform", "pyramid", "zigzag"],
     "merge": [None, "pivot", "weighted", "mergingpress", "cam"],
@@ -107,7 +108,7 @@ def pairwise_cases(tables: dict) -> list[dict]:
 def cached_type_hints():
     """typing.get_type_hints with a cache. Every construction of a method or unit checks its settings
     against the type hints of its class, re-read each time (about 1 ms per make_method, 90 s for the
-    86,400 combinations); a class's hints never change, so the cache changes no decision, only the time."""
+    115,200 combinations); a class's hints never change, so the cache changes no decision, only the time."""
     return functools.cache(typing.get_type_hints)
 
 
@@ -163,6 +164,18 @@ CASES = [dict(zip(AXES, row)) for row in [
     ('expected_attention', 'uniform', 'uniform', None, None, None, 0.0, False, None, True, None),
     ('expected_attention', 'uniform', 'uniform', None, 'kvquant-nuq', None, 0.0, False, None, False, None),
     ('expected_attention', 'uniform', 'uniform', None, 'gear', None, 0.0, False, None, False, None),
+        # keydiff and tova (issue 27): the pairs with them that the cases above leave uncovered.
+    ('keydiff', 'uniform', 'uniform', None, None, None, 0.0, False, None, False, None),
+    ('tova', 'uniform', 'uniform', None, None, None, 0.0, False, None, False, None),
+    ('keydiff', 'adakv', 'pyramid', 'pivot', None, 40, 0.0, True, 32, False, 'minference'),
+    ('tova', 'uniform', 'pyramid', 'pivot', None, 40, 0.0, True, 32, False, 'minference'),
+    ('keydiff', 'uniform', 'zigzag', 'weighted', 'kivi', None, 0.4, False, None, False, None),
+    ('keydiff', 'headkv', 'uniform', 'mergingpress', 'kvquant', None, 0.0, False, None, False, None),
+    ('tova', 'uniform', 'zigzag', 'weighted', None, None, 0.0, False, None, False, None),
+    ('keydiff', 'uniform', 'uniform', None, None, None, 0.0, False, None, True, None),
+    ('keydiff', 'uniform', 'uniform', None, 'kvquant-nuq', None, 0.0, False, None, False, None),
+    ('keydiff', 'uniform', 'uniform', None, 'gear', None, 0.0, False, None, False, None),
+    ('tova', 'uniform', 'uniform', 'mergingpress', None, None, 0.0, False, None, False, None),
 ]]
 
 

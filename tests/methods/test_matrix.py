@@ -18,7 +18,9 @@ the documented rules (Method's docstring, docs/decoding.md), not read from the c
 * without decode_budget a head holds its prefill count plus one token per decode step, exactly;
 * with decode_budget D and decode_interval I, whenever a head of a layer would hold D + I tokens or more,
   each head of that layer keeps min(held, D) (right after the prefill too), else it keeps everything: so
-  no head ever holds more than D + I - 1 after a step, nor more than its prefill count plus the steps.
+  no head ever holds more than D + I - 1 after a step, nor more than its prefill count plus the steps;
+* a method whose defaults bound decoding (tova: decode_budget = budget, decode_interval 1) follows that rule
+  with its own D and I when no decode_budget is given.
 
 `python -m tests.methods.test_matrix` prints how many combinations run and the refusals grouped by message.
 """
@@ -192,10 +194,11 @@ def prefill_problems(name: str, method, layer: str, held: list[list[int]], budge
     return problems
 
 
-def decode_problems(held_states: list, prefill: list[list[int]] | None) -> list[str]:
-    """What is wrong with the counts after each forward with decode_budget, given the prefill counts of the
-    same method without it (None when that one was refused: then only the bounds of the prefill state)."""
-    D, I = DECODE_BUDGET, DECODE_INTERVAL
+def decode_problems(held_states: list, prefill: list[list[int]] | None, D: int = DECODE_BUDGET,
+                    I: int = DECODE_INTERVAL) -> list[str]:  # noqa: E741
+    """What is wrong with the counts after each forward with decode_budget D and decode_interval I, given the
+    prefill counts of the same method without it (None when that one was refused: then only the bounds of the
+    prefill state)."""
     problems = []
 
     def reselect(row: list[int]) -> list[int]:
@@ -244,8 +247,11 @@ def test_every_combination_runs_within_its_budget_or_is_refused_in_one_line(tiny
         if decode is None:
             prefill[layer, merge, quant] = states[0]
             problems = prefill_problems(name, method, layer, states[0], budgets)
-            problems += [f"step {t}: holds {state}, expected the prefill counts + {t}"
-                         for t, state in enumerate(states) if state != [[c + t for c in row] for row in states[0]]]
+            if method.decode is not None:   # its defaults bound decoding
+                problems += decode_problems(states, None, method.decode.decode_budget, method.decode.decode_interval)
+            else:
+                problems += [f"step {t}: holds {state}, expected the prefill counts + {t}"
+                             for t, state in enumerate(states) if state != [[c + t for c in row] for row in states[0]]]
         else:
             problems = decode_problems(states, prefill.get((layer, merge, quant)))
         failures.extend(f"{label}: {problem}" for problem in problems)
