@@ -137,7 +137,7 @@ def record(model, tokenizer, method, token_lists: list[list[int]], new_tokens: i
             result["prefill"] = _kept_state(cache, len(token_lists))
 
     with compress(model, method) as patch, torch.no_grad():
-        cache = patch.new_cache()
+        cache = patch.new_cache(token_lists, tokenizer)   # KVzip repeats each prompt
         hook = model.register_forward_hook(after_prefill)
         try:
             out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,

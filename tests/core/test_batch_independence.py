@@ -29,7 +29,7 @@ from tests.engine_snapshot import assert_batch_equals_alone
 AXES = {
     "scorer": ["streamingllm", "h2o", "snapkv", "l2norm", "nacl", "scissorhands", "expected_attention", "keydiff",
                "tova", "kvzip"],
-    "head_allocation": ["uniform", "adakv", "headkv"],
+    "head_allocation": ["uniform", "adakv", "headkv", "global"],
     "layer_allocation": ["uniform", "pyramid", "zigzag"],
     "merge": [None, "pivot", "weighted", "mergingpress", "cam"],
     "quant": [None, "kivi", "kvquant", "kvquant-nuq", "gear"],
@@ -176,6 +176,20 @@ CASES = [dict(zip(AXES, row)) for row in [
     ('keydiff', 'uniform', 'uniform', None, 'kvquant-nuq', None, 0.0, False, None, False, None),
     ('keydiff', 'uniform', 'uniform', None, 'gear', None, 0.0, False, None, False, None),
     ('tova', 'uniform', 'uniform', 'mergingpress', None, None, 0.0, False, None, False, None),
+    # kvzip and head_allocation global (issue 27): the pairs with them that the cases above leave uncovered
+    ('kvzip', 'global', 'uniform', None, None, None, 0.0, False, None, False, None),
+    ('streamingllm', 'global', 'uniform', 'pivot', None, 40, 0.0, True, 32, False, 'minference'),
+    ('h2o', 'global', 'uniform', 'weighted', 'kivi', None, 0.4, False, None, False, None),
+    ('kvzip', 'uniform', 'pyramid', None, 'kivi', None, 0.4, False, None, False, None),
+    ('snapkv', 'global', 'uniform', 'mergingpress', 'kvquant', None, 0.0, False, None, False, None),
+    ('nacl', 'global', 'uniform', 'cam', 'kvquant-nuq', None, 0.0, False, None, False, None),
+    ('kvzip', 'adakv', 'zigzag', None, 'kvquant', None, 0.0, False, None, False, None),
+    ('l2norm', 'global', 'uniform', None, 'gear', None, 0.0, False, None, False, None),
+    ('kvzip', 'headkv', 'uniform', None, 'kvquant-nuq', None, 0.0, False, None, False, None),
+    ('scissorhands', 'global', 'uniform', None, None, 40, 0.0, False, None, False, None),
+    ('expected_attention', 'global', 'uniform', None, None, None, 0.0, False, None, False, None),
+    ('keydiff', 'global', 'uniform', None, None, None, 0.0, False, None, False, None),
+    ('kvzip', 'uniform', 'uniform', None, 'gear', None, 0.0, False, None, False, None),
 ]]
 
 
