@@ -120,3 +120,37 @@ def random_llama(tokenizer, tmp_path_factory):
     patterns.write_text(json.dumps([{str(head): kinds[(layer + head) % 3] for head in range(heads)}
                                     for layer in range(layers)]))
     return model, tokenizer, {"head_scores": str(head_scores), "pattern_table": str(patterns)}
+
+
+SHARP_STD = 0.2   # at transformers' default 0.02 attention is nearly flat: a dropped token moves no logit beyond 1e-2
+
+
+@pytest.fixture(scope="session")
+def sharp_llama(random_llama):
+    """(model, tokenizer, tables): random_llama re-drawn with weights of std SHARP_STD, for properties checked by
+    comparing outputs (the same logits, the same text) that must not hold vacuously: here a budget one token
+    short of the prompt moves a decode step's logits by 0.2 or more, and greedy text depends on the prompt."""
+    import copy
+
+    from transformers import LlamaForCausalLM
+
+    model, tokenizer, tables = random_llama
+    config = copy.deepcopy(model.config)
+    config.initializer_range = SHARP_STD
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval(), tokenizer, tables
+
+
+@pytest.fixture(scope="session")
+def sharp_model_dir(tmp_path_factory, tiny_model_dir) -> str:
+    """tiny_model_dir's Llama re-drawn with weights of std SHARP_STD, saved as an HF directory: for runner tests
+    that compare predictions, which then depend on the prompt."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("sharp-llama")
+    config = LlamaConfig.from_pretrained(tiny_model_dir)
+    config.initializer_range = SHARP_STD
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return str(out)

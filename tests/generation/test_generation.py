@@ -30,20 +30,21 @@ def test_stops_at_end_of_sequence_by_default(smollm2):
 
 
 def test_batch_reports_each_prompt_bytes_as_if_alone(smollm2):
-    """Prompts that stop at different steps: the batch keeps decoding the stopped ones, which must not count."""
+    """Prompts that stop at different steps: the batch keeps decoding the stopped ones, which must not count.
+    (SmolLM2 stops after 7 and 6 tokens and runs STORY to the cap: 16 new tokens decode 9 steps past a stop.)"""
     model, tokenizer = smollm2
     prompts = [CAPITAL, passkey_prompt(41872, 20), STORY]
     method = make_method("snapkv", budget=64, window_size=16)
-    single = [generate(model, tokenizer, [p], method, 48)[0] for p in prompts]
+    single = [generate(model, tokenizer, [p], method, 16)[0] for p in prompts]
     assert len({s.new_tokens for s in single}) > 1   # they really stop at different steps
-    batch = generate(model, tokenizer, prompts, method, 48)
+    batch = generate(model, tokenizer, prompts, method, 16)
     cfg = model.config
     per_token = cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2 * 4
     for s, b, p in zip(single, batch, prompts):
         assert (b.text, b.new_tokens) == (s.text, s.new_tokens)
         assert b.kv_bytes_per_prompt == s.kv_bytes_per_prompt
         # Hand count: min(budget, prompt) kept + the tokens fed back (all generated, stop included, but the last).
-        fed_back = s.new_tokens if s.new_tokens < 48 else 47
+        fed_back = s.new_tokens if s.new_tokens < 16 else 15
         assert b.kv_bytes_per_prompt == per_token * (min(64, s.prompt_tokens) + fed_back)
 
 

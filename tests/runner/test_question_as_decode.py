@@ -243,35 +243,45 @@ def test_needle_question_start_is_after_the_document(tokenizer, tmp_path):
 
 # --- fullkv: the same predictions either way --------------------------------------------------------
 
-def test_fullkv_ruler_predictions_do_not_change(smollm2_path, tmp_path):
+# Fullkv attends to the same tokens either way whatever the weights: a random model whose weights have std 0.2
+# (sharp_model_dir), whose greedy text moves with any change of what it attends to and differs from prompt to
+# prompt, runs these in seconds where SmolLM2 took a minute and a half. (generate()'s own question feed is
+# checked on SmolLM2's real answers in tests/generation/test_generation.py.)
+
+def _predictions_depend_on_the_prompt(rows: list[dict]) -> bool:
+    """Not a constant string: the comparisons below would then hold whatever each run attended to."""
+    return len({r["pred"] for r in rows}) == len(rows) and all(r["pred"].strip() for r in rows)
+
+
+def test_fullkv_ruler_predictions_do_not_change(sharp_model_dir, tmp_path):
     """Fullkv attends to the same tokens whether the question is prefilled or fed step by step."""
     common = ["--tasks", "niah_single_1", "niah_multikey_1", "--context_lengths", "768", "--num_samples", "2",
               "--cache_dir", str(tmp_path / "data"), "--eval_batch_size", "1"]
     for save, extra in (("plain", []), ("fed", ["--question_as_decode"])):
-        assert RU.main(_ruler_args(smollm2_path, tmp_path / save, *common, *extra, method=("--method", "fullkv"))) == 0
-    model = Path(smollm2_path).name
+        assert RU.main(_ruler_args(sharp_model_dir, tmp_path / save, *common, *extra,
+                                   method=("--method", "fullkv"))) == 0
+    model = Path(sharp_model_dir).name
     plain, fed = tmp_path / "plain" / f"{model}_full" / "fullkv", tmp_path / "fed" / f"{model}_full" / \
         "fullkv_question_as_decode"
     for name in ("niah_single_1_768.jsonl", "niah_multikey_1_768.jsonl"):
         assert _rows(fed / name) == _rows(plain / name)
-    found = [any(o in r["pred"] for o in r["outputs"]) for r in _rows(plain / "niah_single_1_768.jsonl")]
-    assert any(found)                     # real answers, not a constant string
+        assert _predictions_depend_on_the_prompt(_rows(plain / name)), name
 
 
-def test_fullkv_longbench_and_needle_predictions_do_not_change(smollm2_path, tmp_path):
-    common = ["--method", "fullkv", "--model_path", smollm2_path, "--device", "cpu", "--num_threads", "1"]
+def test_fullkv_longbench_and_needle_predictions_do_not_change(sharp_model_dir, tmp_path):
+    common = ["--method", "fullkv", "--model_path", sharp_model_dir, "--device", "cpu", "--num_threads", "1"]
     lb = [*common, "--data_dir", str(longbench_data_dir()), "--datasets", "multi_news", "multifieldqa_zh",
           "--max_num_examples", "2", "--max_length", "500", "--max_new_tokens", "12"]
     nd = [*common, "--s_len", "500", "--e_len", "500", "--num_depths", "2", "--max_new_tokens", "16"]
     for save, extra in (("plain", []), ("fed", ["--question_as_decode"])):
         assert LB.main([*lb, "--save_dir", str(tmp_path / "lb" / save), *extra]) == 0
         assert needle_runner.main([*nd, "--save_dir", str(tmp_path / "nd" / save), *extra]) == 0
-    model = Path(smollm2_path).name
+    model = Path(sharp_model_dir).name
     for benchmark, names in (("lb", ("multi_news.jsonl", "multifieldqa_zh.jsonl")), ("nd", ("needle.jsonl",))):
         for name in names:
             plain = _rows(tmp_path / benchmark / "plain" / f"{model}_full" / "fullkv" / name)
             fed = _rows(tmp_path / benchmark / "fed" / f"{model}_full" / "fullkv_question_as_decode" / name)
-            assert fed == plain and any(r["pred"].strip() for r in plain), name
+            assert fed == plain and _predictions_depend_on_the_prompt(plain), name
 
 
 # --- a compressing method: the question is not in the prefill selection -------------------------------
