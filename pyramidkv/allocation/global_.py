@@ -8,7 +8,7 @@ scores are known only after the last layer, so each layer waits with its full K/
 
 Scores of different layers must be comparable. `score_scale="method"` takes the scorer's own rule
 (`Method.global_scale`): "raw" for scores that are attention a query gives a key (KVzip's maxima, SnapKV's
-window sums, TOVA's and Expected Attention's probabilities), "zscore" for the others (a key norm, a cosine):
+window sums, H2O's column sums), "zscore" for the others (a key norm, a cosine, a probability times a value norm):
 each layer's candidate scores are standardised over all its heads and positions.
 """
 
