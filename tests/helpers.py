@@ -25,11 +25,14 @@ def longbench_data_dir() -> Path:
                             f"{', '.join(str(r / 'longbench' / 'data') for r in _SHARED_CANDIDATES)}")
 
 
-def prefill(model, ids, method, attention_mask=None, position_ids=None):
+def prefill(model, ids, method, attention_mask=None, position_ids=None, tokenizer=None):
     """The CompressedCache `method` leaves after one prefill forward of `ids` (the model is unpatched after).
-    Left-padded prompts get their true RoPE positions only when position_ids are given (as generate does)."""
+    Left-padded prompts get their true RoPE positions only when position_ids are given (as generate does).
+    tokenizer: for a method that repeats the prompts (KVzip), which it builds its repeat inputs with."""
     with compress(model, method) as patch:
-        cache = patch.new_cache()
+        rows = ids.tolist() if attention_mask is None else \
+            [[t for t, real in zip(row, mask) if real] for row, mask in zip(ids.tolist(), attention_mask.tolist())]
+        cache = patch.new_cache(rows if tokenizer is not None else None, tokenizer)
         with torch.no_grad():
             model(ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache, use_cache=True)
     return cache

@@ -39,24 +39,35 @@ class AdaKVHeads(HeadAllocation):
     floor_ratio: the share of its uniform budget every head keeps at least, in [0, 1] (the paper's
         alpha; 1 = uniform).
     normalize: scale each head's scores by its top-budget mass before the global top-k.
+    safeguard: how the floor is given: blend (the paper's alpha blend, above) or first (kvpress's AdaKVPress:
+        each head keeps its best max(1, floor(floor_ratio x its whole budget)) first, its window and sinks
+        among them, then the layer's best of the rest over all heads, up to H x base).
     """
 
     name = "adakv"
     floor_ratio: float = 0.2
     normalize: bool = False
+    safeguard: str = "blend"
 
     def validate(self) -> None:
         if not 0.0 <= self.floor_ratio <= 1.0:
             raise ValueError(f"floor_ratio (--floor) must be in [0, 1] (the share of each head's uniform budget it "
                              f"keeps at least), got {self.floor_ratio!r}")
+        if self.safeguard not in ("blend", "first"):
+            raise ValueError(f"safeguard must be blend or first, got {self.safeguard!r}")
 
-    def selected_per_head(self, scores, selected, layer_idx, model):
+    def selected_per_head(self, scores, selected, layer_idx, model, protected=0):
         heads, candidates = scores.shape
         scores = scores.float()
         if self.normalize:
             top = scores.topk(min(selected, candidates), dim=-1).values.sum(-1, keepdim=True)
             total = scores.sum(-1, keepdim=True)
             scores = scores * torch.where(total > 0, top / total, torch.ones_like(total))
+        if self.safeguard == "first":   # each head's best first (the protected among them), then the layer's best
+            whole = selected + protected
+            first = min(max(0, max(1, math.floor(self.floor_ratio * whole + 1e-9)) - protected), selected, candidates)
+            rest = scores.sort(dim=-1, descending=True).values[:, first:]   # [H, candidates - first]
+            return [first + c for c in global_topk_counts(rest, heads * (selected - first))]
         counts = global_topk_counts(scores, heads * selected)
         floor = self.floor_ratio * selected
         exact = [floor + (1 - self.floor_ratio) * c for c in counts]

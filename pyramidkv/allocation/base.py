@@ -48,9 +48,10 @@ class HeadAllocation(Allocation):
     global_over_layers: ClassVar[bool] = False  # True: shares are fixed over all layers and heads at once
     needs_scores: ClassVar[bool] = False        # True: the split depends on every layer's scores (selected_over_layers)
 
-    def selected_per_head(self, scores: torch.Tensor, selected: int, layer_idx: int, model: ModelShape) -> list[int]:
-        """scores: [H, candidates] of one prompt and layer (higher = keep). Returns H counts summing
-        to H * selected, each in [0, candidates]."""
+    def selected_per_head(self, scores: torch.Tensor, selected: int, layer_idx: int, model: ModelShape,
+                          protected: int = 0) -> list[int]:
+        """scores: [H, candidates] of one prompt and layer (higher = keep); protected: the tokens each head keeps
+        besides (window, sinks). Returns H counts summing to H * selected, each in [0, candidates]."""
         raise NotImplementedError
 
 

@@ -83,6 +83,6 @@ class GlobalHeads(HeadAllocation):
         total = min(len(layer_scores) * heads * selected, sum(s.numel() for s in layer_scores))
         return global_counts(layer_scores, total)
 
-    def selected_per_head(self, scores, selected, layer_idx, model):
+    def selected_per_head(self, scores, selected, layer_idx, model, protected=0):
         raise RuntimeError("head_allocation='global' splits the budget over all layers at once "
                            "(selected_over_layers): the prefill pipeline calls it once every layer is scored")

@@ -71,7 +71,7 @@ class HeadKVHeads(HeadAllocation):
             raise ValueError(f"head_beta must be >= 1 (each head keeps at least s - s // head_beta), "
                              f"got {self.head_beta!r}")
 
-    def selected_per_head(self, scores, selected, layer_idx, model):
+    def selected_per_head(self, scores, selected, layer_idx, model, protected=0):
         return list(_plan(self.head_scores, model, scores.shape[0], selected, scores.shape[1],
                           self.head_beta)[layer_idx])
 

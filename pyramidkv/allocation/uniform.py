@@ -19,5 +19,5 @@ class UniformLayers(LayerAllocation):
 class UniformHeads(HeadAllocation):
     name = "uniform"
 
-    def selected_per_head(self, scores, selected, layer_idx, model):
+    def selected_per_head(self, scores, selected, layer_idx, model, protected=0):
         return [selected] * scores.shape[0]

@@ -161,7 +161,7 @@ class Method(Component):
         if isinstance(self.head_allocation, UniformHeads):
             return [layer_budget] * scores.shape[0]
         protected = self.protected_tokens
-        selected = self.head_allocation.selected_per_head(scores, layer_budget - protected, layer_idx, model)
+        selected = self.head_allocation.selected_per_head(scores, layer_budget - protected, layer_idx, model, protected)
         return [protected + count for count in selected]
 
     @property

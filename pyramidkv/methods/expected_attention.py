@@ -117,8 +117,9 @@ class ExpectedAttention(Method):
 
 @dataclass(frozen=True)
 class AdaExpectedAttention(ExpectedAttention):
-    """The kvpress leaderboard's `expected_attention`: AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))."""
+    """The kvpress leaderboard's `expected_attention`: AdaKVPress(ExpectedAttentionPress(epsilon=1e-2)), AdaKV's
+    split with kvpress's safeguard (each head's best 20% first)."""
 
     name = "ada_expected_attention"
-    head_allocation: HeadAllocation = AdaKVHeads()
+    head_allocation: HeadAllocation = AdaKVHeads(safeguard="first")
     epsilon: float = 0.01

@@ -169,8 +169,10 @@ def test_decode_scores_use_the_true_positions(random_llama):
 
 
 def test_the_leaderboard_composition_is_one_name():
-    method = parse_method_spec("expected_attention:budget=64,head_allocation=adakv,epsilon=0.01")
+    method = parse_method_spec("expected_attention:budget=64,head_allocation=adakv,safeguard=first,epsilon=0.01")
     assert method_spec(method) == "ada_expected_attention:budget=64"
+    paper_split = parse_method_spec("expected_attention:budget=64,head_allocation=adakv,epsilon=0.01")
+    assert method_spec(paper_split) == "ada_expected_attention:budget=64,safeguard=blend"
     assert method_spec(make_method("ada_expected_attention", budget=64, head_allocation="uniform", epsilon=0.0)) == \
         "expected_attention:budget=64"
     defaults = ExpectedAttention(budget=64)

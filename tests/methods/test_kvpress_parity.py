@@ -59,7 +59,8 @@ CASES = {
     # + "<|im_end|>\n<|im_start|>assistant\n" + the context. The counts differ (kvpress prunes exactly
     # int(L H n r) including the prefix; the authors keep int(N (1 - r)) - 1 context entries above a strict
     # threshold), so the comparison is: our kept context entries are the top-m of kvpress's context scores over
-    # all layers and heads, m being however many we keep. LEAD: set the settings that give kvzip this rule.
+    # all layers and heads, m being however many we keep. Our kvzip's defaults are this rule (its prefix: the
+    # template's 24 tokens; no suffix: the prompt ends with the context; one chunk of 2,000).
     "kvzip_prefix_sinks": ("kvzip", {}, "global"),
 }
 
@@ -88,8 +89,8 @@ def reference_kept(run: dict) -> list[list[set[int]]]:
              for mask in layer] for layer in run["kept"]]
 
 
-def our_kept(model, ids: torch.Tensor, method) -> list[list[set[int]]]:
-    cache = prefill(model, ids, method)
+def our_kept(model, ids: torch.Tensor, method, tokenizer=None) -> list[list[set[int]]]:
+    cache = prefill(model, ids, method, tokenizer=tokenizer)
     return [[set(p.tolist()) for p in cache.kept_positions(layer, 0)] for layer in range(model.config.num_hidden_layers)]
 
 
@@ -176,7 +177,7 @@ def test_fixture_is_kvpress_selection_of_its_scores():
 @pytest.mark.parametrize("case", list(CASES))
 def test_kept_sets_equal_kvpress(smollm2, case, ratio):
     name, settings, comparison = CASES[case]
-    model, _ = smollm2
+    model, tokenizer = smollm2
     ref = reference()
     ids = torch.tensor([ref["prompt"]["token_ids"]])
     n, heads = ids.shape[1], ref["model"]["kv_heads"]
@@ -187,7 +188,7 @@ def test_kept_sets_equal_kvpress(smollm2, case, ratio):
         method = make_method(name, compression_ratio=ratio, **settings)
     else:
         method = make_method(name, budget=k, **settings)
-    ours = our_kept(model, ids, method)
+    ours = our_kept(model, ids, method, tokenizer)
     layers = range(len(ours))
 
     if comparison == "per_head":
