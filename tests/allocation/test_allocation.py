@@ -81,6 +81,17 @@ def test_adakv_hand_worked():
     assert method.head_allocation.selected_per_head(HAND, 2, 0, SHAPE) == [3, 1, 2]
 
 
+def test_adakv_safeguard_first_is_kvpress_rule_by_hand():
+    """kvpress's AdaKVPress on HAND with budget 2 + 2 protected (window 2): each head first keeps its best
+    max(1, int(0.2 x 4)) = 1 token, the window counting in it, so no head protects a scored token; then the
+    layer's best 6 over all heads: 9, 9, 8, 7, 6, 6 -> [3, 0, 3]. With floor_ratio 0.8: 3 each, 2 of them the
+    window, so each head's best scored token first (9, 3, 9), then the best 3 of the rest (8, 7, 6) -> [3, 1, 2]."""
+    first = make_method("adakv", budget=2 + 2, window_size=2, floor_ratio=0.2, safeguard="first").head_allocation
+    assert first.selected_per_head(HAND, 2, 0, SHAPE, protected=2) == [3, 0, 3]
+    strong = make_method("adakv", budget=2 + 2, window_size=2, floor_ratio=0.8, safeguard="first").head_allocation
+    assert strong.selected_per_head(HAND, 2, 0, SHAPE, protected=2) == [3, 1, 2]
+
+
 @pytest.mark.parametrize("alpha", [0.0, 0.2, 0.5, 0.9, 1.0])
 @pytest.mark.parametrize("base", [1, 2, 3, 5, 8])
 def test_adakv_matches_the_paper_formula(alpha, base):
