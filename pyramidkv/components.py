@@ -268,9 +268,14 @@ class Component:
         return {}
 
     def settings_at_default(self) -> list[str]:
-        """Every setting (flat units' settings by their own names) left at its default."""
+        """Every setting (flat units' settings by their own names; another unit's as unit.setting, at its class's
+        default) left at its default."""
         fields = self.__dataclass_fields__
         names = [name for name, f in fields.items() if getattr(self, name) == f.default]
+        for name in fields:
+            unit = getattr(self, name)
+            if isinstance(unit, Component) and name not in self.flat_units:
+                names += [f"{name}.{sub}" for sub, f in unit.__dataclass_fields__.items() if getattr(unit, sub) == f.default]
         for field, unit in self.flat_units.items():
             before, after = flat_settings(unit, fields[field].default), flat_settings(unit, getattr(self, field))
             names += [name for name, value in after.items() if before.get(name) == value]

@@ -45,6 +45,12 @@ class TOVA(Method):
             object.__setattr__(self, "decode", dataclasses.replace(self.decode, decode_budget=budget))
         super().__post_init__()
 
+    def changed_settings(self) -> list[tuple[str, object]]:
+        """The decode budget at the budget (TOVA's default rule) is no change: tova:budget=256 is labelled tova."""
+        default = dataclasses.replace(PER_STEP, decode_budget=self.budget)
+        return [(setting, value) for setting, value in super().changed_settings()
+                if not (setting == "decode" and value == default)]
+
     def validate(self) -> None:
         if self.decode is None:
             raise ValueError("tova evicts while decoding (one token per step once a layer holds its budget); "

@@ -242,6 +242,8 @@ def fingerprint_differences(old: dict, new: dict, argument_defaults: Optional[di
             a.update({k: defaults[k] for k in b if k not in a and k in defaults and b[k] == defaults[k]})
         if section == "method" and isinstance(a, dict) and isinstance(b, dict):
             a = {**{k: b[k] for k in b if k not in a and k in at_default}, **_legacy_quest(a)}
+            a = {k: {**{s: b[k][s] for s in b[k] if s not in v and f"{k}.{s}" in at_default}, **v}   # a unit's
+                 if isinstance(v, dict) and isinstance(b.get(k), dict) else v for k, v in a.items()}  # new setting
         if isinstance(a, dict) and isinstance(b, dict):
             for key in sorted(set(a) | set(b)):
                 if a.get(key, "<unset>") != b.get(key, "<unset>"):

@@ -355,3 +355,24 @@ def test_a_fingerprint_from_before_new_settings_matches_when_they_stay_at_their_
     stored["arguments"]["history_window"] = 64
     assert fingerprint_differences(stored, new, {}, ["page_budget", "page_size"]) == [
         "arguments.history_window: 64 -> '<unset>'"]
+
+
+def test_a_unit_setting_added_since_matches_at_its_default():
+    """An adakv folder made before AdaKV's `safeguard` existed resumes with the default rule; kvpress's rule, or
+    another floor, is a difference."""
+    from pyramidkv import make_method
+    from pyramidkv.runner.run_folder import fingerprint_differences
+
+    stored = {"method": {"method": "adakv", "budget": 128,
+                         "head_allocation": {"name": "adakv", "floor_ratio": 0.2, "normalize": False}}}
+
+    def now(**settings):
+        method = make_method("adakv", budget=128, **settings)
+        described = json.loads(json.dumps({"method": method.describe()}, default=str))
+        return fingerprint_differences(stored, described, {}, method.settings_at_default())
+
+    assert now() == []
+    assert now(safeguard="first") == [
+        "method.head_allocation: {'name': 'adakv', 'floor_ratio': 0.2, 'normalize': False} -> "
+        "{'name': 'adakv', 'floor_ratio': 0.2, 'normalize': False, 'safeguard': 'first'}"]
+    assert now(floor_ratio=0.3) != []
