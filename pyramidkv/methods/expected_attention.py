@@ -1,6 +1,6 @@
-"""Expected Attention (Devoto, Jeblick and Jégou, 2025, "Expected Attention: KV Cache Compression by Estimating
-Attention from Future Queries Distribution", arXiv 2510.00636): each key scored by the attention the next
-queries are expected to give it, from the prompt's own query statistics, times its value's norm.
+"""Expected Attention (Devoto, Jeblick and Jégou, 2025, arXiv 2510.00636), "Expected Attention: KV Cache
+Compression by Estimating Attention from Future Queries Distribution": each key scored by the attention the next queries are
+expected to give it, from the prompt's own query statistics, times its value's norm.
 `ada_expected_attention` is kvpress's leaderboard entry: AdaKV's head split, epsilon 1e-2.
 
 Per layer: the mean mu and biased covariance Sigma of each query head's queries before RoPE (the first

@@ -1,5 +1,5 @@
-"""KeyDiff (Park et al., 2025, "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference
-in Resource-Constrained Environments", arXiv 2504.15364): keep the keys least similar to the others.
+"""KeyDiff (Park et al., 2025, arXiv 2504.15364), "KeyDiff: Key Similarity-Based KV Cache Eviction for
+Long-Context LLM Inference in Resource-Constrained Environments": keep the keys least similar to the others.
 
 Per stored head the anchor is a = mean over the prompt's real keys of k / ||k|| (post-RoPE keys, every real
 key of the prompt: window and sinks, when set, included, as kvpress's KeyDiffPress takes all keys of the

@@ -240,10 +240,12 @@ def entry(text: str, flag: str) -> str:
 
 def test_plain_help_shows_every_default_read_from_its_own_unit():
     """The defaults are those of each unit's own class (kvquant's nbits is 4, the other quantizers' 2;
-    streamingllm and nacl keep 4 sinks, the others none): reading them from the first unit would print [2]."""
+    streamingllm, nacl and Expected Attention keep 4 sinks, the others none): reading them from the first unit
+    would print [2]."""
     text = help_text(["--help"])
     assert entry(text, "--quant_nbits").endswith("[2; kvquant: 4]")
-    assert entry(text, "--num_sinks").endswith("[0; streamingllm: 4; nacl: 4]")
+    assert entry(text, "--num_sinks").endswith("[0; streamingllm: 4; nacl: 4; expected_attention: 4; "
+                                              "ada_expected_attention: 4]")
     for flag in ("--merge_fraction", "--page_size", "--pruning_ratio", "--kv_cache_granularity", "--compression_ratio"):
         assert f" {flag} " in text
 

@@ -253,7 +253,7 @@ def test_custom_method_example_matches_numpy_reference(tmp_path, smollm2):
     with torch.no_grad():
         cache = model(ids, past_key_values=DynamicCache(), use_cache=True).past_key_values
     n = ids.shape[1]
-    assert len(result["allocations"]) == 7  # 3 layer x 3 head allocations, less headkv x pyramid and x zigzag
+    assert len(result["allocations"]) == 8  # 3 layer x 4 head allocations, less headkv and global x pyramid, zigzag
     ragged = 0
     for label, run in result["allocations"].items():
         w = run["window_size"]
@@ -267,8 +267,10 @@ def test_custom_method_example_matches_numpy_reference(tmp_path, smollm2):
                 assert_same_selection(set(kept[:-w]), scores[head, : n - w], len(kept) - w)
                 total += len(kept)
             ragged += len({len(kept) for kept in heads}) > 1
-        # every allocation keeps exactly the uniform total (heads x the layer budgets it reports)
-        assert total == len(run["kept"][0]) * sum(run["layer_budgets"]), label
+        # every allocation keeps exactly the uniform total (heads x the layer budgets it reports; one budget over
+        # every layer reports a layer's mean, so its total is the uniform heads x layers x budget)
+        uniform = len(run["kept"][0]) * len(run["kept"]) * result["budget"]
+        assert total == (uniform if "global" in label else len(run["kept"][0]) * sum(run["layer_budgets"])), label
     assert ragged > 0  # head allocations really gave heads different counts
 
 
@@ -300,8 +302,8 @@ def test_sweep_and_plot_example(tmp_path):
 def test_see_what_it_keeps_example_writes_the_readme_figures(tmp_path):
     figures = load_example("see_what_it_keeps").main(["--figures_dir", str(tmp_path)])
     # budget map: the per-layer panel + one layer x head panel per allocation whose heads keep different
-    # counts (adakv under uniform, pyramid and zigzag layers, and headkv)
-    expected_panels = {"kept_tokens": 4, "attention_map": 3, "score_curve": 1, "budget_map": 5}
+    # counts (adakv under uniform, pyramid and zigzag layers, headkv, and global)
+    expected_panels = {"kept_tokens": 4, "attention_map": 3, "score_curve": 1, "budget_map": 6}
     for name, (fig, _) in figures.items():
         info = describe_figure(fig)
         assert info["panels"] == expected_panels[name] and info["finite"], (name, info)
@@ -338,7 +340,7 @@ def test_notebook_runs_top_to_bottom_with_checked_figures(smollm2_path):
     checks = json.loads(line.removeprefix("FIGURE_CHECKS "))
     figures = checks["figures"]
     expected_panels = {"attention_layer12": 9, "attention_layer12_needle": 3, "snapkv_scores_layer12": 1,
-                       "kept_tokens": 4, "budget_map": 5}  # 1 + a head panel per ragged allocation (4)
+                       "kept_tokens": 4, "budget_map": 6}  # 1 + a head panel per ragged allocation (5)
     assert {k: v["panels"] for k, v in figures.items()} == expected_panels
     assert all(v["finite"] for v in figures.values())
     for name in ("attention_layer12", "attention_layer12_needle", "snapkv_scores_layer12", "kept_tokens"):
