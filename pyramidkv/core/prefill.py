@@ -231,9 +231,10 @@ class PromptCompressor:
                 continue
             scores = None if layer_scores is None else layer_scores[b]
             budgets = self.method.layer_budgets(budget, self.model.num_layers, n - extra, scores)
-            plan = [[extra + c for c in b] if isinstance(b, list) else [extra + b] * self.stored_heads for b in budgets]
+            plan = [[extra + c for c in layer] if isinstance(layer, list) else [extra + layer] * self.stored_heads
+                    for layer in budgets]
             self.layer_budgets.append([round(sum(heads) / len(heads)) for heads in plan])   # a ragged layer: the mean
-            self.head_plans.append(plan if any(isinstance(b, list) for b in budgets) else None)
+            self.head_plans.append(plan if any(isinstance(layer, list) for layer in budgets) else None)
 
     def _keep_layer(self, layer_idx: int, scored: ScoredLayer, scores: Optional[torch.Tensor] = None,
                     selecting_layer: Optional[int] = None) -> list[KeptKV]:

@@ -74,21 +74,18 @@ class Reconstruction:
         every_v = torch.cat([prompt_values[:, pad:].repeat_interleave(group_p, 0),
                              values[0].repeat_interleave(group_k, 0)], 1)
         n = prompt_keys.shape[1] - pad
-        extent = torch.zeros(n + m, dtype=torch.bool, device=keys.device)   # K': prefix, chunk, repeat
-        extent[:plan.prefix] = True
-        extent[chunk.start:chunk.stop] = True
-        extent[n:] = True
+        every_k, every_v = every_k.float().transpose(1, 2), every_v.float()
         out = torch.empty(num_q, m, dim, dtype=torch.float32, device=queries.device)
         best = torch.zeros(num_q, chunk.stop - chunk.start, dtype=torch.float32, device=queries.device)
         for first in range(0, m, QUERY_BLOCK):
             rows = torch.arange(first, min(first + QUERY_BLOCK, m), device=queries.device)
-            logits = cap_logits(torch.matmul(queries[0, :, rows].float(), every_k.float().transpose(1, 2)) / dim ** 0.5,
-                                softcap)                                            # [Hq, rows, n + m]
+            logits = cap_logits(torch.matmul(queries[0, :, rows].float(), every_k) / dim ** 0.5, softcap)  # [Hq, r, n+m]
             later = torch.arange(n + m, device=queries.device)[None, :] > n + rows[:, None]   # causal in the repeat
-            logits = logits.masked_fill(later, float("-inf"))
-            out[:, rows] = torch.matmul(torch.softmax(logits, -1), every_v.float())
-            restricted = torch.softmax(logits.masked_fill(~extent, float("-inf")), -1)
-            best = torch.maximum(best, restricted[:, :, chunk.start:chunk.stop].amax(1))
+            probs = torch.softmax(logits.masked_fill(later, float("-inf")), -1)
+            out[:, rows] = torch.matmul(probs, every_v)
+            # the softmax over K' = [prefix, chunk, repeat] is the same weights renormalised over those columns
+            extent = probs[..., :plan.prefix].sum(-1) + probs[..., chunk.start:chunk.stop].sum(-1) + probs[..., n:].sum(-1)
+            best = torch.maximum(best, (probs[:, :, chunk.start:chunk.stop] / extent[..., None]).amax(1))
         if layer not in self.scores:
             self.scores[layer] = torch.zeros(len(self.plans), num_q, pad + n, dtype=torch.float32, device=keys.device)
         self.scores[layer][b, :, pad + chunk.start:pad + chunk.stop] = best
