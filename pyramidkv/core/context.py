@@ -46,6 +46,8 @@ class ScoreContext:
     with `needs_rotation`: queries before RoPE, RoPE at other positions), else None.
     reconstruction: [B, Hq, n] float32, for methods that `reconstruct` (KVzip): the most attention each key got
     from the repeat passes (core/reconstruction.py), given once they have run (queries and real are None then).
+    hidden: [B, n, E] the layer's attention input (the hidden states after its norm) of the scored tokens, for
+    methods with `needs_hidden` (KVzap), else None; at a threshold decision while decoding, the new tokens'.
     """
 
     layer_idx: int
@@ -60,6 +62,7 @@ class ScoreContext:
     positions: Optional[torch.Tensor] = None
     rotation: Optional["KeyRotation"] = None
     reconstruction: Optional[torch.Tensor] = None
+    hidden: Optional[torch.Tensor] = None
 
 
 @dataclass

@@ -92,9 +92,10 @@ class Method(Component):
     reconstructs: ClassVar[bool] = False   # scored by the model repeating the prompt's context (KVzip)
     global_scale: ClassVar[str] = "zscore"  # how head_allocation global compares layers' scores (global_.py)
     needs_rotation: ClassVar[bool] = False  # the scorer reads queries before RoPE or RoPE elsewhere (patch.py)
+    needs_hidden: ClassVar[bool] = False    # the scorer reads the attention input (ScoreContext.hidden: KVzap)
+    token_scores: ClassVar[bool] = False    # a token's score reads that token alone (threshold decoding needs it)
     flat_units = {axis: capability_class(axis) for axis in CAPABILITY_AXES}
-    # Settings a method takes under another unit's name (Quest: budget -> page_budget).
-    budget_aliases: ClassVar[dict[str, str]] = {}
+    budget_aliases: ClassVar[dict[str, str]] = {}   # settings under another unit's name (Quest: page_budget)
 
     budget: Optional[int] = None
     budget_ratio: Optional[float] = None
@@ -133,7 +134,6 @@ class Method(Component):
     @property
     def layer_budgets_need_scores(self) -> bool:
         return self.layer_allocation.needs_scores or self.head_allocation.needs_scores
-
 
     def layer_budgets(self, budget: int, num_layers: int, prompt_len: int,
                       layer_scores: Optional[list[torch.Tensor]] = None) -> list:
