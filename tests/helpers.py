@@ -44,3 +44,18 @@ def load_script(name: str, path: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def write_calibrations(folder: Path, config, seed: int = 0) -> dict[str, str]:
+    """Random calibration files of the shape an in-memory model (`config`) needs, by the method setting that reads
+    each: Q-Filters' filters and KVzip's head scores (tests where only the shape matters: the matrices)."""
+    from pyramidkv.methods.calibrated import model_record, save_artifact
+
+    generator = torch.Generator().manual_seed(seed)
+    record = model_record(str(folder / "in-memory-model"), config)   # no folder there: known by shape alone
+    layers, kv_heads, dim = record["num_layers"], record["num_kv_heads"], record["head_dim"]
+    filters = torch.nn.functional.normalize(torch.randn(layers, kv_heads, dim, generator=generator), dim=-1)
+    files = {"qfilter_path": ("qfilter", {"filters": filters}),
+             "kvzip_head_path": ("kvzip-head", {"head_scores": torch.rand(layers, kv_heads, generator=generator)})}
+    return {setting: str(save_artifact(folder / f"{kind}.safetensors", tensors, {"kind": kind, "model": record}))
+            for setting, (kind, tensors) in files.items()}

@@ -16,11 +16,13 @@ from pyramidkv.methods.h2o import H2O
 from pyramidkv.methods.headkv import HeadKV
 from pyramidkv.methods.keydiff import KeyDiff
 from pyramidkv.methods.kvzip import KVzip
+from pyramidkv.methods.kvzip_head import KVzipHead
 from pyramidkv.methods.l2norm import L2Norm
 from pyramidkv.methods.minference import MInferenceMethod
 from pyramidkv.methods.minicache import MiniCache
 from pyramidkv.methods.nacl import NACL
 from pyramidkv.methods.pyramidkv import PyramidKV
+from pyramidkv.methods.qfilter import QFilter
 from pyramidkv.methods.quest import Quest
 from pyramidkv.methods.scissorhands import Scissorhands
 from pyramidkv.methods.settings import build_method, method_from_spec, method_spec, split_spec
@@ -33,7 +35,7 @@ from pyramidkv.methods.zigzagkv import ZigZagKV
 METHODS: dict[str, type[Method]] = {
     cls.name: cls for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, L2Norm, AdaKV, AdaPyramidKV, HeadKV,
                               ZigZagKV, CAM, ThinK, NACL, Scissorhands, Quest, MiniCache, MInferenceMethod, KVzip,
-                              ExpectedAttention, AdaExpectedAttention, KeyDiff, TOVA)
+                              ExpectedAttention, AdaExpectedAttention, KeyDiff, TOVA, QFilter, KVzipHead)
 }
 
 

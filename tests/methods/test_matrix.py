@@ -44,6 +44,7 @@ from pyramidkv.methods import METHODS, make_method
 from pyramidkv.models.patch import model_shape
 from pyramidkv.quantization import QUANTIZERS
 from pyramidkv.sparse_prefill import SPARSE_PREFILLS
+from tests.helpers import write_calibrations
 
 LAYERS, QUERY_HEADS, KV_HEADS = 3, 4, 2     # 3 layers: Quest attends densely in its first 2
 PROMPT_LEN = 64
@@ -59,6 +60,7 @@ QUANTIZER_SETTINGS = {
 }
 # Quest evicts nothing: its budget is the tokens of the pages each decode step reads (tests/methods/test_quest.py).
 KEEPS_THE_PROMPT = {"quest"}
+CALIBRATED = ("qfilter_path", "kvzip_head_path")   # the calibrated methods' files, written for the tiny model
 
 
 class TokenIds:
@@ -83,8 +85,8 @@ def tiny_config() -> LlamaConfig:
 
 
 def write_tables(folder: Path) -> dict:
-    """The settings of the units that need a table for this model: a HeadKV head-score table and an
-    MInference pattern table (each pattern kind on some head)."""
+    """The settings of the units that need a table for this model: a HeadKV head-score table, an
+    MInference pattern table (each pattern kind on some head) and the calibrated methods' files."""
     generator = torch.Generator().manual_seed(2)
     head_scores = folder / "head_scores.json"
     head_scores.write_text(json.dumps({f"{layer}-{head}": [float(torch.rand(1, generator=generator))]
@@ -93,7 +95,8 @@ def write_tables(folder: Path) -> dict:
     kinds = [["vertical_and_slash", 8, 16, 0.9], ["stream_llm", 4, 16, 0.9], ["block_sparse", 0, 0, 1.0]]
     patterns.write_text(json.dumps([{str(head): kinds[(layer + head) % 3] for head in range(QUERY_HEADS)}
                                     for layer in range(LAYERS)]))
-    return {"head_scores": str(head_scores), "pattern_table": str(patterns)}
+    return {"head_scores": str(head_scores), "pattern_table": str(patterns),
+            **write_calibrations(folder, tiny_config())}
 
 
 SHAPE = model_shape(tiny_config(), dtype_bytes=4)
@@ -124,13 +127,17 @@ def settings(cls, head: str, layer: str, merge, quant, decode, tables: dict) -> 
         chosen["budget"] = 48 if cls.name in KEEPS_THE_PROMPT else BUDGET
     if head == "headkv":
         chosen["head_scores"] = tables["head_scores"]
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    chosen.update({name: tables[name] for name in CALIBRATED if name in defaults})
+    if defaults["window_size"] >= BUDGET:   # qfilter's 64: more than the tiny prompt's budget
+        chosen["window_size"] = 16
     if merge is not None:
         chosen["merge"] = merge
     if quant is not None:
         chosen.update(quant_method=quant, **QUANTIZER_SETTINGS.get(quant, {}))
     if decode is not None:
         chosen.update(decode_budget=decode, decode_interval=DECODE_INTERVAL)
-    if {f.name: f.default for f in dataclasses.fields(cls)}["prefill_attention"] is not None:
+    if defaults["prefill_attention"] is not None:
         chosen["pattern_table"] = tables["pattern_table"]   # the method's own sparse prefill (MInference)
     return chosen
 

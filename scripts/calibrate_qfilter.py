@@ -1,0 +1,165 @@
+"""Calibrate Q-Filters (Godey et al., 2025, arXiv 2503.02812) for any supported model: the filters file
+`qfilter` reads (docs/methods.md, "Q-Filters").
+
+    python scripts/calibrate_qfilter.py [--model_path M] [--model_class C] [--out FILE] [--num_texts 2]
+        [--length 2048] [--num_svd_samples 3000] [--seed 0] [--haystack_dir DIR]
+
+Texts: the essays (sorted by file name) joined by blank lines, tokenized without special tokens and cut into
+`num_texts` consecutive windows of `length` tokens. Per layer and query head the post-RoPE queries of every
+position are pooled and `num_svd_samples` of them kept at random (seeded); an uncentred SVD in float32 gives v1,
+the first right singular vector; s = +1 if more than half the samples have a positive coordinate on u1, else -1;
+the head's filter is -s v1, and a KV head's the mean over its query group: [layers, KV heads, head dim], saved
+with its record (model, data and digests, settings, seed, CPU seconds). Default --out:
+"{model}_qfilter.safetensors" (model = the last component of the model path, lowercased).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import time
+from pathlib import Path
+
+import torch
+
+from pyramidkv.runner.arguments import ArgumentParser
+
+
+def post_rope_queries(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer the queries [B, Hq, n, D] after RoPE of one forward of input_ids, as the layer's attention computes
+    them (the glue's projection and RoPE on the attention module's own inputs)."""
+    from pyramidkv.models.glue import decoder
+    from pyramidkv.models.patch import MODEL_GLUE
+
+    glue = MODEL_GLUE[model.config.model_type]
+    layers = decoder(model).layers
+    out: list = [None] * len(layers)
+
+    def capture(index):
+        def hook(module, args, kwargs):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            q, _, _ = glue.project_qkv(module, hidden, kwargs.get("position_ids"), kwargs.get("position_embeddings"))
+            out[index] = q.detach().float()
+        return hook
+
+    hooks = [layer.self_attn.register_forward_pre_hook(capture(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return out
+
+
+def head_filter(samples: torch.Tensor) -> torch.Tensor:
+    """The filter [D] of one query head from its samples [N, D]: -s v1 (uncentred SVD in float32, s the majority
+    sign of the samples' coordinates on u1)."""
+    u, _, vh = torch.linalg.svd(samples.float(), full_matrices=False)
+    sign = 1.0 if (u[:, 0] > 0).sum().item() > samples.shape[0] / 2 else -1.0
+    return -sign * vh[0]
+
+
+def calibrate(model, token_lists: list[list[int]], num_svd_samples: int, seed: int) -> torch.Tensor:
+    """Filters [L, Hkv, D] from texts of equal length: per (layer, query head) min(num_svd_samples, all) positions
+    drawn without replacement from the pooled positions (one seeded draw per head, layer by layer), then
+    head_filter, then the mean over each KV group."""
+    config = model.config
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    length = len(token_lists[0])
+    total = len(token_lists) * length
+    keep = min(num_svd_samples, total)
+    generator = torch.Generator().manual_seed(seed)
+    chosen = torch.stack([torch.randperm(total, generator=generator)[:keep] for _ in range(layers * heads)])
+    chosen = chosen.view(layers, heads, keep)                                     # pooled row indices
+    samples = None
+    device = next(model.parameters()).device
+    for t, tokens in enumerate(token_lists):
+        queries = post_rope_queries(model, torch.tensor([tokens], device=device))
+        if samples is None:
+            samples = torch.zeros(layers, heads, keep, queries[0].shape[-1])
+        for layer, q in enumerate(queries):
+            for head in range(heads):
+                slots = ((chosen[layer, head] >= t * length) & (chosen[layer, head] < (t + 1) * length)).nonzero()[:, 0]
+                samples[layer, head, slots] = q[0, head, chosen[layer, head, slots] - t * length].cpu()
+    filters = torch.stack([torch.stack([head_filter(samples[layer, head]) for head in range(heads)])
+                           for layer in range(layers)])                           # [L, Hq, D]
+    return filters.view(layers, kv_heads, heads // kv_heads, -1).mean(2)
+
+
+def calibration_texts(tokenizer, folder: Path, num_texts: int, length: int) -> tuple[list[list[int]], list[dict]]:
+    """(num_texts windows of `length` tokens, the sources read: [{file, sha256}]) from the essays in `folder`; a
+    ValueError when they hold too few tokens."""
+    files = sorted(folder.glob("*.txt"))
+    ids, sources, need = [], [], num_texts * length
+    for path in files:
+        data = path.read_bytes()
+        sources.append({"file": path.name, "sha256": hashlib.sha256(data).hexdigest()})
+        ids += tokenizer(data.decode("utf-8") + "\n\n", add_special_tokens=False).input_ids
+        if len(ids) >= need:
+            break
+    if len(ids) < need:
+        raise ValueError(f"the {len(files)} .txt files of {folder} hold {len(ids)} tokens, fewer than --num_texts "
+                         f"{num_texts} x --length {length}; lower one of them")
+    return [ids[i * length:(i + 1) * length] for i in range(num_texts)], sources
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
+    from pyramidkv.models.patch import MODEL_GLUE
+
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
+    parser.add_argument("--model_class", choices=list(MODEL_GLUE), default=None,
+                        help="load the weights as this architecture (as the runners' --model_class)")
+    parser.add_argument("--out", default=None, help="output file (default {model}_qfilter.safetensors)")
+    parser.add_argument("--num_texts", type=int, default=2, help="texts of --length tokens (the authors' 19)")
+    parser.add_argument("--length", type=int, default=2048, help="tokens per text (the authors' 2048)")
+    parser.add_argument("--num_svd_samples", type=int, default=3000, help="queries per head (the authors' 3000)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--haystack_dir", default=None, help="folder of .txt files (default: the Paul Graham essays)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    args = parser.parse_args(argv)
+    for name in ("num_texts", "length", "num_svd_samples"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def main(argv=None) -> Path:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from pyramidkv.benchmarks.prompting import essay_dir
+    from pyramidkv.methods.calibrated import model_record, save_artifact
+    from pyramidkv.models.loading import check_model, load_model
+    from pyramidkv.runner.results import _git_commit, _versions
+
+    out = Path(args.out or f"{Path(str(args.model_path).rstrip('/')).name.lower()}_qfilter.safetensors")
+    try:   # every check before the weights load
+        path, config, _, _ = check_model(args.model_path, "sdpa", args.device, args.dtype, args.model_class)
+        if args.length > config.max_position_embeddings:
+            raise ValueError(f"--length {args.length} exceeds the model's {config.max_position_embeddings} positions")
+        folder = Path(args.haystack_dir) if args.haystack_dir else essay_dir()
+        texts, sources = calibration_texts(AutoTokenizer.from_pretrained(path), folder, args.num_texts, args.length)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"calibrate_qfilter.py: error: {e}") from None
+    model, _ = load_model(args.model_path, attn_implementation="sdpa", device=args.device, dtype=args.dtype,
+                          model_class=args.model_class)
+    started, cpu = time.time(), time.process_time()
+    filters = calibrate(model, texts, args.num_svd_samples, args.seed)
+    record = {"kind": "qfilter", "model": {**model_record(path, model.config), "name": args.model_path},
+              "data": {"folder": folder.name, "sources": sources, "num_texts": args.num_texts, "length": args.length},
+              "settings": {"num_svd_samples": args.num_svd_samples, "dtype": args.dtype, "svd": "float32, uncentred"},
+              "seed": args.seed, "cpu_seconds": round(time.process_time() - cpu, 1),
+              "wall_seconds": round(time.time() - started, 1), "git_commit": _git_commit(),
+              "versions": _versions(["torch", "transformers"])}
+    save_artifact(out, {"filters": filters}, record)
+    print(f"filters {tuple(filters.shape)} in {record['cpu_seconds']} CPU s ({record['wall_seconds']} s) -> {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""KVzip's head scores (Kim et al., 2025, arXiv 2505.23416, the head-level variant) for any supported model: the
+file `kvzip_head` reads (docs/methods.md, "KVzip, head-level").
+
+    python scripts/kvzip_head_scores.py [--model_path M] [--model_class C] [--out FILE] [--length 2000]
+        [--num_samples 1] [--chunk_size 2000] [--haystack_dir DIR]
+
+A sample: `length` tokens of the essays (sorted by file name, joined by blank lines; sample i starts where
+sample i - 1 ended) as the user turn of the model's chat template. kvzip's repeat passes score every context
+position of every layer and query head (core/reconstruction.py); a KV head's score is the maximum over its query
+group and over the positions; several samples: the elementwise maximum (the authors'). Output [layers, KV heads]
+with its record (model, data and digests, settings, CPU seconds); nothing is drawn at random. Default --out:
+"{model}_kvzip-head.safetensors" (model = the last component of the model path, lowercased).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import time
+from pathlib import Path
+
+import torch
+
+from pyramidkv.runner.arguments import ArgumentParser
+
+
+def sample_scores(model, tokenizer, tokens: list[int], chunk_size: int) -> torch.Tensor:
+    """[L, Hkv] of one prompt (token ids, chat template applied): per layer kvzip's scores [Hq, n], maximised over
+    each query group and over the positions (0 outside the context, and every score is >= 0)."""
+    from pyramidkv import compress, make_method
+
+    config = model.config
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    method = make_method("kvzip", budget_ratio=0.5, chunk_size=chunk_size)
+    device = next(model.parameters()).device
+    with torch.no_grad(), compress(model, method) as patch:
+        cache = patch.new_cache([tokens], tokenizer)
+        model(torch.tensor([tokens], device=device), past_key_values=cache, use_cache=True)
+    scores = cache.reconstruction.scores
+    return torch.stack([scores[layer][0].reshape(kv_heads, -1).amax(-1).cpu() for layer in range(len(scores))])
+
+
+def head_scores(model, tokenizer, samples: list[list[int]], chunk_size: int) -> torch.Tensor:
+    """[L, Hkv]: the elementwise maximum of sample_scores over the samples."""
+    return torch.stack([sample_scores(model, tokenizer, tokens, chunk_size) for tokens in samples]).amax(0)
+
+
+def calibration_samples(tokenizer, folder: Path, num_samples: int, length: int) -> tuple[list[list[int]], list[dict]]:
+    """(num_samples prompts: `length` essay tokens each in the chat template's user turn, the sources read:
+    [{file, sha256}]); a ValueError when the essays hold too few tokens."""
+    files = sorted(folder.glob("*.txt"))
+    ids, sources, need = [], [], num_samples * length
+    for path in files:
+        data = path.read_bytes()
+        sources.append({"file": path.name, "sha256": hashlib.sha256(data).hexdigest()})
+        ids += tokenizer(data.decode("utf-8") + "\n\n", add_special_tokens=False).input_ids
+        if len(ids) >= need:
+            break
+    if len(ids) < need:
+        raise ValueError(f"the {len(files)} .txt files of {folder} hold {len(ids)} tokens, fewer than --num_samples "
+                         f"{num_samples} x --length {length}; lower one of them")
+    prompts = []
+    for i in range(num_samples):
+        text = tokenizer.decode(ids[i * length:(i + 1) * length])
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
+        prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
+    return prompts, sources
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
+    from pyramidkv.models.patch import MODEL_GLUE
+
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
+    parser.add_argument("--model_class", choices=list(MODEL_GLUE), default=None,
+                        help="load the weights as this architecture (as the runners' --model_class)")
+    parser.add_argument("--out", default=None, help="output file (default {model}_kvzip-head.safetensors)")
+    parser.add_argument("--length", type=int, default=2000, help="essay tokens per sample")
+    parser.add_argument("--num_samples", type=int, default=1, help="samples (the authors' 1); their maximum is kept")
+    parser.add_argument("--chunk_size", type=int, default=2000, help="kvzip's chunk_size (the authors' 2000)")
+    parser.add_argument("--haystack_dir", default=None, help="folder of .txt files (default: the Paul Graham essays)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    args = parser.parse_args(argv)
+    for name in ("length", "num_samples", "chunk_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def main(argv=None) -> Path:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from pyramidkv.benchmarks.prompting import essay_dir
+    from pyramidkv.methods.calibrated import model_record, save_artifact
+    from pyramidkv.models.loading import check_model, load_model
+    from pyramidkv.runner.results import _git_commit, _versions
+
+    out = Path(args.out or f"{Path(str(args.model_path).rstrip('/')).name.lower()}_kvzip-head.safetensors")
+    try:   # every check before the weights load
+        path, config, _, _ = check_model(args.model_path, "sdpa", args.device, args.dtype, args.model_class)
+        folder = Path(args.haystack_dir) if args.haystack_dir else essay_dir()
+        samples, sources = calibration_samples(AutoTokenizer.from_pretrained(path), folder, args.num_samples,
+                                               args.length)
+        longest = max(len(s) for s in samples) + args.chunk_size + 64   # the repeat passes run after the prompt
+        if longest > config.max_position_embeddings:
+            raise ValueError(f"--length {args.length} with its repeat passes reaches position {longest}, beyond the "
+                             f"model's {config.max_position_embeddings}")
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"kvzip_head_scores.py: error: {e}") from None
+    model, tokenizer = load_model(args.model_path, attn_implementation="sdpa", device=args.device, dtype=args.dtype,
+                                  model_class=args.model_class)
+    started, cpu = time.time(), time.process_time()
+    table = head_scores(model, tokenizer, samples, args.chunk_size)
+    record = {"kind": "kvzip-head", "model": {**model_record(path, model.config), "name": args.model_path},
+              "data": {"folder": folder.name, "sources": sources, "num_samples": args.num_samples,
+                       "length": args.length, "prompt_tokens": [len(s) for s in samples]},
+              "settings": {"chunk_size": args.chunk_size, "dtype": args.dtype, "reduce": "max over query group, "
+                           "positions and samples"},
+              "seed": None, "cpu_seconds": round(time.process_time() - cpu, 1),
+              "wall_seconds": round(time.time() - started, 1), "git_commit": _git_commit(),
+              "versions": _versions(["torch", "transformers"])}
+    save_artifact(out, {"head_scores": table}, record)
+    print(f"head scores {tuple(table.shape)} in {record['cpu_seconds']} CPU s ({record['wall_seconds']} s) -> {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
