@@ -1,8 +1,8 @@
-"""KVzip's context-independent head-level variant (Kim et al., 2025, "KVzip: Query-Agnostic KV Cache Compression
-with Context Reconstruction", arXiv 2505.23416, `--level head`): each KV head gets one score, the most KVzip pair
-score (kvzip's repeat-pass attention, maximised over the query group) any context position of a calibration
-sample got there (scripts/kvzip_head_scores.py; several samples: their elementwise maximum), and every token of a
-head scores its head's score. No repeat pass runs at inference.
+"""KVzip's context-independent head-level variant (Kim et al., 2025, arXiv 2505.23416), "KVzip: Query-Agnostic KV
+Cache Compression with Context Reconstruction", the authors' `--level head`: each KV head gets one score, the most
+KVzip pair score (kvzip's repeat-pass attention, maximised over the query group) any context position of a
+calibration sample got there (scripts/kvzip_head_scores.py; several samples: their elementwise maximum), and every
+token of a head scores its head's score. No repeat pass runs at inference.
 
 With one threshold (head_allocation "threshold") a head above it keeps the whole prompt outside the window and one
 below keeps none of it: the authors' rule (kept heads keep all of the context, the others none). With

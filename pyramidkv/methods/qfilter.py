@@ -1,5 +1,5 @@
-"""Q-Filters (Godey et al., 2025, "Q-Filters: Leveraging QK Geometry for Efficient KV Cache Compression", arXiv
-2503.02812): the post-RoPE queries of a head lean one way; each cached key is scored by its projection on that
+"""Q-Filters (Godey et al., 2025, arXiv 2503.02812), "Q-Filters: Leveraging QK Geometry for Efficient KV Cache
+Compression": the post-RoPE queries of a head lean one way; each cached key is scored by its projection on that
 direction, with no attention computed. Per layer and KV head a filter f [D] (calibrated once per model by
 scripts/calibrate_qfilter.py: the majority-signed first right singular vector of the query heads' post-RoPE
 queries, negated, averaged over the KV group); a key k scores -<f, k> (higher = keep), so the score of a token
