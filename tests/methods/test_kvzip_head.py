@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pyramidkv import make_method
+from pyramidkv import compress, make_method
 from pyramidkv.methods.calibrated import model_record, save_artifact
 from pyramidkv.models.patch import model_shape
 from tests.helpers import ROOT, load_script, prefill
@@ -63,17 +63,25 @@ def kept(model, method, tokens) -> list[list[set[int]]]:
 
 @pytest.mark.parametrize("threshold", [0.25, 0.6])
 def test_under_a_threshold_a_head_keeps_all_or_none_of_its_tokens(random_llama, hand_table, threshold):
-    """Outside the window a head scored >= threshold keeps every token, one below none; the window stays."""
+    """Outside the window a head scored >= threshold keeps every token, one below none; the window stays. While
+    decoding (threshold decoding) each generated token is decided the same way when it leaves the window."""
     model, tokenizer, _ = random_llama
     path, table = hand_table
     tokens = chat(tokenizer, STORY[:200])
-    n, window = len(tokens), 4
+    n, window, steps = len(tokens), 4, 6
     method = make_method("kvzip_head", head_allocation="threshold", threshold=threshold, window_size=window,
                          kvzip_head_path=path)
-    for layer, heads in enumerate(kept(model, method, tokens)):
-        for head, positions in enumerate(heads):
-            expected = set(range(n)) if table[layer, head] >= threshold else set(range(n - window, n))
-            assert positions == expected, (layer, head)
+    with torch.no_grad(), compress(model, method) as patch:
+        cache = patch.new_cache()
+        out = model(torch.tensor([tokens]), past_key_values=cache, use_cache=True)
+        after_prefill = [[set(p.tolist()) for p in cache.held_positions(layer)] for layer in range(len(table))]
+        for _ in range(steps):
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    for layer in range(len(table)):
+        for head, held in enumerate(cache.held_positions(layer)):
+            passes = bool(table[layer, head] >= threshold)
+            assert after_prefill[layer][head] == set(range(0 if passes else n - window, n)), (layer, head)
+            assert set(held.tolist()) == set(range(0 if passes else n + steps - window, n + steps)), (layer, head)
 
 
 def test_the_global_budget_keeps_the_best_heads_whole(random_llama, hand_table):
