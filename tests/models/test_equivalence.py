@@ -91,8 +91,9 @@ def test_budget_at_least_prompt_generates_like_full_cache(sharp_llama, full_stor
     model, tokenizer, tables = sharp_llama
     ids, (full_logits, full) = full_story
     settings = LOSSLESS.get(name, lambda budget: {"budget": budget})
-    table = {"head_scores": tables["head_scores"]} if hasattr(
-        {f.name: f.default for f in dataclasses.fields(METHODS[name])}["head_allocation"], "head_scores") else {}
+    defaults = {f.name: f.default for f in dataclasses.fields(METHODS[name])}
+    table = {"head_scores": tables["head_scores"]} if hasattr(defaults["head_allocation"], "head_scores") else {}
+    table.update({setting: path for setting, path in tables.items() if setting in defaults})   # calibration files
     for budget in (len(ids), len(ids) + 50):
         logits, got = logits_and_text(model, tokenizer, ids, make_method(name, **settings(budget), **table))
         assert got.new_tokens == 20 and len(logits) == 20
