@@ -19,6 +19,8 @@ the documented rules (Method's docstring, docs/decoding.md), not read from the c
 * with decode_budget D and decode_interval I, whenever a head of a layer would hold D + I tokens or more,
   each head of that layer keeps min(held, D) (right after the prefill too), else it keeps everything: so
   no head ever holds more than D + I - 1 after a step, nor more than its prefill count plus the steps;
+* under threshold eviction (head allocation threshold: no budget is given) every head holds between its window
+  and sinks and n after the prefill, and a decode step adds one token and evicts at most the one leaving the window;
 * a method whose defaults bound decoding (tova: decode_budget = budget, decode_interval 1) follows that rule
   with its own D and I when no decode_budget is given.
 
@@ -123,7 +125,7 @@ def combinations(name: str, head: str):
 
 def settings(cls, head: str, layer: str, merge, quant, decode, tables: dict) -> dict:
     chosen = {"head_allocation": head, "layer_allocation": layer}
-    if cls.needs_budget:   # Quest's reads whole pages, at least 3 of 16: 48
+    if cls.needs_budget and not HEAD_ALLOCATIONS[head].sets_budget:   # Quest's reads whole pages, at least 3 of 16: 48
         chosen["budget"] = 48 if cls.name in KEEPS_THE_PROMPT else BUDGET
     if head == "headkv":
         chosen["head_scores"] = tables["head_scores"]
@@ -227,6 +229,21 @@ def decode_problems(held_states: list, prefill: list[list[int]] | None, D: int =
     return problems
 
 
+def threshold_problems(method, held_states: list) -> list[str]:
+    """What is wrong with the counts after each forward under threshold eviction (no budget): after the prefill each
+    head holds between its window and sinks and the prompt; a decode step adds one token and at most the one that
+    leaves the window goes."""
+    protected = method.window_size + method.num_sinks
+    problems = [f"after the prefill a head holds fewer than the {protected} protected tokens or more than the "
+                f"prompt: {held_states[0]}"] if any(not min(protected, PROMPT_LEN) <= c <= PROMPT_LEN
+                                                   for row in held_states[0] for c in row) else []
+    for step in range(1, len(held_states)):
+        pairs = [(p, c) for before, now in zip(held_states[step - 1], held_states[step]) for p, c in zip(before, now)]
+        if any(not (p <= c <= p + 1 and c >= min(protected, PROMPT_LEN + step)) for p, c in pairs):
+            problems.append(f"step {step}: holds {held_states[step]} after {held_states[step - 1]}")
+    return problems
+
+
 @pytest.mark.parametrize("head", list(HEAD_ALLOCATIONS))
 @pytest.mark.parametrize("name", list(METHODS))
 def test_every_combination_runs_within_its_budget_or_is_refused_in_one_line(tiny, name, head):
@@ -251,7 +268,9 @@ def test_every_combination_runs_within_its_budget_or_is_refused_in_one_line(tiny
         if len(states) != NEW_TOKENS:
             failures.append(f"{label}: {len(states)} forwards, expected {NEW_TOKENS}")
             continue
-        if decode is None:
+        if method.head_allocation.sets_budget:
+            problems = threshold_problems(method, states)
+        elif decode is None:
             prefill[layer, merge, quant] = states[0]
             problems = prefill_problems(name, method, layer, states[0], budgets)
             if method.decode is not None:   # its defaults bound decoding
