@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import sys
 import time
 from pathlib import Path
 
@@ -109,7 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
     from pyramidkv.models.patch import MODEL_GLUE
 
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="calibrate_qfilter.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--model_class", choices=list(MODEL_GLUE), default=None,
                         help="load the weights as this architecture (as the runners' --model_class)")
@@ -145,7 +147,8 @@ def main(argv=None) -> Path:
         folder = Path(args.haystack_dir) if args.haystack_dir else essay_dir()
         texts, sources = calibration_texts(AutoTokenizer.from_pretrained(path), folder, args.num_texts, args.length)
     except (ValueError, OSError) as e:
-        raise SystemExit(f"calibrate_qfilter.py: error: {e}") from None
+        print(f"calibrate_qfilter.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     model, _ = load_model(args.model_path, attn_implementation="sdpa", device=args.device, dtype=args.dtype,
                           model_class=args.model_class)
     started, cpu = time.time(), time.process_time()

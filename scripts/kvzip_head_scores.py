@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import sys
 import time
 from pathlib import Path
 
@@ -73,7 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
     from pyramidkv.models.patch import MODEL_GLUE
 
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="kvzip_head_scores.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--model_class", choices=list(MODEL_GLUE), default=None,
                         help="load the weights as this architecture (as the runners' --model_class)")
@@ -111,7 +113,8 @@ def main(argv=None) -> Path:
             raise ValueError(f"--length {args.length} with its repeat passes reaches position {longest}, beyond the "
                              f"model's {config.max_position_embeddings}")
     except (ValueError, OSError) as e:
-        raise SystemExit(f"kvzip_head_scores.py: error: {e}") from None
+        print(f"kvzip_head_scores.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     model, tokenizer = load_model(args.model_path, attn_implementation="sdpa", device=args.device, dtype=args.dtype,
                                   model_class=args.model_class)
     started, cpu = time.time(), time.process_time()

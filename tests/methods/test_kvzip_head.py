@@ -113,3 +113,16 @@ def test_bad_settings_are_refused_in_one_line(random_llama, settings, message):
     with pytest.raises(ValueError) as refused:
         make_method("kvzip_head", **settings).check_model(model_shape(random_llama[0].config))
     assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--chunk_size", "0"], "--chunk_size must be >= 1, got 0"),
+    (["--num_samples", "400", "--haystack_dir", str(ROOT / "docs")], "fewer than --num_samples 400 x --length 2000"),
+    (["--length", "9000"], "beyond the model's 8192"),
+])
+def test_the_script_refuses_bad_input_in_one_line(argv, message, capsys, smollm2_path):
+    """Before the weights load: `kvzip_head_scores.py: error: ...`, exit status 2."""
+    with pytest.raises(SystemExit) as exited:
+        SCRIPT.main(["--model_path", smollm2_path, *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and "kvzip_head_scores.py: error: " in err[-1] and message in err[-1]

@@ -172,3 +172,15 @@ def test_the_shipped_file_is_smollm2s(smollm2_path):
     assert tuple(tensors["filters"].shape) == (shape.num_layers, shape.num_kv_heads, shape.head_dim)
     assert record["seed"] == 0 and record["settings"]["num_svd_samples"] == 3000 and record["cpu_seconds"] > 0
     assert list(method.files_read(shape)) == ["qfilter_path=packaged smollm2-135m_qfilter.safetensors"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num_svd_samples", "0"], "--num_svd_samples must be >= 1, got 0"),
+    (["--num_texts", "400", "--haystack_dir", str(ROOT / "docs")], "fewer than --num_texts 400 x --length 2048"),
+])
+def test_the_script_refuses_bad_input_in_one_line(argv, message, capsys, smollm2_path):
+    """Before the weights load: `calibrate_qfilter.py: error: ...`, exit status 2."""
+    with pytest.raises(SystemExit) as exited:
+        CALIBRATE.main(["--model_path", smollm2_path, *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and "calibrate_qfilter.py: error: " in err[-1] and message in err[-1]
