@@ -275,7 +275,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, ArgumentParser]:
     from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
     from pyramidkv.models.patch import MODEL_GLUE
 
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=Path(__file__).name, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--model_class", choices=list(MODEL_GLUE), default=None,
                         help="load the weights as this architecture (as the runners' --model_class)")
@@ -316,7 +316,7 @@ def main(argv=None) -> Path:
     from pyramidkv.runner.results import _git_commit, _versions
 
     try:   # every check before the weights load
-        _, config, _, _ = check_model(args.model_path, "eager", args.device, "float32", args.model_class)
+        resolved, config, _, _ = check_model(args.model_path, "eager", args.device, "float32", args.model_class)
         named, files = sources(args.haystack_dir or essay_dir(), args.longbench_file)
     except (ValueError, OSError, ImportError) as e:
         parser.error(str(e))
@@ -330,7 +330,7 @@ def main(argv=None) -> Path:
         parser.error(str(e))
     tensors, info = calibrate(model, tokenizer, train, held, args.model_type, args.tokens_per_text, args.seed,
                               args.alpha, args.epochs)
-    record = {"kind": f"kvzap-{args.model_type}", "model": model_record(args.model_path, config),
+    record = {"kind": f"kvzap-{args.model_type}", "model": {**model_record(str(resolved), config), "name": args.model_path},
               "data": {"files": files, "train": [{k: p[k] for k in ("source", "start", "tokens")} for p in train],
                        "held_out": [{k: p[k] for k in ("source", "start", "tokens")} for p in held]},
               "settings": {k: v for k, v in vars(args).items() if k not in ("out", "model_path")},

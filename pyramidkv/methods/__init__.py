@@ -15,6 +15,7 @@ from pyramidkv.methods.fullkv import FullKV
 from pyramidkv.methods.h2o import H2O
 from pyramidkv.methods.headkv import HeadKV
 from pyramidkv.methods.keydiff import KeyDiff
+from pyramidkv.methods.kvzap import KVzap
 from pyramidkv.methods.kvzip import KVzip
 from pyramidkv.methods.l2norm import L2Norm
 from pyramidkv.methods.minference import MInferenceMethod
@@ -33,7 +34,7 @@ from pyramidkv.methods.zigzagkv import ZigZagKV
 METHODS: dict[str, type[Method]] = {
     cls.name: cls for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, L2Norm, AdaKV, AdaPyramidKV, HeadKV,
                               ZigZagKV, CAM, ThinK, NACL, Scissorhands, Quest, MiniCache, MInferenceMethod, KVzip,
-                              ExpectedAttention, AdaExpectedAttention, KeyDiff, TOVA)
+                              ExpectedAttention, AdaExpectedAttention, KeyDiff, TOVA, KVzap)
 }
 
 
