@@ -92,8 +92,8 @@ def eager_setup(smollm2_path):
 @pytest.fixture(scope="session")
 def random_llama(tokenizer, tmp_path_factory):
     """(model, tokenizer, tables): a 4-layer random Llama in memory (GQA 4 query / 2 KV heads, head_dim 16) with
-    SmolLM2's tokenizer, and for it the tables the units that need one read: `head_scores` (HeadKV) and
-    `pattern_table` (MInference, every pattern kind on some head).
+    SmolLM2's tokenizer, and for it the tables the units that need one read: `head_scores` (HeadKV),
+    `pattern_table` (MInference, every pattern kind on some head) and `kvzap_path` (KVzap's predictor, made on it).
 
     For properties that hold whatever the weights (a batch computes each prompt alone): a generate() takes
     milliseconds where SmolLM2's takes a second, and every code path is the same.
@@ -119,7 +119,10 @@ def random_llama(tokenizer, tmp_path_factory):
     patterns = folder / "patterns.json"
     patterns.write_text(json.dumps([{str(head): kinds[(layer + head) % 3] for head in range(heads)}
                                     for layer in range(layers)]))
-    return model, tokenizer, {"head_scores": str(head_scores), "pattern_table": str(patterns)}
+    from tests.helpers import kvzap_artifact
+
+    kvzap = kvzap_artifact(model, folder / "kvzap-linear.safetensors")
+    return model, tokenizer, {"head_scores": str(head_scores), "pattern_table": str(patterns), "kvzap_path": kvzap}
 
 
 SHARP_STD = 0.2   # at transformers' default 0.02 attention is nearly flat: a dropped token moves no logit beyond 1e-2

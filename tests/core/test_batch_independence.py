@@ -7,7 +7,7 @@ second instead of seven on SmolLM2.
 The matrix is scorer x head allocation x layer allocation x merge rule x quantizer x decode budget x key
 channels (ThinK) x sinks and random share (NACL) x Quest pages x cross-layer merging (MiniCache) x sparse
 prefill (MInference). Its combinations are covered pairwise: every pair of values of two axes that some
-valid combination has appears in at least one case of CASES (53 cases; combinations refused at build time,
+valid combination has appears in at least one case of CASES (80 cases; combinations refused at build time,
 such as headkv with a pyramid, are not cases). CASES is a table, so that collecting this file costs
 nothing; test_the_cases_cover_every_pair builds all 115,200 combinations to check it, and
 `python -m tests.core.test_batch_independence` prints a new table when the refusals change. Logits may
@@ -28,7 +28,7 @@ from tests.engine_snapshot import assert_batch_equals_alone
 
 AXES = {
     "scorer": ["streamingllm", "h2o", "snapkv", "l2norm", "nacl", "scissorhands", "expected_attention", "keydiff",
-               "tova", "kvzip"],
+               "tova", "kvzip", "kvzap"],
     "head_allocation": ["uniform", "adakv", "headkv", "global"],
     "layer_allocation": ["uniform", "pyramid", "zigzag"],
     "merge": [None, "pivot", "weighted", "mergingpress", "cam"],
@@ -55,7 +55,9 @@ def build(case: dict, tables: dict):
     settings = {"budget": 64, "head_allocation": case["head_allocation"], "layer_allocation": case["layer_allocation"]}
     if case["head_allocation"] == "headkv":
         settings["head_scores"] = tables["head_scores"]
-    if case["scorer"] in ("h2o", "snapkv", "nacl", "scissorhands"):
+    if case["scorer"] == "kvzap":
+        settings["kvzap_path"] = tables["kvzap_path"]
+    if case["scorer"] in ("h2o", "snapkv", "nacl", "scissorhands", "kvzap"):
         settings["window_size"] = 16
     if case["key_channels"]:
         settings.update(key_channel_ratio=case["key_channels"], key_recent_size=8)
@@ -190,6 +192,14 @@ CASES = [dict(zip(AXES, row)) for row in [
     ('expected_attention', 'global', 'uniform', None, None, None, 0.0, False, None, False, None),
     ('keydiff', 'global', 'uniform', None, None, None, 0.0, False, None, False, None),
     ('kvzip', 'uniform', 'uniform', None, 'gear', None, 0.0, False, None, False, None),
+    # kvzap (issue 28): the pairs with it that the cases above leave uncovered
+    ('kvzap', 'uniform', 'uniform', None, None, None, 0.0, False, None, False, None),
+    ('kvzap', 'adakv', 'pyramid', 'pivot', 'kivi', None, 0.4, True, None, False, 'minference'),
+    ('kvzap', 'uniform', 'zigzag', 'weighted', None, None, 0.0, False, 32, False, None),
+    ('kvzap', 'headkv', 'uniform', 'mergingpress', 'kvquant', None, 0.0, False, None, False, None),
+    ('kvzap', 'global', 'uniform', 'cam', 'kvquant-nuq', None, 0.0, False, None, False, None),
+    ('kvzap', 'uniform', 'uniform', None, None, None, 0.0, False, None, True, None),
+    ('kvzap', 'uniform', 'uniform', None, 'gear', None, 0.0, False, None, False, None),
 ]]
 
 
@@ -240,7 +250,8 @@ if __name__ == "__main__":
 
     typing.get_type_hints = cached_type_hints()
     with tempfile.TemporaryDirectory() as folder:  # building only checks that the tables are files
-        tables = {"head_scores": str(Path(folder) / "head_scores.json"), "pattern_table": str(Path(folder) / "p.json")}
+        tables = {"head_scores": str(Path(folder) / "head_scores.json"), "pattern_table": str(Path(folder) / "p.json"),
+                  "kvzap_path": str(Path(folder) / "kvzap.safetensors")}
         for path in tables.values():
             Path(path).write_text("{}")
         for case in pairwise_cases(tables):

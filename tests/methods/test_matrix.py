@@ -44,6 +44,7 @@ from pyramidkv.methods import METHODS, make_method
 from pyramidkv.models.patch import model_shape
 from pyramidkv.quantization import QUANTIZERS
 from pyramidkv.sparse_prefill import SPARSE_PREFILLS
+from tests.helpers import kvzap_artifact
 
 LAYERS, QUERY_HEADS, KV_HEADS = 3, 4, 2     # 3 layers: Quest attends densely in its first 2
 PROMPT_LEN = 64
@@ -83,8 +84,8 @@ def tiny_config() -> LlamaConfig:
 
 
 def write_tables(folder: Path) -> dict:
-    """The settings of the units that need a table for this model: a HeadKV head-score table and an
-    MInference pattern table (each pattern kind on some head)."""
+    """The settings of the units that need a table for this model: a HeadKV head-score table, an
+    MInference pattern table (each pattern kind on some head) and a KVzap predictor made on the model."""
     generator = torch.Generator().manual_seed(2)
     head_scores = folder / "head_scores.json"
     head_scores.write_text(json.dumps({f"{layer}-{head}": [float(torch.rand(1, generator=generator))]
@@ -93,7 +94,9 @@ def write_tables(folder: Path) -> dict:
     kinds = [["vertical_and_slash", 8, 16, 0.9], ["stream_llm", 4, 16, 0.9], ["block_sparse", 0, 0, 1.0]]
     patterns.write_text(json.dumps([{str(head): kinds[(layer + head) % 3] for head in range(QUERY_HEADS)}
                                     for layer in range(LAYERS)]))
-    return {"head_scores": str(head_scores), "pattern_table": str(patterns)}
+    torch.manual_seed(0)
+    kvzap = kvzap_artifact(LlamaForCausalLM(tiny_config()).eval(), folder / "kvzap-linear.safetensors")
+    return {"head_scores": str(head_scores), "pattern_table": str(patterns), "kvzap_path": kvzap}
 
 
 SHAPE = model_shape(tiny_config(), dtype_bytes=4)
@@ -124,6 +127,10 @@ def settings(cls, head: str, layer: str, merge, quant, decode, tables: dict) -> 
         chosen["budget"] = 48 if cls.name in KEEPS_THE_PROMPT else BUDGET
     if head == "headkv":
         chosen["head_scores"] = tables["head_scores"]
+    if {f.name: f.default for f in dataclasses.fields(cls)}["window_size"] >= BUDGET:   # KVzap's DMS window (128)
+        chosen["window_size"] = 16
+    if "kvzap_path" in {f.name for f in dataclasses.fields(cls)}:
+        chosen["kvzap_path"] = tables["kvzap_path"]
     if merge is not None:
         chosen["merge"] = merge
     if quant is not None:
