@@ -38,6 +38,13 @@ METHODS: dict[str, type[Method]] = {
 }
 
 
+def takes_budget(cls: type[Method]) -> bool:
+    """Whether the method at its defaults takes a budget: not one keeping every token (fullkv, minicache, ...), nor
+    one whose default head allocation decides the counts itself (threshold: kvzap, duo_attention)."""
+    heads = next(f.default for f in dataclasses.fields(cls) if f.name == "head_allocation")
+    return cls.needs_budget and not getattr(heads, "sets_budget", False)
+
+
 def method_options(name: str) -> list[str]:
     """The settings a method accepts (its dataclass fields)."""
     return [f.name for f in dataclasses.fields(get_method_class(name))]
@@ -140,5 +147,5 @@ def parse_method_spec(spec: str, budget: Optional[int] = None, **defaults) -> Me
         raise ValueError(f"method spec {spec!r}: {e}") from None
 
 
-__all__ = ["METHODS", "Method", "ScoreContext", "make_method", "register_method", "get_method_class", "method_options",
+__all__ = ["METHODS", "Method", "takes_budget", "ScoreContext", "make_method", "register_method", "get_method_class", "method_options",
            "parse_method_spec", "method_spec", "canonical"]
