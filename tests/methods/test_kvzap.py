@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "calibrate_kvzap.py"
 # Text no calibration saw: the story of tests/prompts.py (its first sentences, ~70 tokens: a forward of seconds).
 HELD_OUT = STORY.split("Read the story and answer.\n")[1].split(" One year")[0]
-# The shipped linear predictor's mean Spearman correlation over layers on HELD_OUT: 0.xx measured (see
-# docs/methods.md, "KVzap"); a random predictor of the same shapes gets about 0.
-SPEARMAN_FLOOR = 0.5
+# The shipped linear predictor's mean Spearman correlation over layers on HELD_OUT: 0.854 measured (a random
+# predictor of the same shapes: 0.02); the floor leaves 0.05 of margin.
+SPEARMAN_FLOOR = 0.80
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -147,7 +147,7 @@ def test_shipped_predictor_ranks_held_out_targets_and_scores_by_matmul(smollm2_e
         rho.append(calibrate.spearman(scores, y[layer]))
         rho_random.append(calibrate.spearman(predict(random, layer, x[layer]), y[layer]))
     assert sum(rho) / 30 >= SPEARMAN_FLOOR, rho
-    assert sum(rho) / 30 > sum(rho_random) / 30 + 0.3, (rho, rho_random)
+    assert sum(rho) / 30 > sum(rho_random) / 30 + 0.5, (rho, rho_random)
 
 
 def test_predictor_of_another_model_is_refused_in_one_line(tiny_model_dir, sharp_model_dir, tmp_path):
@@ -176,3 +176,23 @@ def test_calibration_script_refuses_bad_flags_in_one_line(calibrate, capsys, arg
         calibrate.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and said in err[-1] and err[-1].startswith("calibrate_kvzap.py: error:")
+
+
+def test_threshold_eviction_computes_each_prompt_of_a_batch_alone(random_llama):
+    """kvzap's default rule (threshold, decided while decoding too) on a left-padded batch of 3: each prompt gets
+    the tokens, kept sets and bytes it gets alone. The threshold is the median predicted score of the first
+    prompt's tokens at layer 0, so tokens are both kept and evicted."""
+    from tests.engine_snapshot import assert_batch_equals_alone
+
+    model, tokenizer, tables = random_llama
+    text = "A keeper logged every ship in a ledger with a green cover, and the hour and the flag of each. "
+    prompts = [tokenizer(text * k + "Which cover?", add_special_tokens=False).input_ids for k in (6, 3, 1)]
+    probe = make_method("kvzap", kvzap_path=tables["kvzap_path"], window_size=16, head_allocation="uniform", budget=32)
+    probe.check_model(model_shape(model.config, 4))
+    with torch.no_grad():
+        hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(torch.tensor([prompts[0]])))
+    threshold = float(predict(probe.predictor(), 0, hidden[0]).median())
+    method = make_method("kvzap", kvzap_path=tables["kvzap_path"], window_size=16, threshold=threshold)
+    alones = assert_batch_equals_alone(model, tokenizer, method, prompts, 24)
+    counts = [c for layer in alones[0]["prefill"]["layers"] for c in layer[0]["counts"]]
+    assert min(counts) < len(prompts[0]) - 16 and max(counts) > 16, counts   # some tokens evicted, some kept
