@@ -1,7 +1,7 @@
-"""KVzap (Jégou and Jeblick, 2026, arXiv 2601.07891), "KVzap: Fast, Adaptive, and Faithful KV Cache Pruning": a
-small per-layer predictor reads each token's attention input (the hidden state after the layer's input norm) and
-predicts, per KV head, the log of the importance KVzip+ would give that token; with threshold eviction (DMS's rule,
-pyramidkv/allocation/threshold.py) a token outside the recent window stays iff its predicted log score >= threshold.
+"""KVzap (Jégou and Jeblick, 2026, arXiv 2601.07891): a small per-layer predictor reads each token's attention
+input (the hidden state after the layer's input norm) and predicts, per KV head, the log of the importance KVzip+
+would give that token; with threshold eviction (DMS's rule, pyramidkv/allocation/threshold.py) a token outside the
+recent window stays iff its predicted log score >= threshold.
 
 The predictor is `Linear(E, Hkv)` (`kvzap_model="linear"`) or `Linear(E, 512) -> GELU -> Linear(512, Hkv)` ("mlp"),
 one per layer, fitted by scripts/calibrate_kvzap.py on the model's own targets and read from a calibration artifact

@@ -196,3 +196,20 @@ def test_threshold_eviction_computes_each_prompt_of_a_batch_alone(random_llama):
     alones = assert_batch_equals_alone(model, tokenizer, method, prompts, 24)
     counts = [c for layer in alones[0]["prefill"]["layers"] for c in layer[0]["counts"]]
     assert min(counts) < len(prompts[0]) - 16 and max(counts) > 16, counts   # some tokens evicted, some kept
+
+
+def test_calibration_script_writes_an_mlp_the_method_reads(tiny_model_dir, tmp_path, calibrate):
+    from transformers import AutoConfig
+
+    from pyramidkv.methods.calibrated import load_artifact
+
+    out = tmp_path / "tiny_kvzap-mlp.safetensors"
+    calibrate.main(["--model_path", tiny_model_dir, "--model_type", "mlp", "--out", str(out), "--texts", "2",
+                    "--held_out", "1", "--min_tokens", "20", "--max_tokens", "30", "--epochs", "1"])
+    _, record = load_artifact(out, "kvzap-mlp")
+    assert record["model"]["num_layers"] == 2 and record["seed"] == 0 and record["cpu_seconds"] > 0
+    assert all(len(f["sha256"]) == 64 for f in record["data"]["files"]) and len(record["data"]["train"]) == 2
+    assert {p["source"] for p in record["data"]["train"]}.isdisjoint(p["source"] for p in record["data"]["held_out"])
+    method = make_method("kvzap", kvzap_model="mlp", kvzap_path=str(out), head_allocation="uniform", budget=200)
+    method.check_model(model_shape(AutoConfig.from_pretrained(tiny_model_dir), 4))
+    assert method.predictor()["w1"].shape == (2, 512, 64)
