@@ -212,4 +212,12 @@ def test_calibration_script_writes_an_mlp_the_method_reads(tiny_model_dir, tmp_p
     assert {p["source"] for p in record["data"]["train"]}.isdisjoint(p["source"] for p in record["data"]["held_out"])
     method = make_method("kvzap", kvzap_model="mlp", kvzap_path=str(out), head_allocation="uniform", budget=200)
     method.check_model(model_shape(AutoConfig.from_pretrained(tiny_model_dir), 4))
-    assert method.predictor()["w1"].shape == (2, 512, 64)
+    t = {name: value.double() for name, value in method.predictor().items()}
+    assert t["w1"].shape == (2, 512, 64)
+    hidden = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3))          # [B, n, E]
+    real = torch.tensor([[False, False, True, True, True], [True] * 5])                # row 0 left-padded
+    scores = method.score(ScoreContext(1, 2, None, None, None, real, hidden=hidden))   # [B, Hkv, n]
+    inner = hidden.double() @ t["w1"][1].T + t["b1"][1]
+    naive = (0.5 * inner * (1 + torch.erf(inner / math.sqrt(2)))) @ t["w2"][1].T + t["b2"][1]   # exact GELU
+    torch.testing.assert_close(scores.transpose(1, 2).double()[real], naive[real], rtol=0, atol=1e-4)
+    assert (scores[0, :, :2] == 0).all()                                               # padding scores 0
