@@ -24,7 +24,7 @@ from pyramidkv.methods.nacl import NACL
 from pyramidkv.methods.pyramidkv import PyramidKV
 from pyramidkv.methods.quest import Quest
 from pyramidkv.methods.scissorhands import Scissorhands
-from pyramidkv.methods.settings import build_method, method_from_spec, method_spec, split_spec
+from pyramidkv.methods.settings import build_method, method_from_spec, method_spec, split_spec, takes_budget
 from pyramidkv.methods.snapkv import SnapKV
 from pyramidkv.methods.streamingllm import StreamingLLM
 from pyramidkv.methods.think import ThinK
@@ -36,13 +36,6 @@ METHODS: dict[str, type[Method]] = {
                               ZigZagKV, CAM, ThinK, NACL, Scissorhands, Quest, MiniCache, MInferenceMethod, KVzip,
                               ExpectedAttention, AdaExpectedAttention, KeyDiff, TOVA, KVzap)
 }
-
-
-def takes_budget(cls: type[Method]) -> bool:
-    """Whether the method at its defaults takes a budget: not one keeping every token (fullkv, minicache, ...), nor
-    one whose default head allocation decides the counts itself (threshold: kvzap, duo_attention)."""
-    heads = next(f.default for f in dataclasses.fields(cls) if f.name == "head_allocation")
-    return cls.needs_budget and not getattr(heads, "sets_budget", False)
 
 
 def method_options(name: str) -> list[str]:

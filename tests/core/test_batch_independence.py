@@ -7,7 +7,7 @@ second instead of seven on SmolLM2.
 The matrix is scorer x head allocation x layer allocation x merge rule x quantizer x decode budget x key
 channels (ThinK) x sinks and random share (NACL) x Quest pages x cross-layer merging (MiniCache) x sparse
 prefill (MInference). Its combinations are covered pairwise: every pair of values of two axes that some
-valid combination has appears in at least one case of CASES (80 cases; combinations refused at build time,
+valid combination has appears in at least one case of CASES (89 cases; combinations refused at build time,
 such as headkv with a pyramid, are not cases). CASES is a table, so that collecting this file costs
 nothing; test_the_cases_cover_every_pair builds all 115,200 combinations to check it, and
 `python -m tests.core.test_batch_independence` prints a new table when the refusals change. Logits may
@@ -29,7 +29,7 @@ from tests.engine_snapshot import assert_batch_equals_alone
 AXES = {
     "scorer": ["streamingllm", "h2o", "snapkv", "l2norm", "nacl", "scissorhands", "expected_attention", "keydiff",
                "tova", "kvzip", "kvzap"],
-    "head_allocation": ["uniform", "adakv", "headkv", "global"],
+    "head_allocation": ["uniform", "adakv", "headkv", "global", "threshold"],
     "layer_allocation": ["uniform", "pyramid", "zigzag"],
     "merge": [None, "pivot", "weighted", "mergingpress", "cam"],
     "quant": [None, "kivi", "kvquant", "kvquant-nuq", "gear"],
@@ -48,11 +48,17 @@ QUANTIZERS = {
     "gear": dict(quant_method="gear", group_size=8, residual_length=8, rank=2, decode_rank=1),
 }
 NEW_TOKENS = 10
+# head_allocation threshold: per scorer a threshold inside its scores' range on the random Llama's prompts
+THRESHOLDS = {"streamingllm": 100.0, "h2o": 1.0, "snapkv": 0.2, "l2norm": -0.5, "expected_attention": 0.003,
+              "keydiff": 0.0, "kvzip": 0.01, "kvzap": -8.0}
 
 
 def build(case: dict, tables: dict):
     """The case's method; `tables`: the random Llama's HeadKV and MInference tables (conftest.py)."""
     settings = {"budget": 64, "head_allocation": case["head_allocation"], "layer_allocation": case["layer_allocation"]}
+    if case["head_allocation"] == "threshold":   # no budget; a threshold that evicts some of each scorer's tokens
+        del settings["budget"]
+        settings.update(threshold=THRESHOLDS.get(case["scorer"], 0.0), threshold_decoding=False)
     if case["head_allocation"] == "headkv":
         settings["head_scores"] = tables["head_scores"]
     if case["scorer"] == "kvzap":
@@ -192,6 +198,15 @@ CASES = [dict(zip(AXES, row)) for row in [
     ('expected_attention', 'global', 'uniform', None, None, None, 0.0, False, None, False, None),
     ('keydiff', 'global', 'uniform', None, None, None, 0.0, False, None, False, None),
     ('kvzip', 'uniform', 'uniform', None, 'gear', None, 0.0, False, None, False, None),
+    # head_allocation threshold (issue 28): the pairs with it that the cases above leave uncovered
+    ('streamingllm', 'threshold', 'uniform', None, None, None, 0.0, False, None, False, None),
+    ('h2o', 'threshold', 'uniform', None, 'kivi', None, 0.4, False, None, False, 'minference'),
+    ('snapkv', 'threshold', 'uniform', None, None, 40, 0.0, False, 32, False, None),
+    ('l2norm', 'threshold', 'uniform', None, 'kvquant', None, 0.0, False, None, False, None),
+    ('expected_attention', 'threshold', 'uniform', None, 'kvquant-nuq', None, 0.0, False, None, False, None),
+    ('keydiff', 'threshold', 'uniform', None, 'gear', None, 0.0, False, None, False, None),
+    ('scissorhands', 'threshold', 'uniform', None, None, 40, 0.0, False, None, False, None),
+    ('kvzip', 'threshold', 'uniform', None, None, None, 0.0, False, None, False, None),
     # kvzap (issue 28): the pairs with it that the cases above leave uncovered
     ('kvzap', 'uniform', 'uniform', None, None, None, 0.0, False, None, False, None),
     ('kvzap', 'adakv', 'pyramid', 'pivot', 'kivi', None, 0.4, True, None, False, 'minference'),
@@ -200,6 +215,7 @@ CASES = [dict(zip(AXES, row)) for row in [
     ('kvzap', 'global', 'uniform', 'cam', 'kvquant-nuq', None, 0.0, False, None, False, None),
     ('kvzap', 'uniform', 'uniform', None, None, None, 0.0, False, None, True, None),
     ('kvzap', 'uniform', 'uniform', None, 'gear', None, 0.0, False, None, False, None),
+    ('kvzap', 'threshold', 'uniform', None, None, None, 0.0, False, None, False, None),
 ]]
 
 
