@@ -213,7 +213,8 @@ def sources(haystack_dir, longbench_file) -> tuple[list[tuple[str, str]], list[d
         files.append({"file": path.name, "sha256": digest(path)})
     if longbench_file is not None and Path(longbench_file).is_file():
         for i, line in enumerate(Path(longbench_file).read_text(encoding="utf-8").splitlines()):
-            texts.append((f"{Path(longbench_file).name}#{i}", json.loads(line)["context"].replace("NEWLINE_CHAR", "\n")))
+            context = json.loads(line)["context"].replace("NEWLINE_CHAR", "\n")
+            texts.append((f"{Path(longbench_file).name}#{i}", context))
         files.append({"file": Path(longbench_file).name, "sha256": digest(longbench_file)})
     return texts, files
 
@@ -275,7 +276,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, ArgumentParser]:
     from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
     from pyramidkv.models.patch import MODEL_GLUE
 
-    parser = ArgumentParser(prog=Path(__file__).name, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=Path(__file__).name, description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--model_class", choices=list(MODEL_GLUE), default=None,
                         help="load the weights as this architecture (as the runners' --model_class)")
@@ -330,7 +332,8 @@ def main(argv=None) -> Path:
         parser.error(str(e))
     tensors, info = calibrate(model, tokenizer, train, held, args.model_type, args.tokens_per_text, args.seed,
                               args.alpha, args.epochs)
-    record = {"kind": f"kvzap-{args.model_type}", "model": {**model_record(str(resolved), config), "name": args.model_path},
+    made_on = {**model_record(str(resolved), config), "name": args.model_path}   # digest of the resolved folder
+    record = {"kind": f"kvzap-{args.model_type}", "model": made_on,
               "data": {"files": files, "train": [{k: p[k] for k in ("source", "start", "tokens")} for p in train],
                        "held_out": [{k: p[k] for k in ("source", "start", "tokens")} for p in held]},
               "settings": {k: v for k, v in vars(args).items() if k not in ("out", "model_path")},

@@ -28,7 +28,7 @@ MLP_WIDTH = 512
 # Tensor names of an artifact: per kind, name -> its shape as (L, then what each layer holds), E the hidden size.
 TENSORS = {"linear": {"weight": ("H", "E"), "bias": ("H",)},
            "mlp": {"w1": ("W", "E"), "b1": ("W",), "w2": ("H", "W"), "b2": ("H",)}}
-DEFAULT_THRESHOLD = -3.0   # SmolLM2-135M's linear predictor keeps ~39% of the tokens out of the window: docs/methods.md, "KVzap"
+DEFAULT_THRESHOLD = -3.0   # SmolLM2-135M: ~39% of the tokens out of the window kept (docs/methods.md, "KVzap")
 
 
 def predict(tensors: dict[str, torch.Tensor], layer: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -85,9 +85,9 @@ class KVzap(Method):
         if self.kvzap_model not in KVZAP_MODELS:
             raise ValueError(f"kvzap_model must be one of {'|'.join(KVZAP_MODELS)}, got {self.kvzap_model!r}")
         if self.decode is not None:
-            raise ValueError(f"{self.name} does not combine with decode_budget={self.decode.decode_budget}: a re-selection "
-                             f"re-scores held tokens, whose attention inputs are gone; use head_allocation=threshold "
-                             f"(threshold_decoding decides each token as it leaves the window)")
+            raise ValueError(f"{self.name} does not combine with decode_budget={self.decode.decode_budget}: a "
+                             f"re-selection re-scores held tokens, whose attention inputs are gone; use "
+                             f"head_allocation=threshold (threshold_decoding decides each token as it leaves the window)")
         super().validate()
 
     def packaged_files(self, model: Optional[ModelShape]) -> dict[str, str]:

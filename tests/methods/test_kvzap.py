@@ -141,7 +141,8 @@ def test_shipped_predictor_ranks_held_out_targets_and_scores_by_matmul(smollm2_e
     rho, rho_random = [], []
     for layer in range(30):
         naive = x[layer].double() @ tensors["weight"][layer].double().T + tensors["bias"][layer].double()
-        ctx = ScoreContext(layer, 30, None, None, None, torch.ones(1, x.shape[1], dtype=torch.bool), hidden=x[layer][None])
+        real = torch.ones(1, x.shape[1], dtype=torch.bool)
+        ctx = ScoreContext(layer, 30, None, None, None, real, hidden=x[layer][None])
         scores = method.score(ctx)[0].T                                       # [u, Hkv]
         torch.testing.assert_close(scores.double(), naive, rtol=0, atol=1e-4)
         rho.append(calibrate.spearman(scores, y[layer]))
@@ -160,7 +161,8 @@ def test_predictor_of_another_model_is_refused_in_one_line(tiny_model_dir, sharp
     for config, said in [(LlamaForCausalLM.from_pretrained(sharp_model_dir).config, "another checkpoint"),
                          (shorter, "num_layers 3")]:
         with pytest.raises(ValueError, match=said) as refusal:
-            make_method("kvzap", head_allocation="uniform", budget=200, kvzap_path=path).check_model(model_shape(config, 4))
+            make_method("kvzap", head_allocation="uniform", budget=200, kvzap_path=path).check_model(
+                model_shape(config, 4))
         assert "\n" not in str(refusal.value)
     with pytest.raises(ValueError, match="no packaged kvzap-mlp calibration") as refusal:
         make_method("kvzap", head_allocation="uniform", budget=200, kvzap_model="mlp").check_model(
@@ -168,9 +170,10 @@ def test_predictor_of_another_model_is_refused_in_one_line(tiny_model_dir, sharp
     assert "\n" not in str(refusal.value)
 
 
-@pytest.mark.parametrize("argv, said", [(["--model_type", "linear", "--out", "x.safetensors", "--texts", "0"], "--texts"),
-                                        (["--model_type", "cubic", "--out", "x.safetensors"], "--model_type"),
-                                        (["--model_type", "mlp", "--out", "x.json"], "--out")])
+@pytest.mark.parametrize("argv, said", [
+    (["--model_type", "linear", "--out", "x.safetensors", "--texts", "0"], "--texts"),
+    (["--model_type", "cubic", "--out", "x.safetensors"], "--model_type"),
+    (["--model_type", "mlp", "--out", "x.json"], "--out")])
 def test_calibration_script_refuses_bad_flags_in_one_line(calibrate, capsys, argv, said):
     with pytest.raises(SystemExit) as stop:
         calibrate.main(argv)
