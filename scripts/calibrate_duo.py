@@ -1,9 +1,9 @@
 """Make a DuoAttention head pattern for any supported model, on CPU, from offline essays (docs/methods.md, "DuoAttention").
 
     python scripts/calibrate_duo.py [--model_path M] --out DIR [--seed 0]
-        [--num_steps 40] [--context_length_min 384] [--context_length_max 768] [--num_passkeys 3]
-        [--passkey_words 6] [--sink_size 16] [--recent_size 64] [--lr 0.02] [--reg_weight 0.05]
-    python scripts/calibrate_duo.py --on_the_fly [--model_path M] --out DIR [--num_samples 16]
+        [--num_steps 30] [--context_length_min 256] [--context_length_max 512] [--num_passkeys 2]
+        [--passkey_words 6] [--sink_size 8] [--recent_size 32] [--lr 0.02] [--reg_weight 0.05]
+    python scripts/calibrate_duo.py --on_the_fly [--model_path M] --out DIR [--num_samples 8]
         [--sample_tokens 1000] [--positions 500]
 
 Default: the authors' gate optimisation (duo-attention `train.py`) at a CPU size. One gate alpha per KV head (1.0 at
@@ -64,17 +64,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--haystack_dir", default=None, help="folder of .txt files (default: the Paul Graham essays)")
     gate = parser.add_argument_group("gate optimisation")
-    gate.add_argument("--num_steps", type=int, default=40)
-    gate.add_argument("--context_length_min", type=int, default=384, help="haystack + needles, in tokens")
-    gate.add_argument("--context_length_max", type=int, default=768)
-    gate.add_argument("--num_passkeys", type=int, default=3, help=f"1 .. {len(ORDINALS)}")
+    gate.add_argument("--num_steps", type=int, default=30)
+    gate.add_argument("--context_length_min", type=int, default=256, help="haystack + needles, in tokens")
+    gate.add_argument("--context_length_max", type=int, default=512)
+    gate.add_argument("--num_passkeys", type=int, default=2, help=f"1 .. {len(ORDINALS)}")
     gate.add_argument("--passkey_words", type=int, default=6, help="NATO words per passkey (official 32)")
-    gate.add_argument("--sink_size", type=int, default=16, help="training sink (official 128)")
-    gate.add_argument("--recent_size", type=int, default=64, help="training recent window (official 256)")
+    gate.add_argument("--sink_size", type=int, default=8, help="training sink (official 128)")
+    gate.add_argument("--recent_size", type=int, default=32, help="training recent window (official 256)")
     gate.add_argument("--lr", type=float, default=0.02)
     gate.add_argument("--reg_weight", type=float, default=0.05)
     fly = parser.add_argument_group("--on_the_fly")
-    fly.add_argument("--num_samples", type=int, default=16)
+    fly.add_argument("--num_samples", type=int, default=8)
     fly.add_argument("--sample_tokens", type=int, default=1000)
     fly.add_argument("--positions", type=int, default=500)
     args = parser.parse_args(argv)
@@ -298,7 +298,8 @@ def main(argv=None) -> Path:
         need = args.sample_tokens if args.on_the_fly else args.context_length_max
         text, sources = haystack(tokenizer, args.haystack_dir, max(4 * need, 4096))
     except (ValueError, OSError, ImportError) as e:
-        raise SystemExit(f"calibrate_duo.py: error: {e}") from None
+        print(f"calibrate_duo.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     model, tokenizer = load_model(args.model_path, attn_implementation="sdpa", device="cpu", dtype="float32",
                                   model_class=args.model_class)
     started, cpu = time.time(), time.process_time()
