@@ -1,5 +1,5 @@
-"""DuoAttention (Xiao et al., 2024, "DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming
-Heads", arXiv 2410.10819).
+"""DuoAttention (Xiao et al., 2024, arXiv 2410.10819): "Efficient Long-Context LLM Inference with Retrieval and
+Streaming Heads", ICLR 2025.
 
 Each stored KV head is a retrieval head (keeps every token) or a streaming head (keeps the first `num_sinks` tokens
 and the last `window_size`, physically stored that small; while decoding its window slides: sinks + the last

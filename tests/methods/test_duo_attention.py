@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
-import math
+import re
 import sys
 
 import numpy as np
@@ -147,3 +148,139 @@ def test_calibration_refuses_bad_values_before_loading(argv, says, tiny_model_di
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("calibrate_duo.py: error: "), err
     assert says in err
+
+
+# --- on a tiny random Llama: what each head stores, and the decode output ---------------------------------------
+
+PROMPT, STEPS, SINKS, WINDOW = 24, 6, 2, 6
+
+
+class TokenIds:
+    pad_token_id = 0
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model, prompt, pattern folder): 2 layers x 2 KV heads (4 query heads), weights of std 0.2 (a masked key
+    moves the logits), torch on one thread; the pattern streams heads (0, 1) and (1, 0) at share 0.5."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    prompt = torch.randint(3, 96, (PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
+    folder = tmp_path_factory.mktemp("duo-pattern")
+    write_tsv(folder / "full_attention_heads.tsv", [[0.93, 0.08], [-0.01, 1.2]])
+    yield model, prompt, folder
+    torch.set_num_threads(threads)
+
+
+def reference(model, tokens: list[int], streaming: set[tuple[int, int]]) -> list[torch.Tensor]:
+    """float64 logits of every decode forward (the prompt's last, then one per token) from the weights: the prompt
+    attends causally in full; a decode query of a streaming KV head's group attends to the first SINKS positions
+    and the last WINDOW held before it plus itself (then the oldest leaves: sinks + the last WINDOW stay)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    m = model.model
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    group = heads // kv_heads
+    ids = torch.tensor([tokens])
+    n = len(tokens)
+    positions = torch.arange(n)[None]
+    h = m.embed_tokens(ids)
+    cos, sin = m.rotary_emb(h, positions)
+    p, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    causal = j <= p
+    band = causal & ((j < SINKS) | (p - j <= WINDOW) | (p < PROMPT))
+    with torch.no_grad():
+        for layer, block in enumerate(m.layers):
+            attn = block.self_attn
+            x = block.input_layernorm(h)
+            q = attn.q_proj(x).view(1, n, heads, -1).transpose(1, 2)
+            k = attn.k_proj(x).view(1, n, kv_heads, -1).transpose(1, 2)
+            v = attn.v_proj(x).view(1, n, kv_heads, -1).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            visible = torch.stack([band if (layer, head // group) in streaming else causal for head in range(heads)])
+            logits = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+            probs = torch.softmax(logits.masked_fill(~visible[None], float("-inf")), dim=-1)
+            h = h + attn.o_proj((probs @ v).transpose(1, 2).reshape(1, n, -1))
+            h = h + block.mlp(block.post_attention_layernorm(h))
+        out = model.lm_head(m.norm(h))[0]
+    return [out[i] for i in range(PROMPT - 1, n)]
+
+
+def test_streaming_heads_hold_sinks_and_a_sliding_window(tiny):
+    """After the prefill and after every decode step a streaming head holds positions 0..SINKS-1 and the last
+    WINDOW, a retrieval head everything; every step's logits equal the float64 reference with those heads' decode
+    attention masked to that set (and differ from the unmasked model's)."""
+    from pyramidkv.generation import generate
+    from pyramidkv.methods import make_method
+
+    model, prompt, folder = tiny
+    method = make_method("duo_attention", duo_pattern=str(folder), window_size=WINDOW, num_sinks=SINKS)
+    streaming = {(0, 1), (1, 0)}
+    held, logits, fed = [], [], []
+
+    def record(module, args, kwargs, output):
+        cache = kwargs["past_key_values"]
+        held.append([[set(p.tolist()) for p in cache.held_positions(layer, 0)] for layer in range(2)])
+        logits.append(output.logits[0, -1].double())
+        fed.extend(kwargs["input_ids"][0].tolist())
+
+    hook = model.register_forward_hook(record, with_kwargs=True)
+    try:
+        generate(model, TokenIds(), [prompt], method, STEPS + 1, stop_token_ids=[])
+    finally:
+        hook.remove()
+    assert fed[:PROMPT] == prompt and len(held) == STEPS + 1
+    for step, layers in enumerate(held):
+        last = PROMPT + step
+        for layer, heads in enumerate(layers):
+            for head, got in enumerate(heads):
+                want = set(range(SINKS)) | set(range(last - WINDOW, last)) if (layer, head) in streaming \
+                    else set(range(last))
+                assert got == want, f"step {step} layer {layer} head {head}: {sorted(got ^ want)}"
+    want = reference(copy.deepcopy(model).double(), fed, streaming)
+    full = reference(copy.deepcopy(model).double(), fed, set())
+    for step, (got, expected, unmasked) in enumerate(zip(logits, want, full)):
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=0, msg=f"decode forward {step}")
+    assert max((e - u).abs().max() for e, u in zip(want[2:], full[2:])) > 1e-2   # the mask matters here
+
+
+@pytest.mark.parametrize("settings, says", [
+    (dict(streaming_share=1.5), "streaming_share must be in [0, 1]"),
+    (dict(streaming_share=-0.1), "streaming_share must be in [0, 1]"),
+    (dict(duo_selection="topk"), "duo_selection must be one of quantile|argsort"),
+    (dict(head_allocation="uniform"), "head_allocation must be threshold"),
+    (dict(duo_pattern="/no/such/pattern"), "no such file"),
+    (dict(duo_pattern="{wrong}"), "2 rows x 3 gates; this model has 2 layers x 2 KV heads"),
+])
+def test_refusals_are_one_line(settings, says, tmp_path):
+    from pyramidkv.methods import make_method
+
+    wrong = tmp_path / "full_attention_heads.tsv"
+    write_tsv(wrong, [[0.1, 0.2, 0.3]] * 2)
+    settings = {k: v.replace("{wrong}", str(wrong)) if isinstance(v, str) else v for k, v in settings.items()}
+    with pytest.raises(ValueError, match=re.escape(says)) as e:
+        make_method("duo_attention", **settings).check_model(ModelShape(2, 4, 2, name="tiny"))
+    assert "\n" not in str(e.value)
+
+
+def test_packaged_pattern_is_found_by_content_and_refused_for_another_model(smollm2_path, tiny_model_dir):
+    from pyramidkv.methods import make_method
+
+    method = make_method("duo_attention")
+    method.check_model(ModelShape(30, 9, 3, name=smollm2_path))
+    assert method.files_read(ModelShape(30, 9, 3, name=smollm2_path))
+    with pytest.raises(ValueError, match="no packaged DuoAttention pattern") as e:
+        method.check_model(ModelShape(2, 4, 2, name=tiny_model_dir))
+    assert "\n" not in str(e.value)
