@@ -26,6 +26,10 @@ class Generation:
     prompt_tokens: int          # real (unpadded) prompt length (context + question when fed as decode steps)
     new_tokens: int
     kv_bytes_per_prompt: int    # stored K/V bytes for this prompt after generation, all layers
+    # Where the budget is an outcome (head_allocation threshold): per layer and stored head the tokens held when
+    # the prompt stopped, and how many it had seen then (prompt + fed tokens); None otherwise.
+    held_tokens: Optional[list[list[int]]] = None
+    seen_tokens: Optional[int] = None
 
 
 @torch.no_grad()
@@ -86,8 +90,8 @@ def generate(
             input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=False, temperature=None,
             top_p=None, top_k=None, num_beams=1, eos_token_id=eos or None, pad_token_id=pad_id,
-            stopping_criteria=StoppingCriteriaList([_BytesAtStop(cache, width, [0] * len(token_lists), set(eos),
-                                                                 max_new_tokens)]),
+            stopping_criteria=StoppingCriteriaList([stop := _BytesAtStop(cache, width, [0] * len(token_lists),
+                                                                         set(eos), max_new_tokens)]),
         )
     results = []
     stops = set(eos)
@@ -95,7 +99,7 @@ def generate(
         new = output[row, width:].tolist()
         cut = next((i for i, tok in enumerate(new) if tok in stops), len(new))
         text = tokenizer.decode(new[:cut], skip_special_tokens=True)
-        results.append(Generation(text, len(tokens), cut, cache.final_kv_bytes(row)))
+        results.append(Generation(text, len(tokens), cut, cache.final_kv_bytes(row), *_held(cache, row, stop.held)))
     return results
 
 
@@ -207,14 +211,15 @@ def _generate_after_questions(model, tokenizer, contexts: list[list[int]], quest
             logits_processor=LogitsProcessorList([_FeedQuestions(width, questions, eos, min_new_tokens)]),
             stopping_criteria=StoppingCriteriaList([
                 _AnswerDone(width, questions, set(eos), max_new_tokens),
-                _BytesAtStop(cache, width, [len(q) for q in questions], set(eos), max_new_tokens)]),
+                stop := _BytesAtStop(cache, width, [len(q) for q in questions], set(eos), max_new_tokens)]),
         )
     results = []
     for row, (context, question) in enumerate(zip(contexts, questions)):
         answer = output[row, width + len(question):].tolist()[:max_new_tokens]
         cut = next((i for i, tok in enumerate(answer) if tok in eos), len(answer))
         text = tokenizer.decode(answer[:cut], skip_special_tokens=True)
-        results.append(Generation(text, len(context) + len(question), cut, cache.final_kv_bytes(row)))
+        results.append(Generation(text, len(context) + len(question), cut, cache.final_kv_bytes(row),
+                                  *_held(cache, row, stop.held)))
     return results
 
 
@@ -226,13 +231,30 @@ class _BytesAtStop(StoppingCriteria):
     def __init__(self, cache, width: int, question_lens: list[int], stops: set[int], max_new_tokens: int):
         self.cache, self.width, self.question_lens = cache, width, question_lens
         self.stops, self.max_new_tokens = stops, max_new_tokens
+        self.held: dict[int, tuple[list[list[int]], int]] = {}   # per row that stopped: _held_now then
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         for row, question in enumerate(self.question_lens):
             answer = input_ids[row, self.width + question:].tolist()
             if answer and (answer[-1] in self.stops or len(answer) >= self.max_new_tokens):
                 self.cache.record_stop(row)
+                if self.cache.method.head_allocation.sets_budget and row not in self.held:
+                    self.held[row] = _held_now(self.cache, row)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _held_now(cache, row: int) -> tuple[list[list[int]], int]:
+    """(per layer and stored head the tokens prompt `row` holds, the tokens it has seen: prompt + appended)."""
+    held = [cache.held_counts(layer)[row] for layer in range(cache.num_layers)]
+    return held, cache.prompt.real_lens[row] + cache.layers[0].appended
+
+
+def _held(cache, row: int, at_stop: dict) -> tuple[Optional[list[list[int]]], Optional[int]]:
+    """What a Generation records of a budget that is an outcome (head_allocation threshold): held and seen tokens
+    when the prompt stopped (now, if it has not); (None, None) for a method with a budget."""
+    if not cache.method.head_allocation.sets_budget:
+        return None, None
+    return at_stop.get(row) or _held_now(cache, row)
 
 
 @contextmanager

@@ -44,7 +44,7 @@ CORE_ORDER = {
         "token_stats")},
     **{f"pyramidkv.core.{m}": (1, "stores") for m in ("store", "full_precision", "paged", "quantized", "merged_pair",
                                                                             "store_kinds")},
-    **{f"pyramidkv.core.{m}": (2, "pipeline and decoding") for m in ("prefill", "decoding", "reconstruction")},
+    **{f"pyramidkv.core.{m}": (2, "pipeline and decoding") for m in ("prefill", "decoding", "reconstruction", "threshold")},
     "pyramidkv.core.cache": (3, "cache"),
 }
 

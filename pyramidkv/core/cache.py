@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache
 
 from pyramidkv.allocation.base import ModelShape
 from pyramidkv.core.context import CompressionMethod
-from pyramidkv.core.decoding import DecodeCompressor
+from pyramidkv.core.threshold import decoder_for
 from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.prefill import PromptCompressor
 from pyramidkv.core.reconstruction import Reconstruction
@@ -63,10 +63,11 @@ class CompressedCache(Cache):
 
     def __init__(self, method: CompressionMethod, num_layers: int, num_kv_heads: int, num_query_heads: int,
                  model_name: str = "", rotation: Optional[KeyRotation] = None, layer_windows: tuple = (),
-                 softcap: Optional[float] = None):
+                 softcap: Optional[float] = None, threshold: Optional[float] = None):
         """rotation: the model's RoPE on keys (the model glue's `key_rotation`), needed by quantizers that store
         keys before RoPE; layer_windows: per layer its sliding window W or None (global; (): every layer global);
-        softcap: the model's attention logit soft-cap (Gemma2) or None."""
+        softcap: the model's attention logit soft-cap (Gemma2) or None; threshold: decode-time threshold eviction's
+        (head_allocation threshold with threshold_decoding: core/threshold.py), None: none."""
         super().__init__()
         self.method = method
         self.num_layers = num_layers
@@ -96,9 +97,8 @@ class CompressedCache(Cache):
             raise ValueError(f"{method.name}: the paired store holds no sliding-window layer and applies no soft-cap")
         # A sliding layer's store drops what leaves the window: one that cannot is replaced by full precision.
         self.sliding_class = self.store_class if "reselect" in self.store_class.abilities else FullPrecisionStore
-        self.decoding = None if method.decode is None else \
-            DecodeCompressor(method, self.layers, num_query_heads, self.stored_heads, method.decode.decode_query_window,
-                             softcap, rotation)
+        self.decoding = decoder_for(method, self.layers, num_query_heads, num_kv_heads, self.stored_heads, softcap,
+                                    rotation, threshold)
         self.setup: Optional[StoreSetup] = None
         self.stopped_bytes: dict[int, int] = {}   # per prompt that stopped early, its bytes then (record_stop)
         self.reconstruction: Optional[Reconstruction] = None   # a reconstructing method's repeat passes (KVzip)
@@ -144,14 +144,16 @@ class CompressedCache(Cache):
     @torch.no_grad()
     def prefill(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 position_ids: Optional[torch.Tensor] = None, pattern=None,
-                column_sums: Optional[torch.Tensor] = None) -> None:
+                column_sums: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None) -> None:
         """The prompt's queries [B, Hq, n, D], keys and values [B, Hkv, n, D] (after RoPE; position_ids
         [B or 1, n] their RoPE positions), once the model's own attention over them has run; pattern: the
         sparse prefill pattern that attention followed (None: dense), which the scorers' statistics follow;
-        column_sums: [B, Hq, n], that attention's column sums where `needs_column_sums` asked for them."""
+        column_sums: [B, Hq, n], that attention's column sums where `needs_column_sums` asked for them; hidden:
+        [B, n, E] the layer's attention input, for methods that score by it (ScoreContext.hidden)."""
         bsz, _, n, _ = keys.shape
         self.prompt_len = n
-        scored = self._compressor(bsz, n).score(layer_idx, queries, keys, values, pattern, column_sums, position_ids)
+        scored = self._compressor(bsz, n).score(layer_idx, queries, keys, values, pattern, column_sums, position_ids,
+                                                hidden)
         if self.decoding is not None:
             self.decoding.observe_prefill(layer_idx, queries, keys, scored.raw_scores, self.pad_lens, pattern,
                                           column_sums)
@@ -190,15 +192,18 @@ class CompressedCache(Cache):
 
     @torch.no_grad()
     def decode_step(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """New tokens' queries [B, Hq, q, D], keys and values [B, Hkv, q, D] after RoPE: append them and
-        return the attention output [B, Hq, q, D] over everything the layer holds."""
+                    position_ids: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """New tokens' queries [B, Hq, q, D], keys and values [B, Hkv, q, D] after RoPE (hidden [B, q, E]: their
+        attention input, for scorers that read it): append them and return the attention output [B, Hq, q, D]
+        over everything the layer holds."""
         store, q_len = self.layers[layer_idx], keys.shape[2]
         if self.windows[layer_idx] is not None and q_len > 1:   # each new token has its own window: one at a time
             return torch.cat([self.decode_step(layer_idx, queries[:, :, i:i + 1], keys[:, :, i:i + 1],
                                                values[:, :, i:i + 1],
-                                               None if position_ids is None else position_ids[:, i:i + 1])
+                                               None if position_ids is None else position_ids[:, i:i + 1],
+                                               None if hidden is None else hidden[:, i:i + 1])
                               for i in range(q_len)], dim=2)
+        new = keys, values   # the KV heads' (a threshold decoder scores them)
         if self.stored_heads != keys.shape[1]:
             group = self.stored_heads // keys.shape[1]
             keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
@@ -212,7 +217,7 @@ class CompressedCache(Cache):
         store.append(keys, values, rope)
         out = store.attend(queries)
         if self.decoding is not None:
-            self.decoding.after_attend(layer_idx, queries)
+            self.decoding.after_attend(layer_idx, queries, *new, hidden, rope)
         return out
 
     def _slide(self, layer_idx: int) -> None:

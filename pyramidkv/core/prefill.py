@@ -113,11 +113,11 @@ class PromptCompressor:
 
     def score(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               pattern=None, column_sums: Optional[torch.Tensor] = None,
-              position_ids: Optional[torch.Tensor] = None) -> ScoredLayer:
+              position_ids: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None) -> ScoredLayer:
         """queries: [B, Hq, n, D]; keys, values: [B, Hkv, n, D] after RoPE; pattern: the layer's sparse prefill
         pattern (None: dense), what the attention statistics count; column_sums: [B, Hq, n] from the
         attention pass, for methods with `needs_column_sums`; position_ids: [B or 1, n] the rows' RoPE positions
-        (None: 0..n-1)."""
+        (None: 0..n-1); hidden: [B, n, E] the layer's attention input (ScoreContext.hidden) or None."""
         method, model = self.method, self.model
         if self.stored_heads != keys.shape[1]:  # query_head: K/V repeated to the query heads before compression
             group = self.stored_heads // keys.shape[1]
@@ -131,7 +131,7 @@ class PromptCompressor:
             positions = torch.arange(n, device=keys.device)[None] if position_ids is None else position_ids
             raw = method.score(ScoreContext(layer_idx, model.num_layers, queries, keys, values, real, pattern,
                                             column_sums, model.softcap, positions.to(keys.device).expand(len(real), n),
-                                            self.rotation))
+                                            self.rotation, hidden=hidden))
             scores = scores_per_stored_head(raw, method, model.num_kv_heads, model.num_query_heads)
             if method.merge is not None and method.merge.needs_attention:
                 attention = window_attention(queries, keys, real, method.window_size, pattern,

@@ -31,7 +31,7 @@ from pyramidkv.components import Component
 from pyramidkv.core.context import DecodeScoreContext, ScoreContext
 from pyramidkv.merging import make_merge_rule
 from pyramidkv.merging.base import MergeRule
-from pyramidkv.methods.composition import check_budget, check_nothing_evicted, check_units
+from pyramidkv.methods.composition import check_allocation, check_budget, check_nothing_evicted, check_units
 from pyramidkv.quantization import make_quantizer
 from pyramidkv.quantization.base import Quantizer
 from pyramidkv.sparse_prefill import make_sparse_prefill
@@ -143,6 +143,8 @@ class Method(Component):
         other layer's entry is its stored heads' counts. layer_scores (per layer [H, candidates]) only for
         allocations that need them."""
         protected, whole = self.protected_tokens, self.whole_layers(num_layers)
+        if self.head_allocation.sets_budget:   # threshold: the window and sinks, then each head what passes
+            return [protected] * num_layers
         selected = self.layer_allocation.selected_per_layer(budget - protected, num_layers, prompt_len,
                                                             prompt_len - protected, layer_scores)
         budgets = [prompt_len if layer in whole else protected + count for layer, count in enumerate(selected)]
@@ -174,6 +176,8 @@ class Method(Component):
         """The per-layer budget for a prompt of `real_len` tokens (all of it for a method that keeps every token)."""
         if not self.needs_budget:
             return real_len
+        if self.head_allocation.sets_budget:   # threshold: every token but the sinks may go (the window's later)
+            return self.selection.num_sinks
         if self.budget is not None:
             return self.budget
         return max(self.protected_tokens, round(self.budget_ratio * real_len), 1)
@@ -240,10 +244,7 @@ class Method(Component):
         if self.window_size < 0:
             raise ValueError(f"window_size must be an integer >= 0, got {self.window_size!r}")
         check_units(self)
-        if self.head_allocation.global_over_layers and not isinstance(self.layer_allocation, UniformLayers):
-            raise ValueError(f"head_allocation={self.head_allocation.name!r} splits the budget over all layers and "
-                             f"heads at once; it cannot be combined with layer_allocation="
-                             f"{self.layer_allocation.name!r} (use layer_allocation='uniform')")
+        check_allocation(self)
         if self.prefill_attention is not None and self.history_window is not None:
             raise ValueError(f"prefill_attention={self.prefill_attention.name!r} does not combine with {self.name}: its "
                              f"uniform level counts every key a prompt row attends, not a sparse head's")
@@ -255,6 +256,5 @@ class Method(Component):
             return
         if self.merge is not None:
             self.merge.check_method(self)
-        if self.budget_aliases:
-            return
-        check_budget(self)
+        if not (self.budget_aliases or self.head_allocation.sets_budget):
+            check_budget(self)

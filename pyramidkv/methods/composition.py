@@ -63,3 +63,40 @@ def check_budget(method) -> None:
                              f"window and the sinks, so it must be >= {method.protected_tokens}")
     elif not (0.0 < method.budget_ratio <= 1.0):
         raise ValueError(f"budget_ratio (max_capacity_prompts_ratio) must be in (0, 1], got {method.budget_ratio!r}")
+
+
+def check_allocation(method) -> None:
+    """ValueError (one line) if the head allocation cannot work with the method's other settings: one that spans
+    every layer beside a layer allocation; threshold eviction (no budget) with a budget, a method keeping every
+    token, a merge rule, or, deciding tokens while decoding, a scorer that reads more than the token or another
+    decode-time rule."""
+    heads = method.head_allocation
+    if (heads.global_over_layers or heads.sets_budget) and method.layer_allocation.name != "uniform":
+        raise ValueError(f"head_allocation={heads.name!r} decides every layer's tokens itself; it cannot be combined "
+                         f"with layer_allocation={method.layer_allocation.name!r} (use layer_allocation='uniform')")
+    if not heads.sets_budget:
+        return
+    if not method.needs_budget:
+        raise ValueError(f"{method.name} keeps every token; head_allocation='threshold' evicts by score: use a scoring "
+                         f"method (e.g. kvzap, snapkv) with it")
+    for setting in ("budget", "budget_ratio"):
+        if getattr(method, setting) is not None:
+            raise ValueError(f"head_allocation='threshold' keeps each token whose score passes threshold "
+                             f"{heads.threshold:g}, so the budget is an outcome: leave out "
+                             f"{method.setting_labels.get(setting, setting)}, got {getattr(method, setting)!r}")
+    if method.merge is not None:
+        raise ValueError(f"head_allocation='threshold' drops what fails its threshold; it does not combine with "
+                         f"merge={method.merge.name!r}")
+    if not heads.threshold_decoding:
+        return
+    if not method.token_scores:
+        raise ValueError(f"threshold_decoding decides each token when it leaves the window by the score it got on "
+                         f"entering, which needs a score that reads the token alone; {method.name}'s reads other "
+                         f"tokens' queries or keys: use threshold_decoding=false (decide the prompt only) or a per-token "
+                         f"scorer (kvzap, qfilter, kvzip_head, duo_attention)")
+    for setting, unit in (("decode_budget", method.decode), ("page_budget", method.pages),
+                          ("cross_layer_merge", method.layer_sharing), ("quant_method", method.quant_method),
+                          ("key_channel_ratio", method.channels)):
+        if unit is not None:
+            raise ValueError(f"threshold_decoding evicts tokens while decoding; it does not combine with {setting} "
+                             f"(use threshold_decoding=false to decide the prompt only)")

@@ -135,6 +135,7 @@ def compressed_attention_forward(
 
     weights = None
     layer = module.layer_idx
+    hidden = hidden_states if cache.method.needs_hidden else None   # the attention input, for scorers reading it
     if cache.reconstruction is not None and cache.reconstruction.current is not None:   # a repeat pass (KVzip)
         out = cache.repeat_attend(layer, scaled, keys, values).transpose(1, 2)
     elif not cache.is_prefilled(layer):
@@ -153,8 +154,8 @@ def compressed_attention_forward(
         else:
             out, weights = full_attention(module, implementation, queries, keys, values, attention_mask,
                                           position_ids, output_attentions, pads, scale, softcap, window)
-        cache.prefill(layer, scaled, keys, values, position_ids, pattern, column_sums)
+        cache.prefill(layer, scaled, keys, values, position_ids, pattern, column_sums, hidden)
     else:
-        out = cache.decode_step(layer, scaled, keys, values, position_ids).transpose(1, 2)
+        out = cache.decode_step(layer, scaled, keys, values, position_ids, hidden).transpose(1, 2)
     out = out.reshape(bsz, q_len, -1).contiguous()
     return module.o_proj(out), weights, cache

@@ -115,7 +115,7 @@ class Benchmark:
 
     def prediction_row(self, sample: Sample, output) -> dict:
         return {self.key: sample.key, "pred": output.text, **(sample.row or {}), "prompt_tokens": output.prompt_tokens,
-                "kv_bytes": output.kv_bytes_per_prompt}
+                "kv_bytes": output.kv_bytes_per_prompt, **achieved(output)}
 
     def score(self, args, out_dir: Path, files: list[SampleFile], method, model: str) -> Optional[dict]:
         """Score the run and write its results files (write_results); None: no scoring this run."""
@@ -123,6 +123,18 @@ class Benchmark:
 
     def format(self, result: dict) -> str:
         return ""
+
+
+def achieved(output) -> dict:
+    """The fields a prediction row adds where the budget is an outcome (head_allocation threshold; else none): per
+    layer and stored head the tokens held, the tokens seen (prompt + fed), and the kept share of them overall
+    (mean over layers and heads) and per layer: what was achieved, never a nominal budget."""
+    held, seen = output.held_tokens, output.seen_tokens
+    if held is None:
+        return {}
+    per_layer = [sum(heads) / (len(heads) * seen) for heads in held]
+    return {"held_tokens": held, "seen_tokens": seen, "kept_share": round(sum(per_layer) / len(per_layer), 6),
+            "kept_share_per_layer": [round(x, 6) for x in per_layer]}
 
 
 def write_results(out_dir: Path, result: dict, header: Sequence[str], rows: Sequence[Sequence]) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from pyramidkv.benchmarks import needle as nd
-from pyramidkv.runner.protocol import Benchmark, Sample, SampleFile, run_benchmark, write_results
+from pyramidkv.runner.protocol import Benchmark, Sample, SampleFile, achieved, run_benchmark, write_results
 from pyramidkv.runner.protocol import build_parser as protocol_parser
 
 RESULTS_FILE = "needle.jsonl"
@@ -159,7 +159,7 @@ class Needle(Benchmark):
         return {"key": sample.key, "context_length": row["context_length"], "depth_percent": row["depth_percent"],
                 "pred": pred, **nd.score_answer(pred), "prompt_tokens": output.prompt_tokens,
                 "kv_bytes": output.kv_bytes_per_prompt, "needle_depth_actual": row["needle_depth_actual"],
-                "new_tokens": output.new_tokens}
+                "new_tokens": output.new_tokens, **achieved(output)}
 
     def score(self, args, out_dir, files, method, model) -> dict:
         from pyramidkv.runner.results import read_unique_rows

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from pyramidkv.benchmarks.ruler.tasks import DEFAULT_TASKS, OFFLINE_TASKS, QA_TASKS, TASKS
-from pyramidkv.runner.protocol import Benchmark, Sample, SampleFile, run_benchmark, write_results
+from pyramidkv.runner.protocol import Benchmark, Sample, SampleFile, achieved, run_benchmark, write_results
 from pyramidkv.runner.protocol import build_parser as protocol_parser
 
 DEFAULT_CONTEXT_LENGTH = 4096
@@ -129,7 +129,7 @@ class Ruler(Benchmark):
 
     def prediction_row(self, sample, output) -> dict:
         return {"index": sample.key, "pred": output.text, **sample.row, "prompt_tokens": output.prompt_tokens,
-                "kv_bytes": output.kv_bytes_per_prompt}
+                "kv_bytes": output.kv_bytes_per_prompt, **achieved(output)}
 
     def score(self, args, out_dir, files, method, model) -> dict:
         return score_run(out_dir, self.sets, model, method)

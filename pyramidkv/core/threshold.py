@@ -1,0 +1,142 @@
+"""Threshold eviction while decoding (head_allocation threshold with threshold_decoding, allocation/threshold.py).
+
+The prefill decided every prompt token before the recent window (W = the method's window_size): kept in a stored
+head iff its score there >= threshold. The window's tokens, and every token appended later, are PENDING: each was
+given its score per stored head when it entered (the window's at prefill, a new token by the method's `score` on
+that token alone, `token_scores`), and is decided when it leaves the window, i.e. once the newest held position
+is p + W: it stays in head h iff its score there >= threshold. Tokens at positions below num_sinks are never
+pending. Decisions run after the step's attention (a token leaving the window was attended by the step that
+pushed it out); a prompt that loses a token has its held tokens rebuilt without it (physically freed), its tail
+folded into the kept rows, as a decode-time re-selection does (decoding.py).
+
+Per prompt, per layer: `pending` holds (positions [P], scores [H, P]) oldest first; positions are true
+(0 = first real prompt token).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pyramidkv.core.context import CompressionMethod, ScoreContext
+from pyramidkv.core.decoding import DecodeCompressor
+from pyramidkv.core.kept import KeptKV
+from pyramidkv.core.scoring import scores_per_stored_head
+
+
+class ThresholdDecoder:
+    """The decode-time state of a cache whose method evicts by a threshold while decoding (same hooks as a
+    DecodeCompressor)."""
+
+    def __init__(self, method: CompressionMethod, stores: list, num_query_heads: int, num_kv_heads: int,
+                 threshold: float, rotation=None, softcap: Optional[float] = None):
+        self.method = method
+        self.stores = stores
+        self.num_layers = len(stores)
+        self.num_query_heads, self.num_kv_heads = num_query_heads, num_kv_heads
+        self.rotation, self.softcap = rotation, softcap
+        self.threshold = threshold
+        self.window = method.window_size
+        self.sinks = method.selection.num_sinks
+        self.pending: list[Optional[list[tuple[torch.Tensor, torch.Tensor]]]] = [None] * self.num_layers
+        self.next_position: list[list[int]] = [[] for _ in range(self.num_layers)]  # per layer, per prompt
+        self.compressions = [0] * self.num_layers   # decode steps at which a layer evicted something
+        self.evicted = [0] * self.num_layers        # (prompt, head, token) entries evicted while decoding, per layer
+        self.peak_kv_bytes = 0
+
+    def stored_bytes(self) -> int:
+        return sum(store.nbytes() for store in self.stores if store is not None)
+
+    # ---- hooks called by the cache ----------------------------------------------------------
+    def observe_prefill(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor,
+                        raw_scores: Optional[torch.Tensor], pad_lens: list[int], pattern=None,
+                        column_sums: Optional[torch.Tensor] = None) -> None:
+        """The prompt's window tokens become pending with their prefill scores (raw_scores [B, Hq|Hkv, n], None
+        when no prompt is longer than the sinks: nothing is pending then)."""
+        n = keys.shape[2]
+        real_lens = [n - pad for pad in pad_lens]
+        self.next_position[layer_idx] = real_lens
+        scores = None if raw_scores is None else \
+            scores_per_stored_head(raw_scores, self.method, self.num_kv_heads, self.num_query_heads).float()
+        pending = []
+        for b, real in enumerate(real_lens):
+            first = max(real - self.window, self.sinks)   # true positions [first, real) are pending
+            positions = torch.arange(first, max(first, real), device=keys.device)
+            if scores is None or not positions.numel():
+                heads = 1 if scores is None else scores.shape[1]
+                pending.append((positions[:0], keys.new_zeros(heads, 0, dtype=torch.float32)))
+            else:
+                pending.append((positions, scores[b, :, n - real + first:]))
+        self.pending[layer_idx] = pending
+
+    def after_prefill(self, layer_idx: int) -> None:
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
+
+    def after_attend(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor = None,
+                     values: torch.Tensor = None, hidden: Optional[torch.Tensor] = None,
+                     rope: Optional[torch.Tensor] = None) -> None:
+        """After a decode step's attention at one layer: queries [B, Hq, q, D], keys, values [B, Hkv, q, D] of the
+        new tokens (before any repeat to query heads), hidden [B, q, E] their attention input (methods with
+        `needs_hidden`), rope [B] the last new token's RoPE position. Score them, then decide what leaves the
+        window."""
+        bsz, _, q_len, _ = keys.shape
+        positions = rope[:, None] - q_len + 1 + torch.arange(q_len, device=keys.device)   # [B, q] RoPE positions
+        ctx = ScoreContext(layer_idx, self.num_layers, queries, keys, values,
+                           torch.ones(bsz, q_len, dtype=torch.bool, device=keys.device), softcap=self.softcap,
+                           positions=positions.long(), rotation=self.rotation, hidden=hidden)
+        scores = scores_per_stored_head(self.method.score(ctx), self.method, self.num_kv_heads,
+                                        self.num_query_heads).float()   # [B, H, q]
+        drops, pending = [], self.pending[layer_idx]
+        for b in range(bsz):
+            start = self.next_position[layer_idx][b]
+            self.next_position[layer_idx][b] = start + q_len
+            new = torch.arange(start, start + q_len, device=keys.device)
+            keep_new = new >= self.sinks
+            held_positions = torch.cat([pending[b][0], new[keep_new]])
+            held_scores = torch.cat([pending[b][1].to(scores.device), scores[b][:, keep_new]], dim=1)
+            leaving = held_positions <= start + q_len - 1 - self.window
+            pending[b] = (held_positions[~leaving], held_scores[:, ~leaving])
+            # per head the positions that leave with a score below the threshold: [H] lists
+            fails = held_scores[:, leaving] < self.threshold
+            drops.append([held_positions[leaving][fails[h]] for h in range(fails.shape[0])])
+        if any(d.numel() for heads in drops for d in heads):
+            self._evict(layer_idx, drops)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
+
+    def drop_before(self, layer_idx: int, first: list[int]) -> None:
+        """A sliding layer's window: every held token of prompt b below position first[b] leaves, pending or not."""
+        store = self.stores[layer_idx]
+        pending = self.pending[layer_idx]
+        for b, f in enumerate(first):
+            positions, scores = pending[b]
+            pending[b] = (positions[positions >= f], scores[:, positions >= f])
+        store.replace([KeptKV.from_heads([(k[p >= f], v[p >= f], p[p >= f]) for k, v, p in store.held(b)])
+                       for b, f in enumerate(first)])
+
+    # ---- eviction ---------------------------------------------------------------------------
+    def _evict(self, layer_idx: int, drops: list[list[torch.Tensor]]) -> None:
+        """Per prompt, per stored head, the positions to drop; every prompt's held tokens become its kept rows."""
+        store = self.stores[layer_idx]
+        kept = []
+        for b, heads in enumerate(drops):
+            rows = []
+            for (k, v, p), gone in zip(store.held(b), heads):
+                stay = ~torch.isin(p, gone) if gone.numel() else torch.ones_like(p, dtype=torch.bool)
+                self.evicted[layer_idx] += int((~stay).sum())
+                rows.append((k[stay], v[stay], p[stay]))
+            kept.append(KeptKV.from_heads(rows))
+        store.replace(kept)
+        self.compressions[layer_idx] += 1
+
+
+def decoder_for(method: CompressionMethod, stores: list, num_query_heads: int, num_kv_heads: int, stored_heads: int,
+                softcap: Optional[float] = None, rotation=None, threshold: Optional[float] = None):
+    """The cache's decode-time compressor: a threshold decoder (threshold: not None, given by the model patch for
+    head_allocation threshold with threshold_decoding), a DecodeCompressor (decode_budget), or None."""
+    if threshold is not None:
+        return ThresholdDecoder(method, stores, num_query_heads, num_kv_heads, threshold, rotation, softcap)
+    if method.decode is None:
+        return None
+    return DecodeCompressor(method, stores, num_query_heads, stored_heads, method.decode.decode_query_window, softcap,
+                            rotation)

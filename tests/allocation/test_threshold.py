@@ -1,0 +1,201 @@
+"""Threshold eviction (head_allocation threshold, the DMS rule): the held set of every layer and KV head after the
+prefill and after each of 64 decode steps against a float64 simulation of the rule on a tiny random Llama (its
+own forward, per-head masks); bytes equal the held count formula; a threshold below every score is fullkv; the
+prefill-only variant keeps the window and every generated token; refusals, one line each."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from pyramidkv import make_method
+from pyramidkv.allocation.threshold import ThresholdHeads
+from pyramidkv.capabilities import Selection
+from pyramidkv.generation import generate
+from pyramidkv.methods.base import Method
+
+PROMPT, WINDOW, SINKS, STEPS, THRESHOLD = 40, 8, 2, 64, 0.1
+
+
+@dataclass(frozen=True)
+class KeyAndInput(Method):
+    """A per-token scorer for the test: a KV head h scores a token by its key's first channel plus channel h of
+    its attention input (so the hidden states reach the scorer at prefill and while decoding)."""
+
+    name = "key_and_input_test"
+    needs_hidden = True
+    token_scores = True
+
+    def score(self, ctx):
+        keys = ctx.keys[..., 0].float()                                   # [B, Hkv, n]
+        return keys + ctx.hidden[..., :keys.shape[1]].float().transpose(1, 2)
+
+
+class TokenIds:
+    pad_token_id = 0
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    prompt = torch.randint(3, 96, (PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
+    yield model, prompt
+    torch.set_num_threads(threads)
+
+
+def simulate(model, tokens: list[int], prompt_len: int) -> list[list[list[set[int]]]]:
+    """The rule in float64 from the model's weights: per forward (the prompt, then one token each) the held
+    positions of every layer and KV head. The prompt attends causally over itself; then a KV head holds the
+    first SINKS, the last WINDOW and the rest scored >= THRESHOLD; each later token, scored when it enters, is
+    decided once the newest position is WINDOW past it. Each query head attends over its KV head's held set."""
+    m = model.model
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    group = heads // kv_heads
+    cache_k = [[] for _ in m.layers]
+    cache_v = [[] for _ in m.layers]
+    scores = [[] for _ in m.layers]     # per layer [Hkv, t] every token's score
+    held = [[set() for _ in range(kv_heads)] for _ in m.layers]
+    history, start = [], 0
+    chunks = [tokens[:prompt_len]] + [[t] for t in tokens[prompt_len:]]
+    with torch.no_grad():
+        for chunk in chunks:
+            q_len = len(chunk)
+            h = m.embed_tokens(torch.tensor([chunk]))
+            cos, sin = m.rotary_emb(h, torch.arange(start, start + q_len)[None])
+            for layer, block in enumerate(m.layers):
+                attn = block.self_attn
+                x = block.input_layernorm(h)
+                q = attn.q_proj(x).view(1, q_len, heads, -1).transpose(1, 2)
+                k = attn.k_proj(x).view(1, q_len, kv_heads, -1).transpose(1, 2)
+                v = attn.v_proj(x).view(1, q_len, kv_heads, -1).transpose(1, 2)
+                q, k = apply_rotary_pos_emb(q, k, cos, sin)
+                cache_k[layer].append(k)
+                cache_v[layer].append(v)
+                scores[layer].append(k[0, :, :, 0] + x[0, :, :kv_heads].T)   # [Hkv, q]
+                keys, values = torch.cat(cache_k[layer], dim=2), torch.cat(cache_v[layer], dim=2)
+                t = keys.shape[2]
+                visible = torch.zeros(kv_heads, q_len, t, dtype=torch.bool)
+                for kv in range(kv_heads):
+                    visible[kv][:, sorted(held[layer][kv])] = True
+                    visible[kv][:, start:start + q_len] = True
+                visible &= torch.arange(t)[None, None, :] <= torch.arange(start, start + q_len)[None, :, None]
+                mask = visible.repeat_interleave(group, dim=0)[None]                      # [1, Hq, q, t]
+                logits = q @ keys.repeat_interleave(group, dim=1).transpose(-1, -2) / q.shape[-1] ** 0.5
+                probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+                out = (probs @ values.repeat_interleave(group, dim=1)).transpose(1, 2).reshape(1, q_len, -1)
+                h = h + attn.o_proj(out)
+                h = h + block.mlp(block.post_attention_layernorm(h))
+                every = torch.cat(scores[layer], dim=1)
+                newest = start + q_len - 1
+                for kv in range(kv_heads):
+                    held[layer][kv] |= set(range(start, start + q_len))
+                    # decided now: past the window, not a sink, and (at prefill) every earlier token
+                    leaving = [p for p in held[layer][kv] if SINKS <= p <= newest - WINDOW
+                               and (start == 0 or p == newest - WINDOW)]
+                    held[layer][kv] -= {p for p in leaving if every[kv, p] < THRESHOLD}
+            history.append([[set(s) for s in layer] for layer in held])
+            start += q_len
+    return history
+
+
+def run(model, prompt, method, steps=STEPS):
+    """(held positions per forward [layer][head], kv bytes per forward, the fed tokens, the final cache)."""
+    held, sizes, fed, caches = [], [], [], []
+
+    def record(module, args, kwargs, output):
+        cache = kwargs["past_key_values"]
+        held.append([[set(p.tolist()) for p in cache.held_positions(layer, 0)] for layer in range(2)])
+        sizes.append(cache.kv_bytes())
+        fed.extend(kwargs["input_ids"][0].tolist())
+        caches[:] = [cache]
+
+    hook = model.register_forward_hook(record, with_kwargs=True)
+    try:
+        generate(model, TokenIds(), [prompt], method, steps + 1, stop_token_ids=[])
+    finally:
+        hook.remove()
+    return held, sizes, fed, caches[0]
+
+
+def test_held_sets_follow_the_rule_at_prefill_and_every_decode_step(tiny):
+    model, prompt = tiny
+    method = KeyAndInput(window_size=WINDOW, head_allocation=ThresholdHeads(threshold=THRESHOLD),
+                         selection=Selection(num_sinks=SINKS))
+    held, sizes, fed, cache = run(model, prompt, method)
+    assert fed[:PROMPT] == prompt and len(held) == STEPS + 1
+    expected = simulate(copy.deepcopy(model).double(), fed, PROMPT)
+    for step, (got, want) in enumerate(zip(held, expected)):
+        assert got == want, f"step {step}: held sets differ: {[[sorted(a ^ b) for a, b in zip(g, w)] for g, w in zip(got, want)]}"
+    # bytes: every held key and value, float32, head dim 16
+    counts = [sum(len(s) for layer in step for s in layer) for step in held]
+    assert sizes == [c * 2 * 16 * 4 for c in counts]
+    # not vacuous: heads differ, prompt-window and generated tokens were evicted while decoding, some were kept
+    final = expected[-1]
+    assert len({len(s) for layer in final for s in layer}) > 1
+    assert any(p in range(PROMPT - WINDOW, PROMPT) for layer in expected[0] for s in layer for p in s)
+    assert any(not {p for p in range(PROMPT - WINDOW, PROMPT)} <= s for layer in final for s in layer)
+    generated = range(PROMPT, PROMPT + STEPS - WINDOW)
+    assert any(0 < len(set(generated) & s) < len(generated) for layer in final for s in layer)
+    assert sum(cache.decoding.evicted) > 0
+
+
+def test_a_threshold_below_every_score_is_fullkv(tiny):
+    model, prompt = tiny
+    everything = KeyAndInput(window_size=WINDOW, head_allocation=ThresholdHeads(threshold=-1e9))
+    held, sizes, fed, _ = run(model, prompt, everything, steps=16)
+    full_held, full_sizes, full_fed, _ = run(model, prompt, make_method("fullkv"), steps=16)
+    assert fed == full_fed and sizes == full_sizes
+    assert held[-1] == [[set(range(PROMPT + 16))] * 2] * 2
+
+
+def test_prefill_only_keeps_the_window_and_every_generated_token(tiny):
+    model, prompt = tiny
+    method = make_method("snapkv", head_allocation="threshold", threshold=0.3, threshold_decoding=False,
+                         window_size=WINDOW)
+    held, _, _, cache = run(model, prompt, method, steps=8)
+    assert cache.decoding is None
+    after_prefill = held[0]
+    for step, snapshot in enumerate(held):
+        for layer in range(2):
+            for head in range(2):
+                assert snapshot[layer][head] == after_prefill[layer][head] | set(range(PROMPT, PROMPT + step))
+                assert set(range(PROMPT - WINDOW, PROMPT)) <= snapshot[layer][head]
+    sizes = {len(s) for layer in after_prefill for s in layer}
+    assert min(sizes) < PROMPT and len(sizes) > 1    # evicted, ragged
+
+
+@pytest.mark.parametrize("settings, fragment", [
+    (dict(head_allocation="threshold", threshold_decoding=False, budget=64), "budget is an outcome"),
+    (dict(head_allocation="threshold", threshold_decoding=False, budget_ratio=0.5), "leave out budget_ratio"),
+    (dict(head_allocation="threshold"), "threshold_decoding=false"),
+    (dict(head_allocation="threshold", threshold_decoding=False, layer_allocation="pyramid"),
+     "layer_allocation='uniform'"),
+    (dict(head_allocation="threshold", threshold_decoding=False, merge="pivot"), "merge='pivot'"),
+    (dict(head_allocation="threshold", threshold=float("nan"), threshold_decoding=False), "finite number"),
+])
+def test_refusals_are_one_line(settings, fragment):
+    with pytest.raises(ValueError, match=fragment) as error:
+        make_method("snapkv", **settings)
+    assert "\n" not in str(error.value)
+
+
+def test_fullkv_and_a_decode_rule_are_refused():
+    with pytest.raises(ValueError, match="keeps every token"):
+        make_method("fullkv", head_allocation="threshold", threshold_decoding=False)
+    with pytest.raises(ValueError, match="does not combine with decode_budget"):
+        KeyAndInput(head_allocation=ThresholdHeads(), decode=make_method("snapkv", budget=64, decode_budget=64).decode)
