@@ -93,7 +93,10 @@ def write_tables(folder: Path) -> dict:
     kinds = [["vertical_and_slash", 8, 16, 0.9], ["stream_llm", 4, 16, 0.9], ["block_sparse", 0, 0, 1.0]]
     patterns.write_text(json.dumps([{str(head): kinds[(layer + head) % 3] for head in range(QUERY_HEADS)}
                                     for layer in range(LAYERS)]))
-    return {"head_scores": str(head_scores), "pattern_table": str(patterns)}
+    duo = folder / "full_attention_heads.tsv"   # DuoAttention's gates, 3 layers x 2 KV heads: 3 heads stream
+    duo.write_text("0.9\t0.1\n0.2\t0.8\n0.6\t0.3\n")
+    return {"head_scores": str(head_scores), "pattern_table": str(patterns),
+            "duo_attention": dict(duo_pattern=str(duo), threshold=0.5, window_size=8, num_sinks=2)}
 
 
 SHAPE = model_shape(tiny_config(), dtype_bytes=4)
@@ -120,8 +123,10 @@ def combinations(name: str, head: str):
 
 def settings(cls, head: str, layer: str, merge, quant, decode, tables: dict) -> dict:
     chosen = {"head_allocation": head, "layer_allocation": layer}
-    if cls.needs_budget:   # Quest's reads whole pages, at least 3 of 16: 48
+    if cls.needs_budget and head != "threshold":   # Quest's reads whole pages, at least 3 of 16: 48
         chosen["budget"] = 48 if cls.name in KEEPS_THE_PROMPT else BUDGET
+    if head == "threshold":   # no budget; a method's own threshold settings (duo_attention: its pattern)
+        chosen.update(tables.get(cls.name, {}))
     if head == "headkv":
         chosen["head_scores"] = tables["head_scores"]
     if merge is not None:
@@ -177,6 +182,8 @@ def prefill_problems(name: str, method, layer: str, held: list[list[int]], budge
     protected = method.window_size + method.num_sinks
     if any(not protected <= c <= n for l in compressed for c in held[l]):
         problems.append(f"every head holds between the {protected} protected tokens and the prompt ({n}): {held}")
+    if method.head_allocation.sets_budget:   # threshold eviction: no budget, each head what passes
+        return problems
     if uniform_heads and any(len(set(held[l])) != 1 for l in compressed):
         problems.append(f"uniform heads: the heads of a layer hold the same count: {held}")
     total = sum(sum(held[l]) for l in compressed)
@@ -249,6 +256,11 @@ def test_every_combination_runs_within_its_budget_or_is_refused_in_one_line(tiny
             problems = prefill_problems(name, method, layer, states[0], budgets)
             if method.decode is not None:   # its defaults bound decoding
                 problems += decode_problems(states, None, method.decode.decode_budget, method.decode.decode_interval)
+            elif method.head_allocation.sets_budget and method.head_allocation.threshold_decoding:
+                problems += [f"step {t}: holds {state} after {states[t - 1]}: a head gains the new token and loses at "
+                             f"most the one leaving the window" for t, state in enumerate(states)
+                             if t and any(not 0 <= c - p <= 1 for row, prev in zip(state, states[t - 1])
+                                          for c, p in zip(row, prev))]
             else:
                 problems += [f"step {t}: holds {state}, expected the prefill counts + {t}"
                              for t, state in enumerate(states) if state != [[c + t for c in row] for row in states[0]]]
