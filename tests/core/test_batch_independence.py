@@ -7,9 +7,9 @@ second instead of seven on SmolLM2.
 The matrix is scorer x head allocation x layer allocation x merge rule x quantizer x decode budget x key
 channels (ThinK) x sinks and random share (NACL) x Quest pages x cross-layer merging (MiniCache) x sparse
 prefill (MInference). Its combinations are covered pairwise: every pair of values of two axes that some
-valid combination has appears in at least one case of CASES (53 cases; combinations refused at build time,
+valid combination has appears in at least one case of CASES (75 cases; combinations refused at build time,
 such as headkv with a pyramid, are not cases). CASES is a table, so that collecting this file costs
-nothing; test_the_cases_cover_every_pair builds all 115,200 combinations to check it, and
+nothing; test_the_cases_cover_every_pair builds all 158,400 combinations to check it, and
 `python -m tests.core.test_batch_independence` prints a new table when the refusals change. Logits may
 differ in the last bits (the model's own batched matmuls round differently), so tokens, not logits, are
 compared.
@@ -28,8 +28,8 @@ from tests.engine_snapshot import assert_batch_equals_alone
 
 AXES = {
     "scorer": ["streamingllm", "h2o", "snapkv", "l2norm", "nacl", "scissorhands", "expected_attention", "keydiff",
-               "tova", "kvzip"],
-    "head_allocation": ["uniform", "adakv", "headkv", "global"],
+               "tova", "kvzip", "duo_attention"],
+    "head_allocation": ["uniform", "adakv", "headkv", "global", "threshold"],
     "layer_allocation": ["uniform", "pyramid", "zigzag"],
     "merge": [None, "pivot", "weighted", "mergingpress", "cam"],
     "quant": [None, "kivi", "kvquant", "kvquant-nuq", "gear"],
@@ -55,6 +55,10 @@ def build(case: dict, tables: dict):
     settings = {"budget": 64, "head_allocation": case["head_allocation"], "layer_allocation": case["layer_allocation"]}
     if case["head_allocation"] == "headkv":
         settings["head_scores"] = tables["head_scores"]
+    if case["head_allocation"] == "threshold":   # no budget: each head keeps what passes its threshold
+        del settings["budget"]
+        if case["scorer"] == "duo_attention":
+            settings.update(threshold=0.5, duo_pattern=tables["duo_pattern"], window_size=8, num_sinks=2)
     if case["scorer"] in ("h2o", "snapkv", "nacl", "scissorhands"):
         settings["window_size"] = 16
     if case["key_channels"]:
@@ -190,6 +194,9 @@ CASES = [dict(zip(AXES, row)) for row in [
     ('expected_attention', 'global', 'uniform', None, None, None, 0.0, False, None, False, None),
     ('keydiff', 'global', 'uniform', None, None, None, 0.0, False, None, False, None),
     ('kvzip', 'uniform', 'uniform', None, 'gear', None, 0.0, False, None, False, None),
+    # duo_attention and head_allocation threshold (issue 28): its valid combinations' pairs
+    ('duo_attention', 'threshold', 'uniform', None, None, None, 0.0, False, None, False, None),
+    ('duo_attention', 'threshold', 'uniform', None, None, None, 0.0, True, None, False, 'minference'),
 ]]
 
 
@@ -240,7 +247,8 @@ if __name__ == "__main__":
 
     typing.get_type_hints = cached_type_hints()
     with tempfile.TemporaryDirectory() as folder:  # building only checks that the tables are files
-        tables = {"head_scores": str(Path(folder) / "head_scores.json"), "pattern_table": str(Path(folder) / "p.json")}
+        tables = {"head_scores": str(Path(folder) / "head_scores.json"), "pattern_table": str(Path(folder) / "p.json"),
+                  "duo_pattern": str(Path(folder) / "duo.tsv")}
         for path in tables.values():
             Path(path).write_text("{}")
         for case in pairwise_cases(tables):
