@@ -30,3 +30,15 @@ results_dir() {
         if [ "$source_path" = "/" ]; then printf '/%s\n' "$name"; else printf '%s/%s\n' "$source_path" "$name"; fi
     fi
 }
+
+# method_takes_budget METHOD: exit status 0 when the method at its defaults takes a budget (the registry's
+# takes_budget); 1 for one that keeps every token (fullkv, minicache, minference) or decides each head's count by
+# a threshold (kvzap, duo_attention): the eval.sh scripts then do not pass MAX_CAPACITY_PROMPTS on.
+method_takes_budget() {
+    local repo
+    repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python3}" -c 'import sys
+from pyramidkv.methods import METHODS, takes_budget
+cls = METHODS.get(sys.argv[1].lower())
+sys.exit(0 if cls is None or takes_budget(cls) else 1)' "$1"
+}

@@ -22,10 +22,11 @@ if [ "$FULLKV" = "1" ]; then
   for variant in "${_fullkv_variants[@]}"; do SWEEP_TASKS+=("fullkv -|$variant"); done
 fi
 IFS='|' read -r -a _sweep_variants <<< "$VARIANTS"
-# Methods that take no budget (fullkv, minicache, minference: read from the registry) run once per variant.
+# Methods that take no budget (fullkv, minicache, minference, and threshold eviction's kvzap, duo_attention: read
+# from the registry) run once per variant (a threshold sweep: VARIANTS="--threshold -4|--threshold -6").
 _sweep_repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-_no_budget=$(PYTHONPATH="$_sweep_repo${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python}" -c 'from pyramidkv.methods import METHODS
-print(" ".join(n for n, c in METHODS.items() if not c.needs_budget))')
+_no_budget=$(PYTHONPATH="$_sweep_repo${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python}" -c 'from pyramidkv.methods import METHODS, takes_budget
+print(" ".join(n for n, c in METHODS.items() if not takes_budget(c)))')
 for method in $METHODS; do
   if [ "$method" = "fullkv" ]; then continue; fi
   if [[ " $_no_budget " == *" $method "* ]]; then

@@ -24,7 +24,7 @@ from pyramidkv.methods.nacl import NACL
 from pyramidkv.methods.pyramidkv import PyramidKV
 from pyramidkv.methods.quest import Quest
 from pyramidkv.methods.scissorhands import Scissorhands
-from pyramidkv.methods.settings import build_method, method_from_spec, method_spec, split_spec
+from pyramidkv.methods.settings import build_method, method_from_spec, method_spec, split_spec, takes_budget
 from pyramidkv.methods.snapkv import SnapKV
 from pyramidkv.methods.streamingllm import StreamingLLM
 from pyramidkv.methods.think import ThinK
@@ -140,5 +140,5 @@ def parse_method_spec(spec: str, budget: Optional[int] = None, **defaults) -> Me
         raise ValueError(f"method spec {spec!r}: {e}") from None
 
 
-__all__ = ["METHODS", "Method", "ScoreContext", "make_method", "register_method", "get_method_class", "method_options",
+__all__ = ["METHODS", "Method", "takes_budget", "ScoreContext", "make_method", "register_method", "get_method_class", "method_options",
            "parse_method_spec", "method_spec", "canonical"]

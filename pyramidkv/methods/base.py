@@ -144,7 +144,7 @@ class Method(Component):
         allocations that need them."""
         protected, whole = self.protected_tokens, self.whole_layers(num_layers)
         if self.head_allocation.sets_budget:   # threshold: the window and sinks, then each head what passes
-            return [protected] * num_layers
+            return [prompt_len if layer in whole else protected for layer in range(num_layers)]
         selected = self.layer_allocation.selected_per_layer(budget - protected, num_layers, prompt_len,
                                                             prompt_len - protected, layer_scores)
         budgets = [prompt_len if layer in whole else protected + count for layer, count in enumerate(selected)]

@@ -87,6 +87,12 @@ def check_allocation(method) -> None:
     if method.merge is not None:
         raise ValueError(f"head_allocation='threshold' drops what fails its threshold; it does not combine with "
                          f"merge={method.merge.name!r}")
+    if method.selection.random_fraction:
+        raise ValueError(f"head_allocation='threshold' keeps exactly what passes its threshold; it does not combine "
+                         f"with random_fraction={method.selection.random_fraction:g}")
+    if method.layer_sharing is not None:
+        raise ValueError("head_allocation='threshold' decides each layer by its own scores; it does not combine with "
+                         "cross_layer_merge (a merged pair selects on the sum of two layers' scores)")
     if not heads.threshold_decoding:
         return
     if not method.token_scores:

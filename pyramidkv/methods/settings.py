@@ -378,13 +378,25 @@ def _quote(text: str) -> str:
     return json.dumps(text) if (not text or any(c in text for c in ',=:"') or text != text.strip()) else text
 
 
+def takes_budget(cls: type[Method], head_allocation=None) -> bool:
+    """Whether the method takes a budget with `head_allocation` (a name or unit; None: its default): not one keeping
+    every token (fullkv, minicache, ...), nor one whose head allocation decides the counts itself (threshold: kvzap's
+    and duo_attention's default)."""
+    heads = head_allocation if head_allocation is not None else \
+        next(f.default for f in dataclasses.fields(cls) if f.name == "head_allocation")
+    if isinstance(heads, str):
+        heads = HEAD_ALLOCATIONS.get(heads.lower())
+    return cls.needs_budget and not getattr(heads, "sets_budget", False)
+
+
 def method_from_spec(cls: type[Method], items: list[tuple[str, str]], budget: Optional[int] = None,
                      **defaults) -> Method:
     """The method of a split spec; `budget` applies when the method takes one and the spec gives neither budget
     nor budget_ratio, each of `defaults` when the method has that setting and the spec does not give it."""
     settings = read_settings(cls, items)
     own = _method_fields(cls)
-    if budget is not None and cls.needs_budget and not {"budget", "budget_ratio", COMPRESSION_RATIO} & set(settings):
+    if budget is not None and takes_budget(cls, settings.get("head_allocation")) and \
+            not {"budget", "budget_ratio", COMPRESSION_RATIO} & set(settings):
         settings["budget"] = budget
     for key, value in defaults.items():
         if key in own and key not in settings:

@@ -36,6 +36,8 @@ class StreamingLLM(Method):
                              f"recent token")
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
-        # Recency as the score (the sinks are protected by the core): top-B = sinks + most recent B - s.
+        # Recency as the score (the sinks are protected by the core): top-B = sinks + most recent B - s. The rank
+        # among the real tokens (0 = the first), so a prompt scores the same padded or alone (a threshold reads it).
         bsz, heads, n, _ = ctx.keys.shape
-        return torch.arange(n, device=ctx.keys.device, dtype=torch.float32).expand(bsz, heads, n)
+        real = ctx.real if ctx.real.dim() == 3 else ctx.real[:, None]
+        return (real.float().cumsum(dim=-1) - 1).expand(bsz, heads, n)

@@ -348,7 +348,9 @@ def _error_without(cls, settings: dict, key: str) -> str:
 
 
 def budget_label(method: Method) -> str:
-    """The budget part of the output folder name: 128, r0.25, or full."""
+    """The budget part of the output folder name: 128, r0.25, threshold (the budget is an outcome), or full."""
+    if method.head_allocation.sets_budget:
+        return "threshold"
     budget, ratio = method.budget_pair()
     if budget is not None:
         return str(budget)
@@ -358,7 +360,10 @@ def budget_label(method: Method) -> str:
 
 
 def budget_value(method: Method):
-    """The budget as results.json records it: an int, "r<ratio>", or None for the full cache."""
+    """The budget as results.json records it: an int, "r<ratio>", "threshold" (an outcome: the rows and RULER's
+    kept_share record what was achieved), or None for the full cache."""
+    if method.head_allocation.sets_budget:
+        return "threshold"
     budget, ratio = method.budget_pair()
     if budget is not None:
         return budget

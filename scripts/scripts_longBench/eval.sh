@@ -36,8 +36,9 @@ if [ -z "$python_bin" ]; then
 fi
 
 budget_args=(--max_capacity_prompts "$max_capacity_prompts")
-if [ "$(echo "$method" | tr '[:upper:]' '[:lower:]')" = "fullkv" ]; then
-    budget_args=()   # the full cache takes no budget
+if ! PYTHON="$python_bin" method_takes_budget "${method}"; then
+    echo "note: ${method} takes no budget (it keeps every token, or a threshold decides each head's count); max_capacity_prompts=${max_capacity_prompts} is not used" >&2
+    budget_args=()
 fi
 
 "$python_bin" "$repo_root/run_longbench.py" \

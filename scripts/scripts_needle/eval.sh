@@ -10,7 +10,7 @@
 # S_LEN/E_LEN/STEP default to 1000/4000/1000 (give "" to keep a default and still pass extra args).
 # Extra args go to run_needle_in_haystack.py (--num_depths, --save_dir, --model_version, ...).
 # On a machine without a GPU give any value as GPU: the device is chosen with --device auto.
-# fullkv keeps every token: its MAX_CAPACITY_PROMPTS is not passed on (a note says so).
+# A method that takes no budget (fullkv; kvzap, duo_attention: a threshold) gets no MAX_CAPACITY_PROMPTS (a note says so).
 # Results: results/needle/{model}_{budget}/{method}/ (needle.jsonl, results.json, needle_rouge1_f.png).
 # Method settings: those of the public harness (window 8, kernel 7, max pooling where the method
 # has them; scripts/public_harness_settings.sh); extra args come after them and override.
@@ -44,8 +44,8 @@ source "${repo_root}/scripts/public_harness_settings.sh"
 mapfile -t method_args < <(public_harness_method_args "${method}")
 
 budget_args=(--max_capacity_prompts "${max_capacity_prompts}")
-if [ "$(echo "${method}" | tr '[:upper:]' '[:lower:]')" = "fullkv" ]; then
-    echo "note: fullkv keeps every token; max_capacity_prompts=${max_capacity_prompts} is not used" >&2
+if ! PYTHON="${PYTHON}" method_takes_budget "${method}"; then
+    echo "note: ${method} takes no budget (it keeps every token, or a threshold decides each head's count); max_capacity_prompts=${max_capacity_prompts} is not used" >&2
     budget_args=()
 fi
 

@@ -9,7 +9,7 @@
 # Runs on CPU too (--device auto).
 # Method settings: those of the public harness (window 8, kernel 7, max pooling where the method
 # has them; scripts/public_harness_settings.sh); extra args come after them and override.
-# fullkv keeps every token: its MAX_CAPACITY_PROMPTS is not passed on (a note says so).
+# A method that takes no budget (fullkv; kvzap, duo_attention: a threshold) gets no MAX_CAPACITY_PROMPTS (a note says so).
 # Set PYTHON to choose the interpreter (default: .venv/bin/python if present, else python3).
 set -euo pipefail
 
@@ -35,8 +35,8 @@ save_dir="$(results_dir "${source_path}" results_ruler)"
 mapfile -t method_args < <(public_harness_method_args "${method}")
 
 budget_args=(--max_capacity_prompts "${max_capacity_prompts}")
-if [ "$(echo "${method}" | tr '[:upper:]' '[:lower:]')" = "fullkv" ]; then
-    echo "note: fullkv keeps every token; max_capacity_prompts=${max_capacity_prompts} is not used" >&2
+if ! PYTHON="${PYTHON}" method_takes_budget "${method}"; then
+    echo "note: ${method} takes no budget (it keeps every token, or a threshold decides each head's count); max_capacity_prompts=${max_capacity_prompts} is not used" >&2
     budget_args=()
 fi
 

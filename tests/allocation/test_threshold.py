@@ -199,3 +199,27 @@ def test_fullkv_and_a_decode_rule_are_refused():
         make_method("fullkv", head_allocation="threshold", threshold_decoding=False)
     with pytest.raises(ValueError, match="does not combine with decode_budget"):
         KeyAndInput(head_allocation=ThresholdHeads(), decode=make_method("snapkv", budget=64, decode_budget=64).decode)
+
+
+def test_a_runner_records_what_was_achieved(tiny_model_dir, tmp_path):
+    """RULER under threshold eviction: the folder says threshold (no nominal budget), each row the tokens every
+    layer and head held, and its kept share; kv_bytes is the held count formula; results.json the mean share."""
+    import json
+
+    from pyramidkv.benchmarks.ruler.run import main
+
+    argv = ["--model_path", tiny_model_dir, "--method", "snapkv", "--head_allocation", "threshold", "--threshold",
+            "0.3", "--threshold_decoding", "false", "--save_dir", str(tmp_path), "--num_threads", "1", "--device",
+            "cpu", "--tasks", "vt", "--context_lengths", "1024", "--num_samples", "2"]
+    assert main(argv) == 0
+    (run,) = (tmp_path / f"{tiny_model_dir.rstrip('/').split('/')[-1]}_threshold").iterdir()
+    rows = [json.loads(line) for line in (run / "vt_1024.jsonl").read_text().splitlines()]
+    for row in rows:
+        held = row["held_tokens"]
+        assert len(held) == 2 and all(len(layer) == 2 for layer in held)
+        assert row["kv_bytes"] == sum(map(sum, held)) * 2 * 16 * 4
+        assert row["kept_share"] == pytest.approx(sum(map(sum, held)) / (4 * row["seen_tokens"]), abs=1e-6)
+        assert 0 < row["kept_share"] < 1
+    result = json.loads((run / "results.json").read_text())
+    assert result["budget"] == "threshold"
+    assert result["kept_share"]["vt@1024"] == pytest.approx(sum(r["kept_share"] for r in rows) / 2, abs=1e-6)

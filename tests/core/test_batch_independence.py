@@ -7,9 +7,9 @@ second instead of seven on SmolLM2.
 The matrix is scorer x head allocation x layer allocation x merge rule x quantizer x decode budget x key
 channels (ThinK) x sinks and random share (NACL) x Quest pages x cross-layer merging (MiniCache) x sparse
 prefill (MInference). Its combinations are covered pairwise: every pair of values of two axes that some
-valid combination has appears in at least one case of CASES (75 cases; combinations refused at build time,
+valid combination has appears in at least one case of CASES (83 cases; combinations refused at build time,
 such as headkv with a pyramid, are not cases). CASES is a table, so that collecting this file costs
-nothing; test_the_cases_cover_every_pair builds all 158,400 combinations to check it, and
+nothing; test_the_cases_cover_every_pair builds all 264,000 combinations to check it, and
 `python -m tests.core.test_batch_independence` prints a new table when the refusals change. Logits may
 differ in the last bits (the model's own batched matmuls round differently), so tokens, not logits, are
 compared.
@@ -48,17 +48,22 @@ QUANTIZERS = {
     "gear": dict(quant_method="gear", group_size=8, residual_length=8, rank=2, decode_rank=1),
 }
 NEW_TOKENS = 10
+# head_allocation threshold: per scorer a threshold inside its scores' range on the random Llama's prompts
+THRESHOLDS = {"streamingllm": 100.0, "h2o": 1.0, "snapkv": 0.2, "l2norm": -0.5, "expected_attention": 0.003,
+              "keydiff": 0.0, "kvzip": 0.01}
 
 
 def build(case: dict, tables: dict):
     """The case's method; `tables`: the random Llama's HeadKV and MInference tables (conftest.py)."""
     settings = {"budget": 64, "head_allocation": case["head_allocation"], "layer_allocation": case["layer_allocation"]}
+    if case["head_allocation"] == "threshold":   # no budget; a threshold that evicts some of each scorer's tokens
+        del settings["budget"]
+        settings.update(threshold=THRESHOLDS.get(case["scorer"], 0.0), threshold_decoding=False)
     if case["head_allocation"] == "headkv":
         settings["head_scores"] = tables["head_scores"]
-    if case["head_allocation"] == "threshold":   # no budget: each head keeps what passes its threshold
-        del settings["budget"]
-        if case["scorer"] == "duo_attention":
-            settings.update(threshold=0.5, duo_pattern=tables["duo_pattern"], window_size=8, num_sinks=2)
+    if case["scorer"] == "duo_attention" and case["head_allocation"] == "threshold":   # its own rule, decoding too
+        settings.update(threshold=0.5, threshold_decoding=True, duo_pattern=tables["duo_pattern"], window_size=8,
+                        num_sinks=2)
     if case["scorer"] in ("h2o", "snapkv", "nacl", "scissorhands"):
         settings["window_size"] = 16
     if case["key_channels"]:
@@ -194,9 +199,18 @@ CASES = [dict(zip(AXES, row)) for row in [
     ('expected_attention', 'global', 'uniform', None, None, None, 0.0, False, None, False, None),
     ('keydiff', 'global', 'uniform', None, None, None, 0.0, False, None, False, None),
     ('kvzip', 'uniform', 'uniform', None, 'gear', None, 0.0, False, None, False, None),
-    # duo_attention and head_allocation threshold (issue 28): its valid combinations' pairs
+    # head_allocation threshold (issue 28): the pairs with it that the cases above leave uncovered
+    ('streamingllm', 'threshold', 'uniform', None, None, None, 0.0, False, None, False, None),
+    ('h2o', 'threshold', 'uniform', None, 'kivi', None, 0.4, False, None, False, 'minference'),
+    ('snapkv', 'threshold', 'uniform', None, None, 40, 0.0, False, 32, False, None),
+    ('l2norm', 'threshold', 'uniform', None, 'kvquant', None, 0.0, False, None, False, None),
+    ('expected_attention', 'threshold', 'uniform', None, 'kvquant-nuq', None, 0.0, False, None, False, None),
+    ('keydiff', 'threshold', 'uniform', None, 'gear', None, 0.0, False, None, False, None),
+    ('scissorhands', 'threshold', 'uniform', None, None, 40, 0.0, False, None, False, None),
+    ('kvzip', 'threshold', 'uniform', None, None, None, 0.0, False, None, False, None),
+    # duo_attention (issue 28): the pairs with it that the cases above leave uncovered
     ('duo_attention', 'threshold', 'uniform', None, None, None, 0.0, False, None, False, None),
-    ('duo_attention', 'threshold', 'uniform', None, None, None, 0.0, True, None, False, 'minference'),
+    ('duo_attention', 'threshold', 'uniform', None, None, None, 0.0, False, None, False, 'minference'),
 ]]
 
 

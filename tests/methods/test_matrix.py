@@ -50,6 +50,7 @@ PROMPT_LEN = 64
 BUDGET = 40                                 # more than the largest default window + sinks (32 + 4)
 DECODE_BUDGET, DECODE_INTERVAL = 36, 2      # re-selects right after the prefill and twice while decoding
 NEW_TOKENS = 5                              # the prefill forward and 4 decode steps
+THRESHOLD = 0.0                             # head_allocation threshold: some scorers pass it, some do not
 # Small groups and windows so that the prompt is quantized (head_dim 16); residual_length 32 holds ThinK's
 # full-width recent keys (key_recent_size 32).
 QUANTIZER_SETTINGS = {
@@ -123,9 +124,11 @@ def combinations(name: str, head: str):
 
 def settings(cls, head: str, layer: str, merge, quant, decode, tables: dict) -> dict:
     chosen = {"head_allocation": head, "layer_allocation": layer}
-    if cls.needs_budget and head != "threshold":   # Quest's reads whole pages, at least 3 of 16: 48
+    if head == "threshold":   # no budget: each head keeps what passes; decided while decoding where it can be
+        chosen.update(threshold=THRESHOLD, threshold_decoding=cls.token_scores)
+    elif cls.needs_budget:   # Quest's reads whole pages, at least 3 of 16: 48
         chosen["budget"] = 48 if cls.name in KEEPS_THE_PROMPT else BUDGET
-    if head == "threshold":   # no budget; a method's own threshold settings (duo_attention: its pattern)
+    if head == "threshold":   # a method's own threshold settings (duo_attention: its pattern)
         chosen.update(tables.get(cls.name, {}))
     if head == "headkv":
         chosen["head_scores"] = tables["head_scores"]
@@ -173,6 +176,10 @@ def prefill_problems(name: str, method, layer: str, held: list[list[int]], budge
     if not type(method).needs_budget or name in KEEPS_THE_PROMPT:
         return [] if all(c == n for row in held for c in row) else [f"keeps every token, holds {held}"]
     problems = []
+    if method.head_allocation.sets_budget:   # threshold: between the protected tokens and the prompt, per head
+        protected = min(n, method.window_size + method.num_sinks)
+        return [] if all(protected <= c <= n for row in held for c in row) else \
+            [f"threshold: every head holds between the {protected} protected tokens and the prompt ({n}): {held}"]
     whole = list(range(getattr(method, "skip_layers", 0)))
     compressed = [l for l in range(LAYERS) if l not in whole]
     uniform_heads = method.head_allocation.name == "uniform"
@@ -182,8 +189,6 @@ def prefill_problems(name: str, method, layer: str, held: list[list[int]], budge
     protected = method.window_size + method.num_sinks
     if any(not protected <= c <= n for l in compressed for c in held[l]):
         problems.append(f"every head holds between the {protected} protected tokens and the prompt ({n}): {held}")
-    if method.head_allocation.sets_budget:   # threshold eviction: no budget, each head what passes
-        return problems
     if uniform_heads and any(len(set(held[l])) != 1 for l in compressed):
         problems.append(f"uniform heads: the heads of a layer hold the same count: {held}")
     total = sum(sum(held[l]) for l in compressed)
@@ -256,7 +261,7 @@ def test_every_combination_runs_within_its_budget_or_is_refused_in_one_line(tiny
             problems = prefill_problems(name, method, layer, states[0], budgets)
             if method.decode is not None:   # its defaults bound decoding
                 problems += decode_problems(states, None, method.decode.decode_budget, method.decode.decode_interval)
-            elif method.head_allocation.sets_budget and method.head_allocation.threshold_decoding:
+            elif getattr(method.head_allocation, "threshold_decoding", False):   # evicts as tokens leave the window
                 problems += [f"step {t}: holds {state} after {states[t - 1]}: a head gains the new token and loses at "
                              f"most the one leaving the window" for t, state in enumerate(states)
                              if t and any(not 0 <= c - p <= 1 for row, prev in zip(state, states[t - 1])

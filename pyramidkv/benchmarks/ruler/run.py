@@ -231,7 +231,7 @@ def score_run(out_dir: Path, sets: Sequence[SampleSet], model_name: str, method)
     from pyramidkv.runner.cli import budget_value
     from pyramidkv.runner.results import read_unique_rows
 
-    scores, counts = {}, {}
+    scores, counts, shares = {}, {}, {}
     for s in sets:
         path = out_dir / s.file_name
         done = {r["index"]: r for r in read_unique_rows(path, "index")} if path.is_file() else {}
@@ -241,9 +241,12 @@ def score_run(out_dir: Path, sets: Sequence[SampleSet], model_name: str, method)
             continue
         scores[s.key] = score_task(s.task, [r["pred"] for r in rows], [r["outputs"] for r in rows])
         counts[s.key] = len(rows)
+        if all("kept_share" in r for r in rows):   # a budget that is an outcome: the mean achieved share per task
+            shares[s.key] = round(math.fsum(r["kept_share"] for r in rows) / len(rows), 6)
     average = round(math.fsum(scores.values()) / len(scores), 2) if scores else None
     result = {"benchmark": "ruler", "model": model_name, "method": method.label(), "method_spec": method_spec(method),
-              "budget": budget_value(method), "scores": scores, "average": average, "num_samples": counts}
+              "budget": budget_value(method), "scores": scores, "average": average, "num_samples": counts,
+              **({"kept_share": shares} if shares else {})}
     table = [[s.task, s.length, scores[s.key], counts[s.key]] for s in sets if s.key in scores]
     table.append(["average", "", "" if average is None else average, sum(counts.values())])
     write_results(out_dir, result, ["task", "length", "score", "num_samples"], table)
@@ -254,7 +257,9 @@ def format_scores(result: dict) -> str:
     budget = "full" if result["budget"] is None else result["budget"]
     lines = [f"RULER  {result['model']} / {result['method']} / budget {budget}"]
     for key, score in result["scores"].items():
-        lines.append(f"  {key:<24} {score:>7.2f}   n={result['num_samples'][key]}")
+        share = result.get("kept_share", {}).get(key)
+        kept = "" if share is None else f"   kept {share:.3f}"
+        lines.append(f"  {key:<24} {score:>7.2f}   n={result['num_samples'][key]}{kept}")
     if result["average"] is not None:
         lines.append(f"  {'average':<24} {result['average']:>7.2f}")
     return "\n".join(lines)
