@@ -11,6 +11,7 @@ from pyramidkv.methods.adakv import AdaKV, AdaPyramidKV
 from pyramidkv.methods.base import Method
 from pyramidkv.methods.expected_attention import AdaExpectedAttention, ExpectedAttention
 from pyramidkv.methods.cam import CAM
+from pyramidkv.methods.duo_attention import DuoAttention
 from pyramidkv.methods.fullkv import FullKV
 from pyramidkv.methods.h2o import H2O
 from pyramidkv.methods.headkv import HeadKV
@@ -34,7 +35,7 @@ from pyramidkv.methods.zigzagkv import ZigZagKV
 METHODS: dict[str, type[Method]] = {
     cls.name: cls for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, L2Norm, AdaKV, AdaPyramidKV, HeadKV,
                               ZigZagKV, CAM, ThinK, NACL, Scissorhands, Quest, MiniCache, MInferenceMethod, KVzip,
-                              ExpectedAttention, AdaExpectedAttention, KeyDiff, TOVA, KVzap)
+                              ExpectedAttention, AdaExpectedAttention, KeyDiff, TOVA, KVzap, DuoAttention)
 }
 
 
