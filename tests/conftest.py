@@ -93,8 +93,8 @@ def eager_setup(smollm2_path):
 def random_llama(tokenizer, tmp_path_factory):
     """(model, tokenizer, tables): a 4-layer random Llama in memory (GQA 4 query / 2 KV heads, head_dim 16) with
     SmolLM2's tokenizer, and for it the tables the units that need one read: `head_scores` (HeadKV),
-    `pattern_table` (MInference, every pattern kind on some head), `qfilter_path` and `kvzip_head_path` (random
-    calibration files).
+    `pattern_table` (MInference, every pattern kind on some head), `kvzap_path` (KVzap's predictor, made on it),
+    `duo_pattern` (DuoAttention's gates), `qfilter_path` and `kvzip_head_path` (random calibration files).
 
     For properties that hold whatever the weights (a batch computes each prompt alone): a generate() takes
     milliseconds where SmolLM2's takes a second, and every code path is the same.
@@ -120,10 +120,13 @@ def random_llama(tokenizer, tmp_path_factory):
     patterns = folder / "patterns.json"
     patterns.write_text(json.dumps([{str(head): kinds[(layer + head) % 3] for head in range(heads)}
                                     for layer in range(layers)]))
-    from tests.helpers import write_calibrations
+    from tests.helpers import kvzap_artifact, write_calibrations
 
-    return model, tokenizer, {"head_scores": str(head_scores), "pattern_table": str(patterns),
-                              **write_calibrations(folder, config)}
+    kvzap = kvzap_artifact(model, folder / "kvzap-linear.safetensors")
+    duo = folder / "full_attention_heads.tsv"   # DuoAttention's gates, 4 layers x 2 KV heads: 4 stream at share 0.5
+    duo.write_text("0.9\t0.1\n0.2\t0.8\n0.7\t0.3\n0.1\t0.6\n")
+    return model, tokenizer, {"head_scores": str(head_scores), "pattern_table": str(patterns), "kvzap_path": kvzap,
+                              "duo_pattern": str(duo), **write_calibrations(folder, config)}
 
 
 SHARP_STD = 0.2   # at transformers' default 0.02 attention is nearly flat: a dropped token moves no logit beyond 1e-2

@@ -46,6 +46,22 @@ def load_script(name: str, path: Path):
     return module
 
 
+def kvzap_artifact(model, path, tokens: int = 40, seed: int = 0) -> str:
+    """Write a KVzap linear predictor for `model` (any Llama-family model, in memory) to `path` with the calibration
+    functions of scripts/calibrate_kvzap.py, on one repeat of `tokens` seeded random token ids (the user copy, then
+    the assistant copy): the artifact a method's model check accepts for this model. Returns the path."""
+    from pyramidkv.methods.calibrated import model_record, save_artifact
+
+    calibrate = load_script("calibrate_kvzap", Path(__file__).resolve().parents[1] / "scripts" / "calibrate_kvzap.py")
+    ids = torch.randint(3, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
+    x, y = calibrate.targets(model, ids + ids, (0, tokens), (tokens, 2 * tokens))
+    sums = calibrate.RidgeSums()
+    sums.add(x, y)
+    record = {"kind": "kvzap-linear", "model": model_record(model.config._name_or_path or "", model.config),
+              "settings": {"tokens": tokens}, "seed": seed}
+    return str(save_artifact(path, sums.solve(1.0), record))
+
+
 def write_calibrations(folder: Path, config, seed: int = 0) -> dict[str, str]:
     """Random calibration files of the shape an in-memory model (`config`) needs, by the method setting that reads
     each: Q-Filters' filters and KVzip's head scores (tests where only the shape matters: the matrices)."""

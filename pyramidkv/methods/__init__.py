@@ -11,10 +11,12 @@ from pyramidkv.methods.adakv import AdaKV, AdaPyramidKV
 from pyramidkv.methods.base import Method
 from pyramidkv.methods.expected_attention import AdaExpectedAttention, ExpectedAttention
 from pyramidkv.methods.cam import CAM
+from pyramidkv.methods.duo_attention import DuoAttention
 from pyramidkv.methods.fullkv import FullKV
 from pyramidkv.methods.h2o import H2O
 from pyramidkv.methods.headkv import HeadKV
 from pyramidkv.methods.keydiff import KeyDiff
+from pyramidkv.methods.kvzap import KVzap
 from pyramidkv.methods.kvzip import KVzip
 from pyramidkv.methods.kvzip_head import KVzipHead
 from pyramidkv.methods.l2norm import L2Norm
@@ -35,7 +37,8 @@ from pyramidkv.methods.zigzagkv import ZigZagKV
 METHODS: dict[str, type[Method]] = {
     cls.name: cls for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, L2Norm, AdaKV, AdaPyramidKV, HeadKV,
                               ZigZagKV, CAM, ThinK, NACL, Scissorhands, Quest, MiniCache, MInferenceMethod, KVzip,
-                              ExpectedAttention, AdaExpectedAttention, KeyDiff, TOVA, QFilter, KVzipHead)
+                              ExpectedAttention, AdaExpectedAttention, KeyDiff, TOVA, KVzap, DuoAttention, QFilter,
+                              KVzipHead)
 }
 
 

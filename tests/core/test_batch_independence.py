@@ -7,9 +7,9 @@ second instead of seven on SmolLM2.
 The matrix is scorer x head allocation x layer allocation x merge rule x quantizer x decode budget x key
 channels (ThinK) x sinks and random share (NACL) x Quest pages x cross-layer merging (MiniCache) x sparse
 prefill (MInference). Its combinations are covered pairwise: every pair of values of two axes that some
-valid combination has appears in at least one case of CASES (97 cases; combinations refused at build time,
+valid combination has appears in at least one case of CASES (107 cases; combinations refused at build time,
 such as headkv with a pyramid, are not cases). CASES is a table, so that collecting this file costs
-nothing; test_the_cases_cover_every_pair builds all 288,000 combinations to check it, and
+nothing; test_the_cases_cover_every_pair builds all 336,000 combinations to check it, and
 `python -m tests.core.test_batch_independence` prints a new table when the refusals change. Logits may
 differ in the last bits (the model's own batched matmuls round differently), so tokens, not logits, are
 compared.
@@ -28,7 +28,8 @@ from tests.engine_snapshot import assert_batch_equals_alone
 
 AXES = {
     "scorer": ["streamingllm", "h2o", "snapkv", "l2norm", "nacl", "scissorhands", "expected_attention", "keydiff",
-               "tova", "kvzip", "qfilter", "kvzip_head"],
+               "tova", "kvzip", "kvzap", "duo_attention", "qfilter",
+               "kvzip_head"],
     "head_allocation": ["uniform", "adakv", "headkv", "global", "threshold"],
     "layer_allocation": ["uniform", "pyramid", "zigzag"],
     "merge": [None, "pivot", "weighted", "mergingpress", "cam"],
@@ -50,7 +51,7 @@ QUANTIZERS = {
 NEW_TOKENS = 10
 # head_allocation threshold: per scorer a threshold inside its scores' range on the random Llama's prompts
 THRESHOLDS = {"streamingllm": 100.0, "h2o": 1.0, "snapkv": 0.2, "l2norm": -0.5, "expected_attention": 0.003,
-              "keydiff": 0.0, "kvzip": 0.01, "kvzip_head": 0.5}
+              "keydiff": 0.0, "kvzip": 0.01, "kvzap": -8.0, "kvzip_head": 0.5}
 
 
 def build(case: dict, tables: dict):
@@ -61,7 +62,12 @@ def build(case: dict, tables: dict):
         settings.update(threshold=THRESHOLDS.get(case["scorer"], 0.0), threshold_decoding=False)
     if case["head_allocation"] == "headkv":
         settings["head_scores"] = tables["head_scores"]
-    if case["scorer"] in ("h2o", "snapkv", "nacl", "scissorhands", "qfilter"):
+    if case["scorer"] == "kvzap":
+        settings["kvzap_path"] = tables["kvzap_path"]
+    if case["scorer"] == "duo_attention" and case["head_allocation"] == "threshold":   # its own rule, decoding too
+        settings.update(threshold=0.5, threshold_decoding=True, duo_pattern=tables["duo_pattern"], window_size=8,
+                        num_sinks=2)
+    if case["scorer"] in ("h2o", "snapkv", "nacl", "scissorhands", "kvzap", "qfilter"):
         settings["window_size"] = 16
     if case["scorer"] in ("qfilter", "kvzip_head"):
         settings[f"{case['scorer']}_path"] = tables[f"{case['scorer']}_path"]
@@ -207,6 +213,18 @@ CASES = [dict(zip(AXES, row)) for row in [
     ('keydiff', 'threshold', 'uniform', None, 'gear', None, 0.0, False, None, False, None),
     ('scissorhands', 'threshold', 'uniform', None, None, 40, 0.0, False, None, False, None),
     ('kvzip', 'threshold', 'uniform', None, None, None, 0.0, False, None, False, None),
+    # kvzap (issue 28): the pairs with it that the cases above leave uncovered
+    ('kvzap', 'uniform', 'uniform', None, None, None, 0.0, False, None, False, None),
+    ('kvzap', 'adakv', 'pyramid', 'pivot', 'kivi', None, 0.4, True, None, False, 'minference'),
+    ('kvzap', 'uniform', 'zigzag', 'weighted', None, None, 0.0, False, 32, False, None),
+    ('kvzap', 'headkv', 'uniform', 'mergingpress', 'kvquant', None, 0.0, False, None, False, None),
+    ('kvzap', 'global', 'uniform', 'cam', 'kvquant-nuq', None, 0.0, False, None, False, None),
+    ('kvzap', 'uniform', 'uniform', None, None, None, 0.0, False, None, True, None),
+    ('kvzap', 'uniform', 'uniform', None, 'gear', None, 0.0, False, None, False, None),
+    ('kvzap', 'threshold', 'uniform', None, None, None, 0.0, False, None, False, None),
+    # duo_attention (issue 28): the pairs with it that the cases above leave uncovered
+    ('duo_attention', 'threshold', 'uniform', None, None, None, 0.0, False, None, False, None),
+    ('duo_attention', 'threshold', 'uniform', None, None, None, 0.0, False, None, False, 'minference'),
     # qfilter and kvzip_head (issue 28): the pairs with them that the cases above leave uncovered
     ('qfilter', 'uniform', 'uniform', None, None, None, 0.0, False, None, False, None),
     ('kvzip_head', 'uniform', 'uniform', None, None, None, 0.0, False, None, False, None),
@@ -221,7 +239,8 @@ CASES = [dict(zip(AXES, row)) for row in [
     ('qfilter', 'uniform', 'uniform', None, None, None, 0.0, False, None, True, None),
     ('qfilter', 'uniform', 'uniform', None, 'gear', None, 0.0, False, None, False, None),
     ('kvzip_head', 'uniform', 'uniform', None, None, None, 0.0, False, None, True, None),
-    ('kvzip_head', 'uniform', 'uniform', None, 'gear', None, 0.0, False, None, False, None),    ('qfilter', 'threshold', 'uniform', None, None, None, 0.0, False, None, False, None),
+    ('kvzip_head', 'uniform', 'uniform', None, 'gear', None, 0.0, False, None, False, None),
+    ('qfilter', 'threshold', 'uniform', None, None, None, 0.0, False, None, False, None),
     ('kvzip_head', 'threshold', 'uniform', None, None, None, 0.0, False, None, False, None),
 ]]
 
@@ -273,8 +292,10 @@ if __name__ == "__main__":
 
     typing.get_type_hints = cached_type_hints()
     with tempfile.TemporaryDirectory() as folder:  # building only checks that the tables are files
-        tables = {name: str(Path(folder) / f"{name}.file") for name in ("head_scores", "pattern_table", "qfilter_path",
-                                                                        "kvzip_head_path")}
+        tables = {"head_scores": str(Path(folder) / "head_scores.json"), "pattern_table": str(Path(folder) / "p.json"),
+                  "kvzap_path": str(Path(folder) / "kvzap.safetensors"), "duo_pattern": str(Path(folder) / "duo.tsv"),
+                  "qfilter_path": str(Path(folder) / "qfilter.safetensors"),
+                  "kvzip_head_path": str(Path(folder) / "kvzip-head.safetensors")}
         for path in tables.values():
             Path(path).write_text("{}")
         for case in pairwise_cases(tables):
