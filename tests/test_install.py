@@ -47,7 +47,8 @@ def test_installed_package_imports_every_module_and_draws_the_needle_heatmap(tmp
         assert str(default_head_scores_path({smollm2_path!r})).startswith({str(target)!r})   # by content: models.json
         from pyramidkv.allocation.base import ModelShape
         from pyramidkv.methods.calibrated import model_artifact
-        model_artifact("kvzap-linear", None, ModelShape(30, 9, 3, {smollm2_path!r}))   # packaged calibration files
+        for kind in ("kvzap-linear", "qfilter", "kvzip-head"):   # packaged calibration files
+            model_artifact(kind, None, ModelShape(30, 9, 3, {smollm2_path!r}))
         from pyramidkv.viz.needle import plot_run
         print(len(names), plot_run({str(run_dir)!r}, {str(out)!r}, annotate=True))
     """)
