@@ -60,12 +60,19 @@ class Axis:
         return next(iter(self.registry.values()))
 
     def fields(self) -> dict[str, list[str]]:
-        """{setting: [units that have it]} over the registry, in registration order."""
-        found: dict[str, list[str]] = {}
-        for unit_name, cls in self.registry.items():
-            for f in dataclasses.fields(cls):
-                found.setdefault(f.name, []).append(unit_name)
-        return found
+        """{setting: [units that have it]} over the registry, in registration order (computed once per state of
+        the registry: every setting name a method is built from is resolved through it)."""
+        key = (self.field, tuple((name, id(cls)) for name, cls in self.registry.items()))
+        if key not in _AXIS_FIELDS:
+            found: dict[str, list[str]] = {}
+            for unit_name, cls in self.registry.items():
+                for f in dataclasses.fields(cls):
+                    found.setdefault(f.name, []).append(unit_name)
+            _AXIS_FIELDS[key] = found
+        return _AXIS_FIELDS[key]
+
+
+_AXIS_FIELDS: dict[tuple, dict[str, list[str]]] = {}
 
 
 AXES = (
@@ -124,16 +131,33 @@ def _chosen_unit(axis: Axis, value):
     return type(value)
 
 
+def _qualified_names() -> dict[str, tuple[Axis, str]]:
+    """{name: (axis, field)} of every unit setting written qualified (head_floor_ratio) or flat (a capability's
+    page_size), the first axis in AXES order where two give one name; per state of the registries."""
+    key = tuple(id(axis.fields()) for axis in AXES)
+    if key not in _QUALIFIED:
+        names: dict[str, tuple[Axis, str]] = {}
+        for axis in AXES:
+            for setting in axis.fields():
+                if axis.flat or setting.startswith(axis.prefix) or axis.qualified(setting) != setting:
+                    names.setdefault(axis.qualified(setting), (axis, setting))
+        _QUALIFIED.clear()
+        _QUALIFIED[key] = names
+    return _QUALIFIED[key]
+
+
+_QUALIFIED: dict[tuple, dict[str, tuple[Axis, str]]] = {}
+
+
 def resolve(cls: type[Method], key: str, chosen: dict[str, Optional[type]]) -> tuple[Optional[Axis], str]:
     """(axis or None for the method itself, field) that the setting name `key` denotes, given the unit class
     chosen on each axis. ValueError naming the unit to choose, or the qualified names to write."""
     own = _method_fields(cls)
     if key in own:
         return None, key
-    for axis in AXES:
-        for setting in axis.fields():
-            if key == axis.qualified(setting) and (key != setting or axis.flat or setting.startswith(axis.prefix)):
-                return axis, setting
+    qualified = _qualified_names()
+    if key in qualified:
+        return qualified[key]
     having = [axis for axis in AXES if key in axis.fields()]
     if not having:
         raise ValueError(f"{cls.name} has no setting {key!r}; its settings are: {', '.join(own)}, plus those of "
