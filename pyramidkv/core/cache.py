@@ -97,8 +97,7 @@ class CompressedCache(Cache):
             raise ValueError(f"{method.name}: the paired store holds no sliding-window layer and applies no soft-cap")
         # A sliding layer's store drops what leaves the window: one that cannot is replaced by full precision.
         self.sliding_class = self.store_class if "reselect" in self.store_class.abilities else FullPrecisionStore
-        self.decoding = decoder_for(method, self.layers, num_query_heads, num_kv_heads, self.stored_heads, softcap,
-                                    rotation, threshold)
+        self.decoding = decoder_for(method, self.layers, self.model_shape, self.stored_heads, rotation, threshold)
         self.setup: Optional[StoreSetup] = None
         self.stopped_bytes: dict[int, int] = {}   # per prompt that stopped early, its bytes then (record_stop)
         self.reconstruction: Optional[Reconstruction] = None   # a reconstructing method's repeat passes (KVzip)

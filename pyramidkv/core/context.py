@@ -48,6 +48,8 @@ class ScoreContext:
     from the repeat passes (core/reconstruction.py), given once they have run (queries and real are None then).
     hidden: [B, n, E] the layer's attention input (the hidden states after its norm) of the scored tokens, for
     methods with `needs_hidden` (KVzap), else None; at a threshold decision while decoding, the new tokens'.
+    model: the model's shape (its name finds per-model artifacts: the calibrated methods' predictors, filters,
+    patterns), given by the engine; None in a context built by hand.
     """
 
     layer_idx: int
@@ -63,6 +65,7 @@ class ScoreContext:
     rotation: Optional["KeyRotation"] = None
     reconstruction: Optional[torch.Tensor] = None
     hidden: Optional[torch.Tensor] = None
+    model: Optional["ModelShape"] = None
 
 
 @dataclass

@@ -63,13 +63,14 @@ class DecodeCompressor:
 
     def __init__(self, method: CompressionMethod, stores: list[Optional[FullPrecisionStore]], num_query_heads: int,
                  stored_heads: int, query_window: Optional[int] = None, softcap: Optional[float] = None,
-                 rotation=None):
+                 rotation=None, model=None):
         if query_window is not None and query_window < 1:
             raise ValueError(f"query_window must be >= 1 (recent queries buffered for decode-time scoring), "
                              f"got {query_window}")
         self.method = method
         self.softcap = softcap  # the model's attention logit soft-cap (None: none)
         self.rotation = rotation  # the model's RoPE (core/rotary.py), for methods with `needs_rotation`
+        self.model = model        # the model's shape (ScoreContext.model), None: unknown
         self.stores = stores
         self.num_layers = len(stores)
         self.budget: int = method.decode.decode_budget
@@ -190,7 +191,7 @@ class DecodeCompressor:
         queries = buffered[:, :, buffered.shape[2] - w:].to(first.dtype)
         ctx = DecodeScoreContext(
             layer_idx, self.num_layers, queries, keys, values, real, softcap=self.softcap, positions=positions,
-            rotation=self.rotation,
+            rotation=self.rotation, model=self.model,
             accumulated=None if accumulated is None else accumulated.reshape(1, rows * g, m),
             history=None if history is None else history.reshape(1, rows * g, self.stats.window, m),
             history_levels=levels)

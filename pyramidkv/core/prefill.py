@@ -131,7 +131,7 @@ class PromptCompressor:
             positions = torch.arange(n, device=keys.device)[None] if position_ids is None else position_ids
             raw = method.score(ScoreContext(layer_idx, model.num_layers, queries, keys, values, real, pattern,
                                             column_sums, model.softcap, positions.to(keys.device).expand(len(real), n),
-                                            self.rotation, hidden=hidden))
+                                            self.rotation, hidden=hidden, model=model))
             scores = scores_per_stored_head(raw, method, model.num_kv_heads, model.num_query_heads)
             if method.merge is not None and method.merge.needs_attention:
                 attention = window_attention(queries, keys, real, method.window_size, pattern,
@@ -168,7 +168,7 @@ class PromptCompressor:
         if self.any_compressed():
             for layer, scored in self.waiting.items():
                 raw = self.method.score(ScoreContext(layer, self.model.num_layers, None, scored.keys, scored.values,
-                                                     None, reconstruction=scores[layer]))
+                                                     None, reconstruction=scores[layer], model=self.model))
                 scored.scores = scores_per_stored_head(raw, self.method, self.model.num_kv_heads,
                                                        self.model.num_query_heads)
         self._fix_layer_budgets(self._candidate_scores())

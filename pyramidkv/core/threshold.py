@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from pyramidkv.allocation.base import ModelShape
 from pyramidkv.core.context import CompressionMethod, ScoreContext
 from pyramidkv.core.decoding import DecodeCompressor
 from pyramidkv.core.kept import KeptKV
@@ -29,13 +30,13 @@ class ThresholdDecoder:
     """The decode-time state of a cache whose method evicts by a threshold while decoding (same hooks as a
     DecodeCompressor)."""
 
-    def __init__(self, method: CompressionMethod, stores: list, num_query_heads: int, num_kv_heads: int,
-                 threshold: float, rotation=None, softcap: Optional[float] = None):
+    def __init__(self, method: CompressionMethod, stores: list, model: ModelShape, threshold: float, rotation=None):
         self.method = method
         self.stores = stores
+        self.model = model
         self.num_layers = len(stores)
-        self.num_query_heads, self.num_kv_heads = num_query_heads, num_kv_heads
-        self.rotation, self.softcap = rotation, softcap
+        self.num_query_heads, self.num_kv_heads = model.num_query_heads, model.num_kv_heads
+        self.rotation, self.softcap = rotation, model.softcap
         self.threshold = threshold
         self.window = method.window_size
         self.sinks = method.selection.num_sinks
@@ -84,7 +85,7 @@ class ThresholdDecoder:
         positions = rope[:, None] - q_len + 1 + torch.arange(q_len, device=keys.device)   # [B, q] RoPE positions
         ctx = ScoreContext(layer_idx, self.num_layers, queries, keys, values,
                            torch.ones(bsz, q_len, dtype=torch.bool, device=keys.device), softcap=self.softcap,
-                           positions=positions.long(), rotation=self.rotation, hidden=hidden)
+                           positions=positions.long(), rotation=self.rotation, hidden=hidden, model=self.model)
         scores = scores_per_stored_head(self.method.score(ctx), self.method, self.num_kv_heads,
                                         self.num_query_heads).float()   # [B, H, q]
         drops, pending = [], self.pending[layer_idx]
@@ -130,13 +131,13 @@ class ThresholdDecoder:
         self.compressions[layer_idx] += 1
 
 
-def decoder_for(method: CompressionMethod, stores: list, num_query_heads: int, num_kv_heads: int, stored_heads: int,
-                softcap: Optional[float] = None, rotation=None, threshold: Optional[float] = None):
+def decoder_for(method: CompressionMethod, stores: list, model: ModelShape, stored_heads: int, rotation=None,
+                threshold: Optional[float] = None):
     """The cache's decode-time compressor: a threshold decoder (threshold: not None, given by the model patch for
     head_allocation threshold with threshold_decoding), a DecodeCompressor (decode_budget), or None."""
     if threshold is not None:
-        return ThresholdDecoder(method, stores, num_query_heads, num_kv_heads, threshold, rotation, softcap)
+        return ThresholdDecoder(method, stores, model, threshold, rotation)
     if method.decode is None:
         return None
-    return DecodeCompressor(method, stores, num_query_heads, stored_heads, method.decode.decode_query_window, softcap,
-                            rotation)
+    return DecodeCompressor(method, stores, model.num_query_heads, stored_heads, method.decode.decode_query_window,
+                            model.softcap, rotation, model)

@@ -133,3 +133,21 @@ def model_artifact(kind: str, path: Optional[str], model: ModelShape) -> tuple[d
     tensors, record = load_artifact(where, kind)
     check_made_for(where, record, model)
     return tensors, record
+
+
+def checked_artifact(kind: str, path: Optional[str], model: Optional[ModelShape], check):
+    """What `check(file, tensors, record, model)` makes of the artifact of `kind` for this model (given file or
+    packaged; ValueError in one line for another model or a misshapen file), read once per model and file version
+    and shared by every method instance: a method's check_model calls it to refuse early, its score() with the
+    context's model (ScoreContext.model)."""
+    if model is None:
+        raise ValueError(f"the {kind} calibration is found by the model: score through a cache the model patch makes "
+                         f"(pyramidkv.compress), which gives the scorer the model's shape (ScoreContext.model)")
+    stat = Path(path).stat() if path is not None and Path(path).is_file() else None
+    return _checked(kind, path, (stat.st_size, stat.st_mtime_ns) if stat else None, model, check)
+
+
+@lru_cache(maxsize=32)
+def _checked(kind: str, path: Optional[str], stamp, model: ModelShape, check):
+    tensors, record = model_artifact(kind, path, model)
+    return check(artifact_path(kind, path, model), tensors, record, model)

@@ -114,9 +114,11 @@ def model_pattern(path: Optional[str], model: ModelShape) -> tuple[np.ndarray, P
     return gates, tsv
 
 
-# Streaming heads [L, Hkv] per (method, model layers), set by check_model (patching calls it first): score() sees
-# the layer, not the model's name the packaged pattern is found by.
-_STREAMING: dict[tuple, torch.Tensor] = {}
+@lru_cache(maxsize=32)
+def _streaming(path: Optional[str], share: float, selection: str, model: ModelShape) -> torch.Tensor:
+    """[L, Hkv] bool: the heads that stream on this model (read once per model, pattern and share)."""
+    gates, _ = model_pattern(path, model)
+    return torch.from_numpy(streaming_heads(gates, share, selection))
 
 
 @dataclass(frozen=True)
@@ -155,14 +157,16 @@ class DuoAttention(Method):
                              f"{self.head_allocation.label()!r}")
         super().validate()
 
-    def streaming(self, model: ModelShape) -> torch.Tensor:
+    def streaming(self, model: Optional[ModelShape]) -> torch.Tensor:
         """[L, Hkv] bool: the heads that stream on this model."""
-        gates, _ = model_pattern(self.duo_pattern, model)
-        return torch.from_numpy(streaming_heads(gates, self.streaming_share, self.duo_selection))
+        if model is None:
+            raise ValueError("duo_attention finds its pattern by the model: score through a cache the model patch "
+                             "makes (pyramidkv.compress), which gives the scorer the model's shape (ScoreContext.model)")
+        return _streaming(self.duo_pattern, self.streaming_share, self.duo_selection, model)
 
     def check_model(self, model: ModelShape) -> None:
         super().check_model(model)
-        _STREAMING[(self, model.num_layers)] = self.streaming(model)
+        self.streaming(model)
 
     def packaged_files(self, model: Optional[ModelShape]) -> dict[str, str]:
         if self.duo_pattern is not None or model is None or not model.name:
@@ -173,8 +177,6 @@ class DuoAttention(Method):
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """[B, Hkv, n]: 1.0 on a retrieval head, 0.0 on a streaming head, whatever the token."""
         bsz, _, n, _ = ctx.keys.shape
-        streaming = _STREAMING.get((self, ctx.num_layers))
-        if streaming is None:
-            raise RuntimeError("duo_attention: check_model(model) must run before scoring (compress() calls it)")
+        streaming = self.streaming(ctx.model)
         keep = (~streaming[ctx.layer_idx]).to(device=ctx.keys.device, dtype=torch.float32)
         return keep[None, :, None].expand(bsz, keep.shape[0], n)

@@ -22,6 +22,7 @@ from pyramidkv.allocation.base import HeadAllocation, ModelShape
 from pyramidkv.allocation.threshold import ThresholdHeads
 from pyramidkv.core.context import ScoreContext
 from pyramidkv.methods.base import Method
+from pyramidkv.methods.calibrated import artifact_path, checked_artifact
 
 KVZAP_MODELS = ("linear", "mlp")
 MLP_WIDTH = 512
@@ -52,6 +53,13 @@ def check_tensors(path, kind: str, tensors: dict[str, torch.Tensor], model: Mode
             raise ValueError(f"calibration file {path}: tensor {name!r} is {got} "
                              f"{tensors[name].dtype if name in tensors else ''}, a kvzap-{kind} predictor for this "
                              f"model needs {want} float32")
+
+
+def _predictor(where, tensors: dict, record: dict, model: ModelShape) -> dict[str, torch.Tensor]:
+    """The predictor's tensors of a file, checked to fit the model (`check_tensors`)."""
+    kind = record["kind"].removeprefix("kvzap-")
+    check_tensors(where, kind, tensors, model, record["model"]["hidden_size"])
+    return tensors
 
 
 @dataclass(frozen=True)
@@ -91,31 +99,19 @@ class KVzap(Method):
         super().validate()
 
     def packaged_files(self, model: Optional[ModelShape]) -> dict[str, str]:
-        from pyramidkv.methods.calibrated import artifact_path
-
         if self.kvzap_path is not None or model is None or not model.name:
             return {}
         path = artifact_path(self.kind, None, model)
         return {f"kvzap_path=packaged {path.name}": str(path)}
 
     def check_model(self, model: ModelShape) -> None:
-        """Load the predictor made on this model (a file made on another is refused in one line) and keep it for
-        score()."""
-        from pyramidkv.methods.calibrated import artifact_path, model_artifact
-
+        """The predictor made on this model (a file made on another is refused in one line)."""
         super().check_model(model)
-        tensors, record = model_artifact(self.kind, self.kvzap_path, model)
-        check_tensors(artifact_path(self.kind, self.kvzap_path, model), self.kvzap_model, tensors, model,
-                      record["model"]["hidden_size"])
-        object.__setattr__(self, "_predictor", tensors)   # not a setting: what check_model read for this model
+        self.predictor(model)
 
-    def predictor(self) -> dict[str, torch.Tensor]:
-        """The tensors check_model loaded (ValueError before it ran)."""
-        tensors = getattr(self, "_predictor", None)
-        if tensors is None:
-            raise ValueError(f"{self.name} reads its predictor in check_model(model shape): score through a cache "
-                             f"made by pyramidkv.compress, which checks the model first")
-        return tensors
+    def predictor(self, model: Optional[ModelShape]) -> dict[str, torch.Tensor]:
+        """The predictor's tensors for this model (read once per model and file)."""
+        return checked_artifact(self.kind, self.kvzap_path, model, _predictor)
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """[B, Hkv, n] float32 predicted log scores of the tokens whose attention inputs ctx.hidden [B, n, E] holds;
@@ -123,7 +119,7 @@ class KVzap(Method):
         if ctx.hidden is None:
             raise ValueError(f"{self.name} scores a token from its attention input (ScoreContext.hidden), which this "
                              f"context lacks")
-        tensors = self.predictor()
+        tensors = self.predictor(ctx.model)
         hidden = ctx.hidden
         bsz, n, _ = hidden.shape
         device = hidden.device

@@ -21,9 +21,20 @@ from pyramidkv.allocation.base import HeadAllocation, ModelShape
 from pyramidkv.allocation.global_ import GlobalHeads
 from pyramidkv.core.context import ScoreContext
 from pyramidkv.methods.base import Method
-from pyramidkv.methods.calibrated import artifact_path, model_artifact
+from pyramidkv.methods.calibrated import artifact_path, checked_artifact
 
 KIND = "kvzip-head"
+
+
+def _head_scores(where, tensors: dict, record: dict, model: ModelShape) -> torch.Tensor:
+    """[L, Hkv] float32 head scores of a file, checked to fit the model."""
+    scores = tensors.get("head_scores")
+    expected = (model.num_layers, model.num_kv_heads)
+    if scores is None or tuple(scores.shape) != expected:
+        found = None if scores is None else tuple(scores.shape)
+        raise ValueError(f"calibration file {where} holds head scores of shape {found}; this model needs {expected} "
+                         f"(layers, KV heads)")
+    return scores.float()
 
 
 @dataclass(frozen=True)
@@ -50,17 +61,9 @@ class KVzipHead(Method):
                              f"num_sinks >= 1, or leave merge out")
 
     def check_model(self, model: ModelShape) -> None:
-        """Load the head scores made on this model (refused in one line for another model or a misshapen file) and
-        hold them for score()."""
+        """The head scores made on this model (refused in one line for another model or a misshapen file)."""
         super().check_model(model)
-        tensors, _ = model_artifact(KIND, self.kvzip_head_path, model)
-        scores = tensors.get("head_scores")
-        expected = (model.num_layers, model.num_kv_heads)
-        if scores is None or tuple(scores.shape) != expected:
-            found = None if scores is None else tuple(scores.shape)
-            raise ValueError(f"calibration file {artifact_path(KIND, self.kvzip_head_path, model)} holds head scores "
-                             f"of shape {found}; this model needs {expected} (layers, KV heads)")
-        object.__setattr__(self, "_head_scores", scores.float())
+        checked_artifact(KIND, self.kvzip_head_path, model, _head_scores)
 
     def packaged_files(self, model: Optional[ModelShape]) -> dict[str, str]:
         if self.kvzip_head_path is not None or model is None or not model.name:
@@ -74,10 +77,7 @@ class KVzipHead(Method):
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """[B, H, n]: each head's score on all of its n tokens (H the KV heads, or the query heads of the query_head
         layout at decode, each with its KV head's score)."""
-        table = self.__dict__.get("_head_scores")
-        if table is None:
-            raise ValueError("kvzip_head reads its head scores when checked against the model: call "
-                             "method.check_model(model_shape(config)) first (compress() and the runners do)")
+        table = checked_artifact(KIND, self.kvzip_head_path, ctx.model, _head_scores)      # [L, Hkv]
         heads = table[ctx.layer_idx].to(ctx.keys.device)                                      # [Hkv]
         b, h, n, _ = ctx.keys.shape
         if h != heads.shape[0]:

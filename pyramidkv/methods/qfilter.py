@@ -17,9 +17,20 @@ import torch
 from pyramidkv.allocation.base import ModelShape
 from pyramidkv.core.context import ScoreContext
 from pyramidkv.methods.base import Method
-from pyramidkv.methods.calibrated import artifact_path, model_artifact
+from pyramidkv.methods.calibrated import artifact_path, checked_artifact
 
 KIND = "qfilter"
+
+
+def _filters(where, tensors: dict, record: dict, model: ModelShape) -> torch.Tensor:
+    """[L, Hkv, D] float32 filters of a file, checked to fit the model."""
+    filters = tensors.get("filters")
+    expected = (model.num_layers, model.num_kv_heads, model.head_dim)
+    if filters is None or tuple(filters.shape) != expected:
+        found = None if filters is None else tuple(filters.shape)
+        raise ValueError(f"calibration file {where} holds filters of shape {found}; this model needs {expected} "
+                         f"(layers, KV heads, head dim)")
+    return filters.float()
 
 
 @dataclass(frozen=True)
@@ -37,17 +48,9 @@ class QFilter(Method):
     qfilter_path: Optional[str] = None
 
     def check_model(self, model: ModelShape) -> None:
-        """Load the filters made on this model (refused in one line for another model or a misshapen file) and
-        hold them for score()."""
+        """The filters made on this model (refused in one line for another model or a misshapen file)."""
         super().check_model(model)
-        tensors, _ = model_artifact(KIND, self.qfilter_path, model)
-        filters = tensors.get("filters")
-        expected = (model.num_layers, model.num_kv_heads, model.head_dim)
-        if filters is None or tuple(filters.shape) != expected:
-            found = None if filters is None else tuple(filters.shape)
-            raise ValueError(f"calibration file {artifact_path(KIND, self.qfilter_path, model)} holds filters of shape "
-                             f"{found}; this model needs {expected} (layers, KV heads, head dim)")
-        object.__setattr__(self, "_filters", filters.float())
+        checked_artifact(KIND, self.qfilter_path, model, _filters)
 
     def packaged_files(self, model: Optional[ModelShape]) -> dict[str, str]:
         if self.qfilter_path is not None or model is None or not model.name:
@@ -61,10 +64,7 @@ class QFilter(Method):
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """-<f, k> per key: [B, H, n] for keys [B, H, n, D] (H the KV heads, or the query heads of the query_head
         layout at decode, each reading its KV head's filter)."""
-        filters = self.__dict__.get("_filters")
-        if filters is None:
-            raise ValueError("qfilter reads its filters when checked against the model: call method.check_model("
-                             "model_shape(config)) first (compress() and the runners do)")
+        filters = checked_artifact(KIND, self.qfilter_path, ctx.model, _filters)          # [L, Hkv, D]
         layer = filters[ctx.layer_idx].to(ctx.keys.device)                                  # [Hkv, D]
         heads = ctx.keys.shape[1]
         if heads != layer.shape[0]:

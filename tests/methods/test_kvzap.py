@@ -130,8 +130,9 @@ def smollm2_eager(smollm2_path):
 def test_shipped_predictor_ranks_held_out_targets_and_scores_by_matmul(smollm2_eager, smollm2_path, calibrate):
     model, tokenizer = smollm2_eager
     method = make_method("kvzap", head_allocation="uniform", budget=200)
-    method.check_model(model_shape(model.config, 4))
-    tensors = method.predictor()
+    shape = model_shape(model.config, 4)
+    method.check_model(shape)
+    tensors = method.predictor(shape)
     assert sum(t.numel() for t in tensors.values()) == 30 * (576 + 1) * 3   # ~52K parameters
     ids, user, copy = calibrate.repeat_layout(tokenizer, HELD_OUT)
     x, y = calibrate.targets(model, ids, user, copy)                          # [L, u, E], [L, u, Hkv]
@@ -142,7 +143,7 @@ def test_shipped_predictor_ranks_held_out_targets_and_scores_by_matmul(smollm2_e
     for layer in range(30):
         naive = x[layer].double() @ tensors["weight"][layer].double().T + tensors["bias"][layer].double()
         real = torch.ones(1, x.shape[1], dtype=torch.bool)
-        ctx = ScoreContext(layer, 30, None, None, None, real, hidden=x[layer][None])
+        ctx = ScoreContext(layer, 30, None, None, None, real, hidden=x[layer][None], model=shape)
         scores = method.score(ctx)[0].T                                       # [u, Hkv]
         torch.testing.assert_close(scores.double(), naive, rtol=0, atol=1e-4)
         rho.append(calibrate.spearman(scores, y[layer]))
@@ -191,10 +192,11 @@ def test_threshold_eviction_computes_each_prompt_of_a_batch_alone(random_llama):
     text = "A keeper logged every ship in a ledger with a green cover, and the hour and the flag of each. "
     prompts = [tokenizer(text * k + "Which cover?", add_special_tokens=False).input_ids for k in (6, 3, 1)]
     probe = make_method("kvzap", kvzap_path=tables["kvzap_path"], window_size=16, head_allocation="uniform", budget=32)
-    probe.check_model(model_shape(model.config, 4))
+    shape = model_shape(model.config, 4)
+    probe.check_model(shape)
     with torch.no_grad():
         hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(torch.tensor([prompts[0]])))
-    threshold = float(predict(probe.predictor(), 0, hidden[0]).median())
+    threshold = float(predict(probe.predictor(shape), 0, hidden[0]).median())
     method = make_method("kvzap", kvzap_path=tables["kvzap_path"], window_size=16, threshold=threshold)
     alones = assert_batch_equals_alone(model, tokenizer, method, prompts, 24)
     counts = [c for layer in alones[0]["prefill"]["layers"] for c in layer[0]["counts"]]
@@ -214,12 +216,13 @@ def test_calibration_script_writes_an_mlp_the_method_reads(tiny_model_dir, tmp_p
     assert all(len(f["sha256"]) == 64 for f in record["data"]["files"]) and len(record["data"]["train"]) == 2
     assert {p["source"] for p in record["data"]["train"]}.isdisjoint(p["source"] for p in record["data"]["held_out"])
     method = make_method("kvzap", kvzap_model="mlp", kvzap_path=str(out), head_allocation="uniform", budget=200)
-    method.check_model(model_shape(AutoConfig.from_pretrained(tiny_model_dir), 4))
-    t = {name: value.double() for name, value in method.predictor().items()}
+    shape = model_shape(AutoConfig.from_pretrained(tiny_model_dir), 4)
+    method.check_model(shape)
+    t = {name: value.double() for name, value in method.predictor(shape).items()}
     assert t["w1"].shape == (2, 512, 64)
     hidden = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3))          # [B, n, E]
     real = torch.tensor([[False, False, True, True, True], [True] * 5])                # row 0 left-padded
-    scores = method.score(ScoreContext(1, 2, None, None, None, real, hidden=hidden))   # [B, Hkv, n]
+    scores = method.score(ScoreContext(1, 2, None, None, None, real, hidden=hidden, model=shape))   # [B, Hkv, n]
     inner = hidden.double() @ t["w1"][1].T + t["b1"][1]
     naive = (0.5 * inner * (1 + torch.erf(inner / math.sqrt(2)))) @ t["w2"][1].T + t["b2"][1]   # exact GELU
     torch.testing.assert_close(scores.transpose(1, 2).double()[real], naive[real], rtol=0, atol=1e-4)
