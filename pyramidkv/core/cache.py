@@ -63,19 +63,18 @@ class CompressedCache(Cache):
 
     def __init__(self, method: CompressionMethod, num_layers: int, num_kv_heads: int, num_query_heads: int,
                  model_name: str = "", rotation: Optional[KeyRotation] = None, layer_windows: tuple = (),
-                 softcap: Optional[float] = None, threshold: Optional[float] = None):
+                 softcap: Optional[float] = None, threshold: Optional[float] = None, shape: Optional[ModelShape] = None):
         """rotation: the model's RoPE on keys (the model glue's `key_rotation`), needed by quantizers that store
         keys before RoPE; layer_windows: per layer its sliding window W or None (global; (): every layer global);
         softcap: the model's attention logit soft-cap (Gemma2) or None; threshold: decode-time threshold eviction's
-        (head_allocation threshold with threshold_decoding: core/threshold.py), None: none."""
+        (head_allocation threshold with threshold_decoding: core/threshold.py), None: none; shape: the model's shape
+        the method was checked against (the scorers read it: ScoreContext.model), None: one made of these arguments."""
         super().__init__()
         self.method = method
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.num_query_heads = num_query_heads
+        self.num_layers, self.num_kv_heads, self.num_query_heads = num_layers, num_kv_heads, num_query_heads
         self.stored_heads = num_query_heads if method.gqa_layout == "query_head" else num_kv_heads
-        self.model_shape = ModelShape(num_layers, num_query_heads, num_kv_heads, model_name,
-                                      layer_windows=tuple(layer_windows), softcap=softcap)
+        self.model_shape = shape or ModelShape(num_layers, num_query_heads, num_kv_heads, model_name,
+                                               layer_windows=tuple(layer_windows), softcap=softcap)
         self.windows = tuple(layer_windows) or (None,) * num_layers
         self.pad_lens: Optional[list[int]] = None
         self.prompt_len = 0  # padded prompt length

@@ -169,7 +169,7 @@ class CompressionPatch:
         cache = CompressedCache(self.method, config.num_hidden_layers, config.num_key_value_heads,
                                 config.num_attention_heads, model_name=getattr(config, "_name_or_path", "") or "",
                                 rotation=rotation, layer_windows=self.shape.layer_windows, softcap=self.shape.softcap,
-                                threshold=self.decode_threshold())
+                                threshold=self.decode_threshold(), shape=self.shape)
         if self.method.reconstructs and prompts is not None:
             cache.reconstruction = self.method.reconstruction(prompts, tokenizer)
         return cache
