@@ -14,9 +14,11 @@ import time
 
 import torch
 
+from pyramidkv.runner.arguments import ArgumentParser
+
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--new_tokens", type=int, default=8)
     args = parser.parse_args(argv)

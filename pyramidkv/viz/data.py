@@ -91,14 +91,15 @@ def highlight_positions(prompt: Prompt, highlight: Optional[str | Sequence[int]]
 def allocation_variants(name: str, **settings) -> dict[str, Method]:
     """The method `name` under every budget allocation: one entry per (layer allocation, head
     allocation) of `pyramidkv.allocation`'s registries that can be combined (a head allocation that
-    spans all layers, HeadKV, only with uniform layers). Labels name the allocation."""
+    spans all layers, HeadKV, only with uniform layers; threshold, which takes no budget, left out). Labels name the
+    allocation."""
     from pyramidkv.allocation import HEAD_ALLOCATIONS, LAYER_ALLOCATIONS
     from pyramidkv.methods import make_method
 
     return {f"{name} layer={layer} head={head}": make_method(name, layer_allocation=layer, head_allocation=head,
                                                              **settings)
             for layer in LAYER_ALLOCATIONS for head, head_cls in HEAD_ALLOCATIONS.items()
-            if layer == "uniform" or not head_cls.global_over_layers}
+            if not head_cls.sets_budget and (layer == "uniform" or not head_cls.global_over_layers)}
 
 
 # ---- model helpers ---------------------------------------------------------------------------------

@@ -81,10 +81,10 @@ def test_held_tokens_follow_a_float64_simulation_step_by_step(smollm2, monkeypat
             seen[layer].append((queries[0].double().numpy(), keys[0].double().numpy()))
         return real_prefill(self, layer, queries, keys, values, *rest)
 
-    def spy_step(self, layer, queries, keys, values, position_ids=None):
+    def spy_step(self, layer, queries, keys, values, position_ids=None, hidden=None):
         if layer in seen:
             seen[layer].append((queries[0].double().numpy(), keys[0].double().numpy()))
-        return real_step(self, layer, queries, keys, values, position_ids)
+        return real_step(self, layer, queries, keys, values, position_ids, hidden)
 
     monkeypatch.setattr(CompressedCache, "prefill", spy_prefill)
     monkeypatch.setattr(CompressedCache, "decode_step", spy_step)

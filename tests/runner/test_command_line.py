@@ -245,7 +245,7 @@ def test_plain_help_shows_every_default_read_from_its_own_unit():
     text = help_text(["--help"])
     assert entry(text, "--quant_nbits").endswith("[2; kvquant: 4]")
     assert entry(text, "--num_sinks").endswith("[0; streamingllm: 4; nacl: 4; expected_attention: 4; "
-                                              "ada_expected_attention: 4]")
+                                              "ada_expected_attention: 4; duo_attention: 64]")
     for flag in ("--merge_fraction", "--page_size", "--pruning_ratio", "--kv_cache_granularity", "--compression_ratio"):
         assert f" {flag} " in text
 
