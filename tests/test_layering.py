@@ -46,6 +46,7 @@ CORE_ORDER = {
                                                                             "store_kinds")},
     **{f"pyramidkv.core.{m}": (2, "pipeline and decoding") for m in ("prefill", "decoding", "reconstruction", "threshold")},
     "pyramidkv.core.cache": (3, "cache"),
+    "pyramidkv.core.snapshot": (3, "cache"),
 }
 
 
