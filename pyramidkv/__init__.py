@@ -2,6 +2,7 @@
 
 from pyramidkv.core.cache import CompressedCache
 from pyramidkv.core.kept import KeptKV
+from pyramidkv.generation.pipeline import KVCompressionPipeline, pipeline, register as _register_pipeline
 from pyramidkv.methods import METHODS, Method, make_method, method_options
 from pyramidkv.models.default_model import DEFAULT_MODEL_NAME, default_model_path
 from pyramidkv.models.loading import load_model
@@ -9,5 +10,8 @@ from pyramidkv.models.patch import CompressionPatch, compress
 
 __all__ = [
     "CompressedCache", "CompressionPatch", "DEFAULT_MODEL_NAME", "KeptKV", "METHODS", "Method",
-    "compress", "default_model_path", "load_model", "make_method", "method_options",
+    "KVCompressionPipeline", "compress", "default_model_path", "load_model", "make_method", "method_options",
+    "pipeline",
 ]
+
+_register_pipeline()   # transformers.pipeline("kv-compression", model=..., tokenizer=...)

