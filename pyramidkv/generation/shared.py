@@ -40,6 +40,7 @@ class Answer:
     """One question's answer and what it cost. Times are wall seconds on the model's device."""
 
     text: str
+    answer_ids: list[int]       # the answer's tokens before the stop token
     turn: int                   # 1 for the first question of its context, then 2, 3, ...
     question_tokens: int        # tokens fed for the question (multi_turn: the follow-up turn and the previous
                                 # answer's last token)
@@ -157,11 +158,11 @@ class _Run:
                     _AnswerDone(width, forced, set(self.stops), self.max_new_tokens), stop, first]))
         return output, stop, first
 
-    def _answer(self, output, row: int, width: int, forced: int) -> tuple[str, int]:
-        """(text, answer tokens before the stop) of a row."""
+    def _answer(self, output, row: int, width: int, forced: int) -> tuple[str, list[int]]:
+        """(text, tokens before the stop) of a row's answer."""
         answer = output[row, width + forced:].tolist()[:self.max_new_tokens]
         cut = next((i for i, tok in enumerate(answer) if tok in self.stops), len(answer))
-        return self.tokenizer.decode(answer[:cut], skip_special_tokens=True), cut
+        return self.tokenizer.decode(answer[:cut], skip_special_tokens=True), answer[:cut]
 
     def requests(self, contexts: list[list[int]], questions: list[list[list[int]]]) -> list[list[Answer]]:
         answers: list[list[Answer]] = [[] for _ in contexts]
@@ -185,7 +186,7 @@ class _Run:
                         continue
                     text, new = self._answer(output, row, width, len(question) - 1)
                     answers[row].append(Answer(
-                        text, turn + 1, len(question), new, len(contexts[row]), kept[row], cache.final_kv_bytes(row),
+                        text, new, turn + 1, len(question), len(new), len(contexts[row]), kept[row], cache.final_kv_bytes(row),
                         first.at.get(row, time.perf_counter()) - start, prefill, *_held(cache, row, stop.held)))
         return answers
 
@@ -205,7 +206,7 @@ class _Run:
                     sequence = torch.cat([sequence, torch.tensor([[question[0]]], device=sequence.device)], dim=1)
                 output, stop, first = self._ask(cache, sequence, mask, [forced])
                 text, new = self._answer(output, 0, sequence.shape[1], len(forced))
-                answers.append(Answer(text, turn + 1, len(forced) + 1, new, len(context), kept,
+                answers.append(Answer(text, new, turn + 1, len(forced) + 1, len(new), len(context), kept,
                                       cache.final_kv_bytes(0), first.at.get(0, time.perf_counter()) - start, prefill,
                                       *_held(cache, 0, stop.held)))
                 cache.stopped_bytes.clear()     # the next turn's answer records its own
