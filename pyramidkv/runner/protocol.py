@@ -11,6 +11,11 @@ its samples and its scorer (CONTRIBUTING.md, "a benchmark").
 begins (`Sample.question_start`, set by the adapter); the context is prefilled (and compressed) and the
 question is fed token by token as decode steps before the answer (`generate(..., questions=...)`).
 
+`--shared_context multi_request|multi_turn` (compress once, ask many: runner/shared.py): each context is
+compressed once and its questions (`Sample.questions`, or the part after `question_start`) are answered from it,
+one row per question keyed `qid` with its `turn`. A sample with several questions and no --shared_context asks
+each inside its own prompt (context + question prefilled together): the same rows, today's protocol.
+
 A bad input ends the run with one line (`<prog>: error: ...`, exit status 2) before anything is written.
 """
 
@@ -25,9 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from pyramidkv.generation.shared import MODES
+from pyramidkv.runner.shared import Question, check_shared_samples, decode_questions  # noqa: F401 (Question: the adapters')
 from pyramidkv.runner.arguments import ArgumentParser
+from pyramidkv.runner.batching import achieved, batches, load_run_model  # noqa: F401 (achieved: the adapters')
 from pyramidkv.runner.cli import (
-    INPUT_ERRORS, QUESTION_AS_DECODE_SUFFIX, HelpScope, add_model_and_method_args, apply_num_threads,
+    INPUT_ERRORS, QUESTION_AS_DECODE_SUFFIX, HelpScope, add_model_and_method_args,
     check_model_args, check_run_args, check_shared_names, effective_method, fail, method_from_args, method_inputs,
     model_label, run_dir,
     run_fingerprint,
@@ -48,6 +56,8 @@ class Sample:
     question_start: Optional[int] = None  # index in `prompt` of the question part's first token (everything
                                           # after the context: question, instruction, chat framing, answer
                                           # prefix); set by the adapter under --question_as_decode
+    questions: Optional[list[Question]] = None   # several questions on one context (`prompt`): one row each
+                                          # (runner/shared.py); set by the adapter
 
 
 @dataclass
@@ -125,18 +135,6 @@ class Benchmark:
         return ""
 
 
-def achieved(output) -> dict:
-    """The fields a prediction row adds where the budget is an outcome (head_allocation threshold; else none): per
-    layer and stored head the tokens held, the tokens seen (prompt + fed), and the kept share of them overall
-    (mean over layers and heads) and per layer: what was achieved, never a nominal budget."""
-    held, seen = output.held_tokens, output.seen_tokens
-    if held is None:
-        return {}
-    per_layer = [sum(heads) / (len(heads) * seen) for heads in held]
-    return {"held_tokens": held, "seen_tokens": seen, "kept_share": round(sum(per_layer) / len(per_layer), 6),
-            "kept_share_per_layer": [round(x, 6) for x in per_layer]}
-
-
 def write_results(out_dir: Path, result: dict, header: Sequence[str], rows: Sequence[Sequence]) -> None:
     """results.json (the common schema) and results.csv (one row per task plus the average), atomically."""
     from pyramidkv.runner.results import atomic_write_json, atomic_write_text
@@ -164,6 +162,12 @@ def build_parser(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) -> 
                         "context, chat framing and answer prefix included) token by token as decode steps, as "
                         "Quest's paper measures; when not given: the whole prompt is prefilled. The run folder "
                         f"gets the suffix {QUESTION_AS_DECODE_SUFFIX}")
+    p.add_argument("--shared_context", choices=MODES, default=None,
+                   help="compress each context once, without its question, and answer its questions from it: "
+                        "multi_request rolls the cache back to the compressed context before each question, "
+                        "multi_turn keeps each question and answer in the cache (a conversation); one row per "
+                        "question with its turn. The run folder gets the suffix _{mode}; when not given: each "
+                        "question inside its own prompt")
     if "--print_run_dir" not in parser._option_string_actions:
         parser.add_argument("--print_run_dir", action="store_true",
                             help="print the run folder these arguments write to and exit (used by eval.sh)")
@@ -190,6 +194,9 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
     benchmark.given = parser.given
     try:
         check_run_args(parser, args)
+        if args.shared_context and args.question_as_decode:
+            raise ValueError("--shared_context already feeds each question after its context: leave out "
+                             "--question_as_decode")
         benchmark.check_arguments(args)
         method = method_from_args(args, parser)
         check_shared_names(parser, method)
@@ -203,7 +210,8 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
         except ValueError as e:
             raise ValueError(_with_typed_flags(parser, args, str(e))) from None
         method = effective_method(method, model_check)
-        out_dir = run_dir(args.save_dir, benchmark.model_label(args), method, args.question_as_decode)
+        out_dir = run_dir(args.save_dir, benchmark.model_label(args), method, args.question_as_decode,
+                          args.shared_context)
     except INPUT_ERRORS as e:
         fail(parser, e)
     if args.print_run_dir:
@@ -221,6 +229,7 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
         tokenizer = AutoTokenizer.from_pretrained(model_check[0])
         files = benchmark.prepare(args, tokenizer, config, out_dir)
         check_samples(files, method, config, args.model_path, args.question_as_decode)
+        check_shared_samples(files, method, args.shared_context)
         generation = generation_config(model_check[0], config)
         for sample_file in files:
             sample_file.stop_token_ids = benchmark.stop_token_ids(generation, tokenizer, sample_file)
@@ -325,8 +334,10 @@ def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], 
     run decodes exactly the samples missing."""
     from tqdm import tqdm
 
-    from pyramidkv.runner.results import ResultsWriter, record_placement
+    from pyramidkv.runner.results import ResultsWriter
 
+    if args.shared_context or any(s.questions for f in files for s in f.samples):
+        return decode_questions(args, method, benchmark, files, out_dir)
     total = sum(len(f.samples) for f in files)
     model = tokenizer = None
     started, done_now = time.perf_counter(), 0
@@ -338,14 +349,7 @@ def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], 
                 if not pending:
                     continue
                 if model is None:
-                    from pyramidkv.models.loading import load_model
-
-                    apply_num_threads(args)
-                    model, tokenizer = load_model(args.model_path, attn_implementation=args.attn_implementation,
-                                                  device=args.device, dtype=args.dtype, model_class=args.model_class,
-                                                  device_map=args.device_map)
-                    if args.device_map is not None:
-                        record_placement(out_dir, model.hf_device_map)
+                    model, tokenizer = load_run_model(args, out_dir)
                 bar.set_postfix_str(sample_file.name)
                 for batch in batches(pending, args.eval_batch_size, benchmark.batch_by_length):
                     outputs = decode_batch(model, tokenizer, method, batch, sample_file.stop_token_ids,
@@ -376,20 +380,3 @@ def decode_batch(model, tokenizer, method, batch: list[Sample], stop_token_ids: 
     return generate(model, tokenizer, prompts, method, max_new_tokens=batch[0].max_new_tokens,
                     stop_token_ids=stop_token_ids, min_new_tokens=min_new_tokens, questions=questions,
                     decode_threads=decode_threads)
-
-
-def batches(samples: list[Sample], size: int, by_length: bool = False) -> list[list[Sample]]:
-    """Batches of at most `size` samples, each of one max_new_tokens and one batch_group, in the given order;
-    with by_length (and size > 1) longest prompt first, so a batch holds prompts of near lengths: little left
-    padding to compute (under sdpa a padded batch's prompt forward runs each prompt alone, causally; under eager
-    the padding is computed and masked). Within a batch the samples keep their given order."""
-    groups: dict[tuple, list[tuple[int, Sample]]] = {}
-    for given, sample in enumerate(samples):
-        groups.setdefault((sample.max_new_tokens, sample.batch_group), []).append((given, sample))
-    out = []
-    for group in groups.values():
-        if by_length and size > 1:
-            group = sorted(group, key=lambda item: -len(item[1].prompt))   # stable: equal lengths keep their order
-        for start in range(0, len(group), size):
-            out.append([sample for _, sample in sorted(group[start:start + size], key=lambda item: item[0])])
-    return out

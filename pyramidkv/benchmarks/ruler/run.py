@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from pyramidkv.benchmarks.ruler.tasks import DEFAULT_TASKS, OFFLINE_TASKS, QA_TASKS, TASKS
-from pyramidkv.runner.protocol import Benchmark, Sample, SampleFile, achieved, run_benchmark, write_results
+from pyramidkv.runner.protocol import (
+    Benchmark, Question, Sample, SampleFile, achieved, run_benchmark, write_results,
+)
 from pyramidkv.runner.protocol import build_parser as protocol_parser
 
 DEFAULT_CONTEXT_LENGTH = 4096
@@ -40,9 +42,12 @@ class SampleSet:
     def key(self) -> str:
         return f"{self.task}@{self.length}"
 
+    questions_per_context: int = 1
+
     @property
     def file_name(self) -> str:
-        return f"{self.task}_{self.length}.jsonl"
+        several = f"_q{self.questions_per_context}" if self.questions_per_context > 1 else ""
+        return f"{self.task}_{self.length}{several}.jsonl"
 
 
 class Ruler(Benchmark):
@@ -67,6 +72,11 @@ class Ruler(Benchmark):
                        help="the sample generator's seed (same seed -> identical samples); --generator_seed when the "
                             "method has a seed of its own (CaM's, GEAR's: --merge_seed, --quant_seed)")
         r.add_argument("--eval_batch_size", type=int, default=1, help="prompts decoded together (left padding)")
+        r.add_argument("--questions_per_context", type=int, default=1, metavar="K",
+                       help="K questions on each context (niah_multikey_*, niah_multivalue, niah_multiquery, vt, "
+                            "kv_retrieval; docs/ruler.md): one row per question with its turn, each asked inside its "
+                            "own prompt, or from the context compressed once with --shared_context; predictions go "
+                            "to {task}_{length}_q{K}.jsonl")
         r.add_argument("--save_dir", default="results/ruler",
                        help="predictions go to {save_dir}/{model}_{budget}/{method}/{task}_{length}.jsonl")
         r.add_argument("--cache_dir", default=None, help="generated samples cache; when not given: {save_dir}/data")
@@ -102,6 +112,13 @@ class Ruler(Benchmark):
         if unused and not args.data_file:
             raise ValueError(f"{' and '.join(unused)} given but the matching task is not in --tasks")
         self.tasks = resolve_tasks(args.tasks if args.tasks is not None else DEFAULT_TASKS)
+        if args.questions_per_context < 1:
+            raise ValueError(f"--questions_per_context must be >= 1, got {args.questions_per_context}")
+        if args.questions_per_context > 1 and not args.data_file and not args.data_dir:
+            from pyramidkv.benchmarks.ruler.generate import check_questions_per_context
+
+            for task in self.tasks:
+                check_questions_per_context(task, args.questions_per_context)
 
     def prepare(self, args, tokenizer, config, out_dir):
         window = getattr(config, "max_position_embeddings", None) or sys.maxsize
@@ -109,11 +126,15 @@ class Ruler(Benchmark):
         self.sets = collect_sample_sets(args, self.tasks, lengths, tokenizer, self.model_label(args), window)
         files = []
         for s in self.sets:
+            s.questions_per_context = args.questions_per_context
             samples = []
             for row in s.rows:
                 label = f"{s.source}: sample {row['index']}"
+                if args.questions_per_context > 1:
+                    samples.append(several_questions(tokenizer, row, label, args.questions_per_context))
+                    continue
                 prompt, question_start = tokenizer(row["input"], add_special_tokens=False).input_ids, None
-                if args.question_as_decode:
+                if args.question_as_decode or args.shared_context:
                     prompt, question_start = split_at_question(tokenizer, row, label)
                 samples.append(Sample(row["index"], prompt, row["max_new_tokens"],
                                       {"outputs": row["outputs"], "length": row["length"]}, label,
@@ -138,13 +159,32 @@ class Ruler(Benchmark):
         return format_scores(result)
 
 
+def several_questions(tokenizer, row: dict, label: str, k: int) -> Sample:
+    """A row with K questions as one sample: the context (the prompt before "question_start") and per question
+    its part after the context, its follow-up turn and its references. Context and questions are tokenized apart,
+    the same tokens whether the questions are asked from a shared context or each inside its own prompt."""
+    questions = row.get("questions") or []
+    if row.get("question_start") is None or len(questions) < k:
+        raise ValueError(f"--questions_per_context {k}: {label} holds {len(questions)} question(s) and "
+                         f"{'a' if row.get('question_start') is not None else 'no'} \"question_start\"; it needs "
+                         f"both (rows this runner generates with --questions_per_context {k})")
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    asked = [Question(ids(q["question"]), ids(q["followup"]) if q.get("followup") else None,
+                      {"outputs": q["outputs"]}) for q in questions[:k]]
+    return Sample(row["index"], ids(row["input"][:row["question_start"]]), row["max_new_tokens"],
+                  {"length": row["length"]}, label, questions=asked)
+
+
 def split_at_question(tokenizer, row: dict, label: str) -> tuple[list[int], int]:
     """(the prompt's token ids, the index of its question part's first token): the part from the row's
     "question_start" (the character offset where the haystack ends, generate.context_end) on."""
     from pyramidkv.generation import split_prompt
 
     if row.get("question_start") is None:
-        raise ValueError(f"--question_as_decode: {label} records no \"question_start\" (where its question part "
+        raise ValueError(f"--question_as_decode / --shared_context: {label} records no \"question_start\" (where its question part "
                          f"begins; RULER's own files do not), so its question cannot be split off; let this "
                          f"runner generate the samples (no --data_file / --data_dir)")
     context, question = split_prompt(tokenizer, row["input"], row["question_start"])
@@ -201,25 +241,43 @@ def collect_sample_sets(args, tasks: list[str], lengths: list[int], tokenizer, m
     cache_dir = Path(args.cache_dir) if args.cache_dir else Path(args.save_dir) / "data"
     for task in tasks:
         for length in lengths:
+            several = {"questions_per_context": args.questions_per_context} if args.questions_per_context > 1 else {}
             rows = load_or_generate(task, length, args.num_samples, formatter, cache_dir, model_name, args.seed,
-                                    args.squad_file, args.hotpot_file)
-            sets.append(SampleSet(task, length, rows, str(cache_dir / model_name / f"{task}_{length}.jsonl")))
+                                    args.squad_file, args.hotpot_file, **several)
+            name = f"{task}_{length}" + (f"_q{args.questions_per_context}" if several else "")
+            sets.append(SampleSet(task, length, rows, str(cache_dir / model_name / f"{name}.jsonl")))
     return sets
 
 
+def expected_rows(sample_set: SampleSet) -> dict:
+    """key -> the references its prediction row must carry: by "index", or by "qid" (one row per question) where
+    the set asks several questions per context."""
+    from pyramidkv.runner.shared import qid
+
+    k = sample_set.questions_per_context
+    if k == 1:
+        return {row["index"]: row["outputs"] for row in sample_set.rows}
+    return {qid(row["index"], turn): q["outputs"] for row in sample_set.rows
+            for turn, q in enumerate((row.get("questions") or [])[:k], start=1)}
+
+
+def row_key(sample_set: SampleSet) -> str:
+    return "index" if sample_set.questions_per_context == 1 else "qid"
+
+
 def check_resume(path: Path, sample_set: SampleSet) -> None:
-    """Predictions already in `path` must come from the same samples (same outputs at the same index),
-    each index once."""
+    """Predictions already in `path` must come from the same samples (same outputs at the same index, or question),
+    each once."""
     from pyramidkv.runner.results import read_unique_rows
 
     if not path.is_file():
         return
-    by_index = {row["index"]: row for row in sample_set.rows}
+    expected, key = expected_rows(sample_set), row_key(sample_set)
     # A torn last line (killed mid-write) is skipped here; ResultsWriter cuts it off.
-    for done in read_unique_rows(path, "index", skip_torn_last_line=True):
-        row = by_index.get(done["index"])
-        if row is not None and done.get("outputs") != row["outputs"]:
-            raise ValueError(f"{path} holds predictions made from other samples (index {done['index']}: "
+    for done in read_unique_rows(path, key, skip_torn_last_line=True):
+        outputs = expected.get(done[key])
+        if outputs is not None and done.get("outputs") != outputs:
+            raise ValueError(f"{path} holds predictions made from other samples ({key} {done[key]}: "
                              f"references differ, e.g. another --seed or tokenizer); delete it or use another "
                              f"--save_dir")
 
@@ -231,25 +289,34 @@ def score_run(out_dir: Path, sets: Sequence[SampleSet], model_name: str, method)
     from pyramidkv.runner.cli import budget_value
     from pyramidkv.runner.results import read_unique_rows
 
-    scores, counts, shares = {}, {}, {}
+    scores, counts, shares, turn_scores = {}, {}, {}, {}
     for s in sets:
-        path = out_dir / s.file_name
-        done = {r["index"]: r for r in read_unique_rows(path, "index")} if path.is_file() else {}
+        path, key = out_dir / s.file_name, row_key(s)
+        done = {r[key]: r for r in read_unique_rows(path, key)} if path.is_file() else {}
         # In the samples' order, whatever order the batches wrote them in: the sum's rounding is the same.
-        rows = [done[row["index"]] for row in s.rows if row["index"] in done]
+        rows = [done[k] for k in expected_rows(s) if k in done]
         if not rows:
             continue
         scores[s.key] = score_task(s.task, [r["pred"] for r in rows], [r["outputs"] for r in rows])
         counts[s.key] = len(rows)
+        if s.questions_per_context > 1:   # the first question against the follow-ups
+            first = [r for r in rows if r["turn"] == 1]
+            later = [r for r in rows if r["turn"] > 1]
+            turn_scores[s.key] = {
+                "1": score_task(s.task, [r["pred"] for r in first], [r["outputs"] for r in first]) if first else None,
+                f"2-{s.questions_per_context}": score_task(s.task, [r["pred"] for r in later],
+                                                           [r["outputs"] for r in later]) if later else None}
         if all("kept_share" in r for r in rows):   # a budget that is an outcome: the mean achieved share per task
             shares[s.key] = round(math.fsum(r["kept_share"] for r in rows) / len(rows), 6)
     average = round(math.fsum(scores.values()) / len(scores), 2) if scores else None
     result = {"benchmark": "ruler", "model": model_name, "method": method.label(), "method_spec": method_spec(method),
               "budget": budget_value(method), "scores": scores, "average": average, "num_samples": counts,
-              **({"kept_share": shares} if shares else {})}
-    table = [[s.task, s.length, scores[s.key], counts[s.key]] for s in sets if s.key in scores]
+              **({"kept_share": shares} if shares else {}), **({"turn_scores": turn_scores} if turn_scores else {})}
+    header = ["task", "length", "score", "num_samples"] + (["score_turn_1", "score_later_turns"] if turn_scores else [])
+    table = [[s.task, s.length, scores[s.key], counts[s.key],
+              *(list(turn_scores[s.key].values()) if turn_scores else [])] for s in sets if s.key in scores]
     table.append(["average", "", "" if average is None else average, sum(counts.values())])
-    write_results(out_dir, result, ["task", "length", "score", "num_samples"], table)
+    write_results(out_dir, result, header, table)
     return result
 
 
@@ -259,7 +326,10 @@ def format_scores(result: dict) -> str:
     for key, score in result["scores"].items():
         share = result.get("kept_share", {}).get(key)
         kept = "" if share is None else f"   kept {share:.3f}"
-        lines.append(f"  {key:<24} {score:>7.2f}   n={result['num_samples'][key]}{kept}")
+        turns = result.get("turn_scores", {}).get(key)
+        by_turn = "" if turns is None else "   " + "  ".join(
+            f"turn {t}: {'-' if v is None else f'{v:.2f}'}" for t, v in turns.items())
+        lines.append(f"  {key:<24} {score:>7.2f}   n={result['num_samples'][key]}{kept}{by_turn}")
     if result["average"] is not None:
         lines.append(f"  {'average':<24} {result['average']:>7.2f}")
     return "\n".join(lines)

@@ -1,0 +1,145 @@
+"""Several questions on one context in a run: under `--shared_context` each context is compressed once and its
+questions are answered from it (generation/shared.py); a sample with several questions and no --shared_context
+asks each inside its own prompt (context + question prefilled together, compression sees the question), so the
+two protocols run on the same tokens. Either way one row per question, keyed `qid` = "{key}#{turn}", carrying the
+sample's key and the question's `turn` (1 = the first question); a rerun answers only the questions missing
+(multi_request and own prompts: just those, as the order never matters; multi_turn replays the conversation and
+writes the missing turns)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from pyramidkv.runner.batching import achieved, batches, load_run_model
+
+QID = "qid"
+
+
+@dataclass
+class Question:
+    """One of a context's questions (`Sample.questions`): the token ids fed after the context, the follow-up form a
+    later turn of multi_turn feeds (None: the same ids), and the fields its row carries (its references)."""
+
+    ids: Sequence[int]
+    followup: Optional[Sequence[int]] = None
+    row: Optional[dict] = None
+
+
+def qid(key, turn: int) -> str:
+    return f"{key}#{turn}"
+
+
+def context_and_questions(sample) -> tuple[list[int], list[Question]]:
+    """(the context's token ids, its questions): `Sample.questions` after `prompt`, or one question, the part of the
+    prompt from `question_start` on."""
+    if sample.questions:
+        return list(sample.prompt), list(sample.questions)
+    start = sample.question_start
+    return list(sample.prompt[:start]), [Question(list(sample.prompt[start:]))]
+
+
+def check_shared_samples(files, method, shared_context: Optional[str]) -> None:
+    """Under --shared_context every sample has a question part and a context the method can compress."""
+    if not shared_context:
+        return
+    for sample_file in files:
+        for sample in sample_file.samples:
+            if sample.questions:
+                continue
+            name = sample.label or f"{sample_file.source or sample_file.name}: sample {sample.key}"
+            start = sample.question_start
+            if start is None or not 0 < start < len(sample.prompt):
+                raise ValueError(f"--shared_context: {name} has no question part after its context; run it without "
+                                 f"--shared_context")
+            try:
+                method.check_prompt(start)
+            except ValueError as e:
+                raise ValueError(f"{name} ({start} context tokens): {e}") from None
+
+
+def _rows(benchmark, sample, context: list[int], turns: list[int], questions: list[Question], outputs) -> list[dict]:
+    rows = []
+    for turn, question, out in zip(turns, questions, outputs):
+        shared = hasattr(out, "context_kv_bytes")
+        row = {benchmark.key: sample.key, "turn": turn, QID: qid(sample.key, turn), "pred": out.text,
+               **(sample.row or {}), **(question.row or {}), "prompt_tokens": len(context) + len(question.ids),
+               "context_tokens": len(context),
+               "kv_bytes": out.kv_bytes if shared else out.kv_bytes_per_prompt, **achieved(out)}
+        if shared:
+            row.update(context_kv_bytes=out.context_kv_bytes, time_to_first_token=round(out.time_to_first_token, 6),
+                       prefill_seconds=round(out.prefill_seconds, 6))
+        rows.append(row)
+    return rows
+
+
+def decode_questions(args, method, benchmark, files, out_dir: Path) -> None:
+    """Every question not yet in its predictions file, one appended row each (flushed as its batch ends)."""
+    from tqdm import tqdm
+
+    from pyramidkv.generation import generate
+    from pyramidkv.generation.shared import answer_questions
+    from pyramidkv.runner.results import ResultsWriter
+
+    mode = args.shared_context
+    total = sum(len(context_and_questions(s)[1]) for f in files for s in f.samples)
+    model = tokenizer = None
+    started, done_now = time.perf_counter(), 0
+    with tqdm(total=total, unit="question", dynamic_ncols=True, desc=benchmark.name) as bar:
+        for sample_file in files:
+            with ResultsWriter(out_dir / sample_file.file_name, key=QID) as writer:
+                work = []   # (sample, context, its questions, the turns missing)
+                for sample in sample_file.samples:
+                    context, questions = context_and_questions(sample)
+                    missing = [t for t in range(1, len(questions) + 1) if qid(sample.key, t) not in writer.done]
+                    bar.update(len(questions) - len(missing))
+                    if missing:
+                        work.append((sample, context, questions, missing))
+                if not work:
+                    continue
+                if model is None:
+                    model, tokenizer = load_run_model(args, out_dir)
+                bar.set_postfix_str(sample_file.name)
+                common = dict(stop_token_ids=sample_file.stop_token_ids, min_new_tokens=sample_file.min_new_tokens,
+                              decode_threads=args.decode_threads)
+                if mode is None:   # each question inside its own prompt
+                    work = [(sample, context, [questions[t - 1]], [t], [t]) for sample, context, questions, missing
+                            in work for t in missing]
+                elif mode == "multi_request":   # only the missing ones: the order never matters
+                    work = [(sample, context, [questions[t - 1] for t in missing], missing, missing)
+                            for sample, context, questions, missing in work]
+                else:                           # the whole conversation again, the missing turns written
+                    work = [(sample, context, questions, list(range(1, len(questions) + 1)), missing)
+                            for sample, context, questions, missing in work]
+                for batch in batches([_Item(*w) for w in work], args.eval_batch_size, benchmark.batch_by_length):
+                    max_new = batch[0].max_new_tokens
+                    if mode is None:
+                        outputs = generate(model, tokenizer, [i.context + list(i.asked[0].ids) for i in batch],
+                                           method, max_new, **common)
+                        per_item = [[out] for out in outputs]
+                    else:
+                        followups = [[list(q.followup or q.ids) for q in i.asked] for i in batch] \
+                            if mode == "multi_turn" else None
+                        per_item = answer_questions(model, tokenizer, [i.context for i in batch],
+                                                    [[list(q.ids) for q in i.asked] for i in batch], method, max_new,
+                                                    mode=mode, followups=followups, **common)
+                    for item, outputs in zip(batch, per_item):
+                        for row in _rows(benchmark, item.sample, item.context, item.turns, item.asked, outputs):
+                            if row["turn"] in item.missing:
+                                writer.append(row)
+                        bar.update(len(item.missing))
+                        done_now += len(item.missing)
+    elapsed = time.perf_counter() - started
+    print(f"{done_now} question(s) in {elapsed:.1f} s; {total - done_now} already done" if done_now else
+          f"all {total} question(s) already done; scoring only")
+
+
+class _Item:
+    """A sample's pending work as `batches` sees it (prompt: the context; max_new_tokens, batch_group: the
+    sample's): the questions asked, their turns, the turns whose rows are missing."""
+
+    def __init__(self, sample, context: list[int], asked: list[Question], turns: list[int], missing: list[int]):
+        self.sample, self.context, self.asked, self.turns, self.missing = sample, context, asked, turns, missing
+        self.prompt, self.max_new_tokens, self.batch_group = context, sample.max_new_tokens, sample.batch_group
