@@ -53,6 +53,15 @@ class Answer:
     held_tokens: Optional[list[list[int]]] = None   # head_allocation threshold: per layer and head, at the stop
     seen_tokens: Optional[int] = None
 
+    # What a runner's prediction row reads of a `Generation` (generate's output), so either makes a row.
+    @property
+    def prompt_tokens(self) -> int:
+        return self.context_tokens + self.question_tokens
+
+    @property
+    def kv_bytes_per_prompt(self) -> int:
+        return self.kv_bytes
+
 
 def check_mode(mode: str) -> str:
     if mode not in MODES:

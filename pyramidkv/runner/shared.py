@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pyramidkv.runner.batching import achieved, batches, load_run_model
+from pyramidkv.runner.batching import batches, load_run_model
 
 QID = "qid"
 
@@ -61,14 +61,15 @@ def check_shared_samples(files, method, shared_context: Optional[str]) -> None:
 
 
 def _rows(benchmark, sample, context: list[int], turns: list[int], questions: list[Question], outputs) -> list[dict]:
+    """The benchmark's prediction rows of a sample's answers, each with its question's fields, turn and qid; the
+    shared protocol's also with the compressed context's bytes and the times."""
     rows = []
     for turn, question, out in zip(turns, questions, outputs):
-        shared = hasattr(out, "context_kv_bytes")
-        row = {benchmark.key: sample.key, "turn": turn, QID: qid(sample.key, turn), "pred": out.text,
-               **(sample.row or {}), **(question.row or {}), "prompt_tokens": len(context) + len(question.ids),
-               "context_tokens": len(context),
-               "kv_bytes": out.kv_bytes if shared else out.kv_bytes_per_prompt, **achieved(out)}
-        if shared:
+        row = {benchmark.key: sample.key, "turn": turn, QID: qid(sample.key, turn)}
+        row.update(benchmark.prediction_row(sample, out))
+        row.update(question.row or {})
+        row["context_tokens"] = len(context)
+        if hasattr(out, "context_kv_bytes"):
             row.update(context_kv_bytes=out.context_kv_bytes, time_to_first_token=round(out.time_to_first_token, 6),
                        prefill_seconds=round(out.prefill_seconds, 6))
         rows.append(row)

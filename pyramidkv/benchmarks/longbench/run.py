@@ -174,13 +174,14 @@ def question_part(dataset: str, row: dict) -> tuple[str, Optional[int]]:
     return text, len(text) - len(tail.format(**row))
 
 
-def check_question_parts(datasets: Sequence[str]) -> None:
-    """--question_as_decode: every dataset's template must have a question part after its context."""
+def check_question_parts(datasets: Sequence[str], flag: str = "--question_as_decode") -> None:
+    """--question_as_decode / --shared_context: every dataset's template must have a question part after its
+    context (LongBench asks one question per context)."""
     without = [d for d in datasets if question_part(d, {f: "x" for f in _template_fields(d)})[1] is None]
     if without:
-        raise ValueError(f"--question_as_decode: the prompt template of {', '.join(without)} has nothing after "
+        raise ValueError(f"{flag}: the prompt template of {', '.join(without)} has nothing after "
                          f"its context to feed as the question; run {'it' if len(without) == 1 else 'them'} "
-                         f"without --question_as_decode")
+                         f"without {flag}")
 
 
 def _template_fields(dataset: str) -> set:
@@ -366,8 +367,8 @@ class LongBench(Benchmark):
         if args.max_length is not None and args.max_length < 2:
             raise ValueError(f"--max_length must be >= 2, got {args.max_length}")
         self.datasets = resolve_datasets(args.datasets, args.e)
-        if args.question_as_decode:
-            check_question_parts(self.datasets)
+        if args.question_as_decode or args.shared_context:
+            check_question_parts(self.datasets, "--shared_context" if args.shared_context else "--question_as_decode")
 
     def prepare(self, args, tokenizer, config, out_dir):
         suffix = "_e" if args.e else ""
@@ -388,7 +389,7 @@ class LongBench(Benchmark):
             rows = load_rows(dataset, Path(args.data_dir) if args.data_dir is not None else None, args.e)
             samples = []
             for row in select_rows(rows, args.max_num_examples, args.sample_method, args.seed):
-                if args.question_as_decode:
+                if args.question_as_decode or args.shared_context:
                     ids, question_start = builder.build_with_question(dataset, row, self.max_len[dataset])
                 else:
                     (ids, _), question_start = builder.build(dataset, row, self.max_len[dataset]), None

@@ -136,7 +136,7 @@ class Needle(Benchmark):
                     "context_length": length, "depth_percent": depth,
                     "needle_depth_actual": round(cell.actual_depth_percent, 2)},
                     f"needle cell {length} tokens at {depth}%", batch_group=length,
-                    question_start=cell.question_start if args.question_as_decode else None))
+                    question_start=cell.question_start if args.question_as_decode or args.shared_context else None))
         return [SampleFile("needle", RESULTS_FILE, samples, "needle")]
 
     def fingerprint_extra(self, args, tokenizer) -> dict:
