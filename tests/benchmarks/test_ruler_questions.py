@@ -232,3 +232,16 @@ def test_data_file_questions_checked(questions, error, tmp_path):
     with pytest.raises(ValueError, match=error) as e:
         read_data_file(path, "vt")
     assert str(e.value).startswith(str(path)) and "\n" not in str(e.value)
+
+
+def test_sample_only_command_refuses_before_loading_the_tokenizer(tmp_path, capsys, monkeypatch):
+    import transformers
+
+    from pyramidkv.benchmarks.ruler.__main__ import main
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(SystemExit) as e:
+        main(["--tasks", "niah_multikey_1", "cwe", "--questions_per_context", "2", "--cache_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("python -m pyramidkv.benchmarks.ruler: error: task cwe cannot pose 2 questions")
