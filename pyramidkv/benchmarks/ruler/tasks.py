@@ -88,7 +88,6 @@ TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
 # The 11 RULER tasks generated from installed packages alone (`--tasks all`).
 OFFLINE_TASKS = tuple(name for name, spec in TASKS.items() if spec.family not in ("qa", "kv"))
 QA_TASKS = ("qa_1", "qa_2")
-EXTRA_TASKS = ("kv_retrieval",)     # offline too, not RULER's: named explicitly, not part of `all`
 DEFAULT_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3")
 
 
