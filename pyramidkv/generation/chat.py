@@ -55,19 +55,32 @@ def chat_frame(tokenizer, system=TEMPLATE_DEFAULT) -> tuple[str, str]:
 
 
 _REPLY = "\u2063PYRAMIDKV-ASSISTANT-REPLY\u2063"
+_LATER = "\u2063PYRAMIDKV-LATER-MESSAGE\u2063"
 
 
 def followup_frame(tokenizer) -> tuple[str, str]:
     """(text after an assistant reply's end-of-turn token up to the next user message, text after that message,
     assistant turn opened) of the tokenizer's chat template, e.g. SmolLM2: ("\\n<|im_start|>user\\n",
-    "<|im_end|>\\n<|im_start|>assistant\\n"). ValueError when the template does not show the conversation verbatim
-    or writes no end-of-turn token after a reply."""
-    conversation = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _REPLY},
-                    {"role": "user", "content": _PLACEHOLDER}]
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    "<|im_end|>\\n<|im_start|>assistant\\n"). The end-of-turn token is the one the template writes after a reply
+    (`end_of_turn_token`), else the EOS token; it must follow the reply verbatim. ValueError when the template
+    does not show the conversation that way."""
+    name = type(tokenizer).__name__
+    messages = [{"role": "user", "content": _PLACEHOLDER}, {"role": "assistant", "content": _REPLY},
+                {"role": "user", "content": _LATER}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja raises its own errors for conversations a template refuses
+        raise ValueError(f"the chat template of {name} does not render a second user turn ({e}); use a plain "
+                         f"prompt (no chat template)") from None
+    if any(text.count(mark) != 1 for mark in (_PLACEHOLDER, _REPLY, _LATER)) or \
+            not text.index(_PLACEHOLDER) < text.index(_REPLY) < text.index(_LATER):
+        raise ValueError(f"the chat template of {name} does not show a conversation's messages verbatim once, in "
+                         f"order; use a plain prompt (no chat template)")
+    between, after = text.split(_REPLY)[1].split(_LATER)
     turn_end = end_of_turn_token(tokenizer)
-    if text.count(_REPLY) != 1 or text.count(_PLACEHOLDER) != 1 or turn_end is None:
-        raise ValueError(f"the chat template of {type(tokenizer).__name__} does not show a follow-up turn verbatim "
-                         f"after an end-of-turn token; use a plain prompt (no chat template)")
-    between, after = text.split(_REPLY)[1].split(_PLACEHOLDER)
-    return between[between.index(turn_end) + len(turn_end):], after
+    eot = turn_end or tokenizer.eos_token
+    if not eot or not between.startswith(eot):
+        what = f"its end-of-turn token {eot!r}" if turn_end else f"the EOS token {eot!r}"
+        raise ValueError(f"the chat template of {name} does not end an assistant reply with {what}; use a plain "
+                         f"prompt (no chat template)")
+    return between[len(eot):], after

@@ -25,6 +25,11 @@ directly as token ids so that its length is exact:
 Scores per cell (`score_answer`): ours, ROUGE-1 F (package `rouge` 1.0.1, raw
 strings) and needle key-word recall; and the public PyramidKV harness's two,
 `rouge_score` ROUGE-1 F with Porter stemming x 10 and its word-set recall.
+
+Several questions per context (`build(..., questions_per_context=K)`, K <= len(NEEDLES)): K needles of the same
+form, each with its own question; needle 1 (the cell's own) at the cell's depth, needle k at the depth
+(depth + 100 (k-1) / K) mod 100, so the K needles are spread over the document. The prompt asks question 1;
+`NeedleSample.questions` carries every question's text after the document and as a later user turn.
 """
 
 from __future__ import annotations
@@ -36,10 +41,23 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from pyramidkv.benchmarks.prompting import chat_frame, essay_dir
+from pyramidkv.benchmarks.prompting import chat_frame, essay_dir, followup_frame
 
 NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
 RETRIEVAL_QUESTION = "What is the best thing to do in San Francisco?"
+# Needles for several questions per context, (needle, question), the reference needle first; each of the same
+# form, with key words (`needle_key_words`) no other needle has.
+NEEDLES = (
+    (NEEDLE, RETRIEVAL_QUESTION),
+    ("The best thing to do in Lisbon is ride the old yellow tram up the hill and listen to fado at night.",
+     "What is the best thing to do in Lisbon?"),
+    ("The best thing to do in Kyoto is walk through the bamboo grove at dawn and drink matcha in a quiet garden.",
+     "What is the best thing to do in Kyoto?"),
+    ("The best thing to do in Reykjavik is soak in a geothermal pool and watch the northern lights.",
+     "What is the best thing to do in Reykjavik?"),
+    ("The best thing to do in Cape Town is climb Table Mountain and buy fresh fish by the harbour.",
+     "What is the best thing to do in Cape Town?"),
+)
 CONTEXT_BUFFER = 200
 # What context_length - buffer bounds: haystack + needle ("context", the reference code) or the whole prompt.
 LENGTH_BUDGETS = ("context", "prompt")
@@ -170,10 +188,13 @@ class NeedleSample:
     context_length: int          # the target (context or prompt tokens <= context_length - buffer)
     depth_percent: int           # requested depth
     input_ids: list[int]         # the full prompt
-    needle_start: int            # token offset of the needle ("\n" needle "\n") inside the context
-    needle_tokens: int
-    haystack_tokens: int         # haystack tokens in the context (needle excluded)
+    needle_start: int            # token offset of the needle ("\n" needle "\n") in the haystack (K > 1: needle 1's)
+    needle_tokens: int           # K > 1: all needles' tokens
+    haystack_tokens: int         # haystack tokens in the context (needles excluded)
     prefix_tokens: int           # template tokens before the context
+    # K > 1 questions: {"question": text after the document (its tokens, tokenized alone, end the prompt),
+    # "followup": the question as a later user turn, "outputs": [its needle]}, question 1 first
+    questions: Optional[list[dict]] = None
 
     @property
     def context_tokens(self) -> int:
@@ -222,23 +243,40 @@ class NeedleHaystack:
         self._ends: list[bool] = []
 
     # --- template ---------------------------------------------------------------------------
-    def render(self, context: str) -> str:
-        """The prompt as text (for display; the runner uses the token ids of `build`)."""
-        user = f"{INSTRUCTION}\n\n<document>\n{context}\n</document>\n\nQuestion: {self.question}"
+    def render(self, context: str, question: Optional[str] = None) -> str:
+        """The prompt as text (for display; the runner uses the token ids of `build`); `question` defaults to
+        the builder's."""
+        question = self.question if question is None else question
+        user = f"{INSTRUCTION}\n\n<document>\n{context}\n</document>\n\nQuestion: {question}"
         if self.use_chat_template:
             before, after = chat_frame(self.tokenizer)   # the template's own rendering of a lone user turn
             text = before + user + after
         else:
             text = f"{user}\nAnswer:"
+        return self._with_answer_prefix(text)
+
+    def _with_answer_prefix(self, text: str) -> str:
         if self.answer_prefix:
             text += self.answer_prefix if text.endswith((" ", "\n")) else " " + self.answer_prefix
         return text
 
-    def _template_ids(self) -> tuple[list[int], list[int]]:
-        text = self.render(_PLACEHOLDER)
+    def followup(self, question: str) -> str:
+        """`question` as a later user turn ("Question: ..."), after an answer's end-of-turn token: the chat
+        template's frame (prompting.followup_frame), or without it a newline, the question and "\nAnswer:"."""
+        if self.use_chat_template:
+            head, tail = followup_frame(self.tokenizer)
+            return self._with_answer_prefix(f"{head}Question: {question}{tail}")
+        return self._with_answer_prefix(f"\nQuestion: {question}\nAnswer:")
+
+    def _split(self, question: Optional[str] = None) -> tuple[str, str]:
+        text = self.render(_PLACEHOLDER, question)
         if text.count(_PLACEHOLDER) != 1:
             raise ValueError("the chat template does not keep the user message intact; use a plain prompt")
         before, after = text.split(_PLACEHOLDER)
+        return before, after
+
+    def _template_ids(self) -> tuple[list[int], list[int]]:
+        before, after = self._split()
         # A plain prompt gets the tokenizer's own BOS (if any); a chat template writes its own.
         prefix = self.tokenizer(before, add_special_tokens=not self.use_chat_template).input_ids
         suffix = self.tokenizer(after, add_special_tokens=False).input_ids
@@ -308,24 +346,52 @@ class NeedleHaystack:
         return pos
 
     # --- one cell -------------------------------------------------------------------------
-    def build(self, context_length: int, depth_percent: float) -> NeedleSample:
+    def build(self, context_length: int, depth_percent: float, questions_per_context: int = 1) -> NeedleSample:
+        """One cell; `questions_per_context` K > 1: K needles (NEEDLES, the builder's own first), the haystack
+        sized for all of them (and, under length_budget "prompt", for the longest question)."""
         if not 0 <= depth_percent <= 100:
             raise ValueError(f"depth_percent must be in 0..100, got {depth_percent}")
-        budget = context_length - self.buffer - self._reserved_tokens
+        check_questions_per_context(questions_per_context)
+        k = questions_per_context
+        pairs = [(self.needle, self.question)] + list(NEEDLES[1:k])
+        needle_ids = [self.needle_ids] + [self.tokenizer(f"\n{n}\n", add_special_tokens=False).input_ids
+                                          for n, _ in pairs[1:]]
+        afters = [self._split(q)[1] for _, q in pairs] if k > 1 else []
+        suffixes = [self.suffix_ids] + [self.tokenizer(a, add_special_tokens=False).input_ids for a in afters[1:]]
+        reserved = self._reserved_tokens + sum(len(ids) for ids in needle_ids[1:])
+        if self.length_budget == "prompt":
+            reserved += max(len(ids) for ids in suffixes) - len(self.suffix_ids)
+        budget = context_length - self.buffer - reserved
         if budget < 1:
             raise ValueError(f"context length {context_length} is too short: with length_budget "
-                             f"{self.length_budget!r} the {self.buffer}-token buffer and {self._reserved_tokens} "
+                             f"{self.length_budget!r} the {self.buffer}-token buffer and {reserved} "
                              f"needle/template tokens leave no room for the haystack "
-                             f"(minimum {self.min_context_length()})")
+                             f"(minimum {self.buffer + reserved + 1})")
         self._ensure(budget)
         hay_len = self._back_to_sentence_start(budget) or budget   # end the document on a sentence end
         hay = self._ids[:hay_len]
-        insert = self._back_to_sentence_start(int(hay_len * depth_percent / 100))
-        context = hay[:insert] + self.needle_ids + hay[insert:]
+        depths = [depth_percent] + [(depth_percent + 100 * j / k) % 100 for j in range(1, k)]
+        inserts = [self._back_to_sentence_start(int(hay_len * d / 100)) for d in depths]
+        context, done = [], 0
+        for insert, j in sorted((insert, j) for j, insert in enumerate(inserts)):
+            context += hay[done:insert] + needle_ids[j]
+            done = insert
+        context += hay[done:]
         input_ids = self.prefix_ids + context + self.suffix_ids
+        questions = None
+        if k > 1:
+            questions = [{"question": after, "followup": self.followup(q), "outputs": [n]}
+                         for after, (n, q) in zip(afters, pairs)]
         return NeedleSample(context_length=context_length, depth_percent=depth_percent, input_ids=input_ids,
-                            needle_start=insert, needle_tokens=len(self.needle_ids), haystack_tokens=hay_len,
-                            prefix_tokens=len(self.prefix_ids))
+                            needle_start=inserts[0], needle_tokens=sum(len(ids) for ids in needle_ids),
+                            haystack_tokens=hay_len, prefix_tokens=len(self.prefix_ids), questions=questions)
+
+
+def check_questions_per_context(questions_per_context) -> None:
+    """ValueError (one line) unless the needle can pose that many questions (one per needle of NEEDLES)."""
+    k = questions_per_context
+    if type(k) is not int or not 1 <= k <= len(NEEDLES):
+        raise ValueError(f"the needle poses 1 to {len(NEEDLES)} questions per context (one per needle), got {k!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -412,6 +478,11 @@ SCORES = {
 }
 
 
-def score_answer(prediction: str) -> dict[str, float]:
-    """All scores (`SCORES`) of one answer against the default needle."""
-    return {name: fn(prediction) for name, (fn, _) in SCORES.items()}
+def score_answer(prediction: str, needle: str = NEEDLE, question: str = RETRIEVAL_QUESTION) -> dict[str, float]:
+    """All scores (`SCORES`) of one answer against a needle (default: the reference needle). The harness's word
+    recall looks for the needle's words after its first " is " (the reference needle: HARNESS_EXPECTED_ANSWER)."""
+    if needle == NEEDLE and question == RETRIEVAL_QUESTION:
+        return {name: fn(prediction) for name, (fn, _) in SCORES.items()}
+    return {"rouge1_f": rouge1_f(prediction, needle), "recall": needle_recall(prediction, needle, question),
+            "harness_rouge1_x10": harness_rouge1_x10(prediction, needle),
+            "harness_word_recall": harness_word_recall(prediction, needle.split(" is ", 1)[-1])}

@@ -11,6 +11,12 @@ where "input" is the complete prompt (chat template and answer prefix included)
 and "length" = prompt tokens + max_new_tokens, plus "question_start": the character
 offset in "input" where the sample's haystack (`Rendered.context`) ends and its question
 part begins (what --question_as_decode feeds as decode steps).
+
+Several questions per context (`questions_per_context` K > 1, tasks that allow it): the row is question 1's
+row plus "questions": K objects {"question", "followup", "outputs"}, question 1 first, where
+input[:question_start] + question is that question's full single-question prompt and "followup" is the same
+question as a later user turn (after an answer's end-of-turn token). The haystack size is the largest for
+which the context with the longest question part fits the length.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from pyramidkv.benchmarks.prompting import chat_frame
-from pyramidkv.benchmarks.ruler.tasks import TASKS, Builder, Rendered, get_task, make_builder
+from pyramidkv.benchmarks.prompting import chat_frame, followup_frame
+from pyramidkv.benchmarks.ruler.tasks import (
+    TASKS, Builder, Rendered, check_questions_per_context, get_task, make_builder,
+)
 
 # Bump whenever a sample's text or fields can change: cached samples of another version are regenerated.
 # 4: rows record "question_start" (the text is that of version 3).
@@ -55,6 +63,7 @@ class PromptFormatter:
         self.system_prompt = system_prompt
         self._bos = ""
         self._head = self._tail = ""
+        self._followup: Optional[tuple[str, str]] = None     # found on first use (templates without one still work)
         if self.use_chat_template:
             self._head, self._tail = self._user_turn_frame()
         elif tokenizer.bos_token_id is not None and tokenizer.bos_token:
@@ -71,6 +80,17 @@ class PromptFormatter:
         if self.use_chat_template:
             return self._head + body + self._tail + answer_prefix
         return self._bos + body + answer_prefix
+
+    def followup(self, question: str, answer_prefix: str) -> str:
+        """`question` as a later user turn: the chat template's text after an answer's end-of-turn token, the
+        question, the end of the turn, the assistant header, the answer prefix. Without the chat template:
+        a newline, the question, the answer prefix."""
+        if not self.use_chat_template:
+            return "\n" + question + answer_prefix
+        if self._followup is None:
+            self._followup = followup_frame(self.tokenizer)
+        head, tail = self._followup
+        return head + question + tail + answer_prefix
 
     def body_offset(self) -> int:
         """Where the body starts in a prompt (characters): after the chat template's head or the BOS."""
@@ -150,30 +170,68 @@ def fit(builder: Builder, measure: Callable[[Rendered], tuple[str, int]], prompt
     return best
 
 
-def generate_sample(task: str, length: int, index: int, formatter: PromptFormatter, seed: int = 42,
-                    squad_file: Optional[str] = None, hotpot_file: Optional[str] = None) -> dict:
-    """One RULER-format row for sample `index` of `task` at `length` tokens."""
+def question_prompts(rendered: Rendered, formatter: PromptFormatter) -> list[str]:
+    """The full single-question prompt of each of `rendered`'s questions (question 1 first)."""
+    before = rendered.body[:context_end(rendered)]
+    return [formatter(before + q.text, q.answer_prefix) for q in rendered.questions]
+
+
+def fit_sample(task: str, length: int, index: int, formatter: PromptFormatter, seed: int = 42,
+               squad_file: Optional[str] = None, hotpot_file: Optional[str] = None,
+               questions_per_context: int = 1) -> Fitted:
+    """The fitted render of sample `index`: with K > 1 questions, the largest haystack for which the context
+    with the longest question part fits (`prompt` and `prompt_tokens` are then those of the longest)."""
+    check_questions_per_context(task, questions_per_context)
     spec = get_task(task)
     max_new = spec.max_new_tokens
     if length <= max_new:
         raise ValueError(f"context length {length} must exceed the {max_new} tokens task {task} generates")
     builder = make_builder(spec, seed, length, index, squad_file=squad_file, hotpot_file=hotpot_file,
-                           count_tokens=formatter.count)
+                           count_tokens=formatter.count, questions_per_context=questions_per_context)
 
     def measure(rendered: Rendered) -> tuple[str, int]:
-        prompt = formatter(rendered.body, rendered.answer_prefix)
-        return prompt, formatter.count(prompt)
+        if questions_per_context == 1:
+            prompt = formatter(rendered.body, rendered.answer_prefix)
+            return prompt, formatter.count(prompt)
+        return max(((p, formatter.count(p)) for p in question_prompts(rendered, formatter)), key=lambda m: m[1])
 
-    best = fit(builder, measure, length - max_new, task, length)
-    return {
+    return fit(builder, measure, length - max_new, task, length)
+
+
+def generate_sample(task: str, length: int, index: int, formatter: PromptFormatter, seed: int = 42,
+                    squad_file: Optional[str] = None, hotpot_file: Optional[str] = None,
+                    questions_per_context: int = 1) -> dict:
+    """One RULER-format row for sample `index` of `task` at `length` tokens; with `questions_per_context` K > 1
+    also "questions" (K of them, question 1 first: see the module's docstring)."""
+    best = fit_sample(task, length, index, formatter, seed, squad_file, hotpot_file, questions_per_context)
+    max_new = get_task(task).max_new_tokens
+    rendered = best.rendered
+    question_start = formatter.body_offset() + context_end(rendered)
+    if questions_per_context == 1:
+        prompt, prompt_tokens = best.prompt, best.prompt_tokens
+    else:
+        prompts = question_prompts(rendered, formatter)
+        prompt, prompt_tokens = prompts[0], formatter.count(prompts[0])
+    row = {
         "index": index,
-        "input": best.prompt,
-        "outputs": best.rendered.outputs,
-        "length": best.prompt_tokens + max_new,
+        "input": prompt,
+        "outputs": list(rendered.outputs),
+        "length": prompt_tokens + max_new,
         "task": task,
         "max_new_tokens": max_new,
-        "question_start": formatter.body_offset() + context_end(best.rendered),
+        "question_start": question_start,
     }
+    if questions_per_context > 1:
+        head = prompt[:question_start]
+        assert len(rendered.questions) == questions_per_context and rendered.outputs == rendered.questions[0].outputs
+        row["questions"] = []
+        for full, q in zip(prompts, rendered.questions):
+            assert full.startswith(head), "a question's prompt does not share the context"
+            row["questions"].append({"question": full[len(head):],
+                                     "followup": formatter.followup(q.text.lstrip("\n"), q.answer_prefix),
+                                     "outputs": list(q.outputs)})
+        assert head + row["questions"][0]["question"] == prompt
+    return row
 
 
 def context_end(rendered: Rendered) -> int:
@@ -187,13 +245,14 @@ def context_end(rendered: Rendered) -> int:
 
 def generate_rows(task: str, length: int, num_samples: int, formatter: PromptFormatter, seed: int = 42,
                   squad_file: Optional[str] = None, hotpot_file: Optional[str] = None,
-                  start: int = 0) -> list[dict]:
-    return [generate_sample(task, length, i, formatter, seed, squad_file, hotpot_file)
+                  start: int = 0, questions_per_context: int = 1) -> list[dict]:
+    check_questions_per_context(task, questions_per_context)
+    return [generate_sample(task, length, i, formatter, seed, squad_file, hotpot_file, questions_per_context)
             for i in range(start, num_samples)]
 
 
 # --------------------------------------------------------------------------------------------
-# cache: {cache_dir}/{model}/{task}_{length}.jsonl (+ .meta.json)
+# cache: {cache_dir}/{model}/{task}_{length}.jsonl (+ .meta.json); K > 1 questions: {task}_{length}_q{K}.jsonl
 # --------------------------------------------------------------------------------------------
 
 def _source_fingerprint(path: Optional[str]) -> Optional[dict]:
@@ -206,8 +265,10 @@ def _source_fingerprint(path: Optional[str]) -> Optional[dict]:
     return {"path": str(p.resolve()), "bytes": stat.st_size, "mtime": int(stat.st_mtime)}
 
 
-def cache_paths(cache_dir: Path, model: str, task: str, length: int) -> tuple[Path, Path]:
-    base = Path(cache_dir) / model / f"{task}_{length}"
+def cache_paths(cache_dir: Path, model: str, task: str, length: int,
+                questions_per_context: int = 1) -> tuple[Path, Path]:
+    name = f"{task}_{length}" + (f"_q{questions_per_context}" if questions_per_context > 1 else "")
+    base = Path(cache_dir) / model / name
     return base.with_suffix(".jsonl"), base.with_suffix(".meta.json")
 
 
@@ -217,20 +278,23 @@ def rows_to_jsonl(rows: Sequence[dict]) -> str:
 
 def load_or_generate(task: str, length: int, num_samples: int, formatter: PromptFormatter, cache_dir: Path,
                      model: str, seed: int = 42, squad_file: Optional[str] = None,
-                     hotpot_file: Optional[str] = None) -> list[dict]:
+                     hotpot_file: Optional[str] = None, questions_per_context: int = 1) -> list[dict]:
     """Rows 0..num_samples-1, from the cache when it was made with the same settings, else generated and cached.
 
     Samples are independent of each other, so a cache with more samples serves a smaller request and a
-    larger request only generates the missing ones.
+    larger request only generates the missing ones. K > 1 questions per context: a cache file of its own.
     """
     from pyramidkv.runner.results import atomic_write_json, atomic_write_text, read_jsonl
 
-    data_path, meta_path = cache_paths(cache_dir, model, task, length)
+    check_questions_per_context(task, questions_per_context)
+    data_path, meta_path = cache_paths(cache_dir, model, task, length, questions_per_context)
     settings = {
         "generator_version": GENERATOR_VERSION, "task": task, "length": length, "seed": seed,
         "prompt": formatter.describe(),
         "source": _source_fingerprint(squad_file if task == "qa_1" else hotpot_file if task == "qa_2" else None),
     }
+    if questions_per_context > 1:   # one question: the settings (and so the cache) of before
+        settings["questions_per_context"] = questions_per_context
     rows: list[dict] = []
     if data_path.is_file() and meta_path.is_file():
         try:
@@ -243,7 +307,8 @@ def load_or_generate(task: str, length: int, num_samples: int, formatter: Prompt
                 rows = cached
     if len(rows) >= num_samples:
         return rows[:num_samples]
-    rows = rows + generate_rows(task, length, num_samples, formatter, seed, squad_file, hotpot_file, start=len(rows))
+    rows = rows + generate_rows(task, length, num_samples, formatter, seed, squad_file, hotpot_file, start=len(rows),
+                                questions_per_context=questions_per_context)
     atomic_write_text(data_path, rows_to_jsonl(rows))
     atomic_write_json(meta_path, {"settings": settings, "num_samples": len(rows)})
     return rows
@@ -253,7 +318,7 @@ def load_or_generate(task: str, length: int, num_samples: int, formatter: Prompt
 # RULER-format JSONL made elsewhere
 # --------------------------------------------------------------------------------------------
 
-_NAME_PATTERN = re.compile(r"^(?P<task>[a-z0-9_]+?)_(?P<length>\d+)$")
+_NAME_PATTERN = re.compile(r"^(?P<task>[a-z0-9_]+?)_(?P<length>\d+)(?:_q\d+)?$")
 
 
 def read_data_file(path: Path, task: Optional[str] = None) -> list[dict]:
@@ -262,7 +327,9 @@ def read_data_file(path: Path, task: Optional[str] = None) -> list[dict]:
     "index" defaults to the row's position; an "answer_prefix" field (RULER keeps it apart from "input"
     in some versions) is appended to the input when the input does not already end with it;
     "max_new_tokens" defaults to the task's. "question_start" (rows written by this generator; RULER's own
-    files have none) is kept when it is a character offset inside the input, else None.
+    files have none) is kept when it is a character offset inside the input, else None. "questions" (rows with
+    several questions per context), when present: a non-empty list of objects with "question" (str),
+    "outputs" (non-empty list of str) and optionally "followup" (str), kept as they are.
     """
     from pyramidkv.runner.results import read_jsonl
 
@@ -300,8 +367,34 @@ def read_data_file(path: Path, task: Optional[str] = None) -> list[dict]:
         if question_start is not None and (type(question_start) is not int or not 0 < question_start < len(text)):
             raise ValueError(f"{where}: \"question_start\" must be a character offset inside \"input\" "
                              f"(1..{len(text) - 1}), got {question_start!r}")
-        checked.append({"index": index, "input": text, "outputs": outputs, "length": row.get("length"),
-                        "task": row_task, "max_new_tokens": max_new, "question_start": question_start})
+        out = {"index": index, "input": text, "outputs": outputs, "length": row.get("length"),
+               "task": row_task, "max_new_tokens": max_new, "question_start": question_start}
+        if "questions" in row:
+            out["questions"] = _checked_questions(row["questions"], where)
+        checked.append(out)
+    return checked
+
+
+def _checked_questions(questions, where: str) -> list[dict]:
+    """The "questions" field of a data row, checked: ValueError naming the row and the field."""
+    if not isinstance(questions, list) or not questions:
+        raise ValueError(f"{where}: \"questions\" must be a non-empty list of objects with \"question\" and "
+                         f"\"outputs\", got {type(questions).__name__}")
+    checked = []
+    for k, q in enumerate(questions):
+        field = f"{where}: \"questions\"[{k}]"
+        if not isinstance(q, dict):
+            raise ValueError(f"{field} must be an object with \"question\" and \"outputs\", got {type(q).__name__}")
+        unknown = sorted(set(q) - {"question", "followup", "outputs"})
+        if unknown:
+            raise ValueError(f"{field} has unknown fields {unknown}; allowed: question, followup, outputs")
+        for name in ("question", "followup"):
+            if (name in q or name == "question") and (not isinstance(q.get(name), str) or not q.get(name)):
+                raise ValueError(f"{field}: \"{name}\" must be a non-empty string, got {q.get(name)!r}")
+        outputs = q.get("outputs")
+        if not isinstance(outputs, list) or not outputs or not all(isinstance(o, str) for o in outputs):
+            raise ValueError(f"{field}: \"outputs\" must be a non-empty list of strings, got {outputs!r}")
+        checked.append(dict(q))
     return checked
 
 

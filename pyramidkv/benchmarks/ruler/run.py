@@ -63,6 +63,8 @@ class Ruler(Benchmark):
         r.add_argument("--tasks", nargs="+", default=None,
                        help=f"task names, or 'all' for the {len(OFFLINE_TASKS)} offline tasks: "
                             f"{', '.join(OFFLINE_TASKS)}; {' and '.join(QA_TASKS)} need --squad_file / --hotpot_file; "
+                            f"also {', '.join(t for t in TASKS if t not in OFFLINE_TASKS and t not in QA_TASKS)} "
+                            f"(SCBench's key-value retrieval, not in 'all'); "
                             f"when not given: {' '.join(DEFAULT_TASKS)}")
         r.add_argument("--context_lengths", nargs="+", type=int, default=None,
                        help=f"target lengths in tokens (prompt after the chat template + tokens to generate); when "

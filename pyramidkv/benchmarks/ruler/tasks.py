@@ -15,7 +15,12 @@ docs/ruler.md lists where this generator differs on purpose.
 
 Haystack units: essay words (essay haystacks), noise sentences (noise haystack,
 variable tracking), distractor needles (needle haystack), uncommon words (cwe),
-coded words in the zeta sample (fwe), distractor documents (qa).
+coded words in the zeta sample (fwe), distractor documents (qa), distractor pairs (kv_retrieval).
+
+Several questions per context (`questions_per_context` K > 1, docs/ruler.md): the tasks whose context can
+answer K separate questions render them all (`Rendered.questions`, question 1 first); the context and the
+text before it are the same for every question. `TaskSpec.max_questions` says how many a task can pose.
+kv_retrieval is not a RULER task: SCBench's key-value retrieval with InfiniteBench's prompt text.
 """
 
 from __future__ import annotations
@@ -45,36 +50,43 @@ VALUE_NAMES = {"numbers": ("numbers", "number"), "words": ("words", "word"), "uu
 @dataclass(frozen=True)
 class TaskSpec:
     name: str
-    family: str                 # niah | vt | cwe | fwe | qa
+    family: str                 # niah | vt | cwe | fwe | qa | kv
     max_new_tokens: int         # RULER's tokens_to_generate
     metric: str                 # string_match_all | string_match_part
     options: dict = field(default_factory=dict)
+    max_questions: int = 1      # questions one context can pose (questions_per_context at most)
 
 
-def _niah(name, haystack, key, value, keys=1, values=1, queries=1) -> TaskSpec:
+# The most questions per context where the task sets no count of its own (distractor needles, chains, pairs).
+MAX_QUESTIONS = 10
+
+
+def _niah(name, haystack, key, value, keys=1, values=1, queries=1, max_questions=1) -> TaskSpec:
     return TaskSpec(name, "niah", 128, "string_match_all",
                     {"haystack": haystack, "key": key, "value": value,
-                     "num_keys": keys, "num_values": values, "num_queries": queries})
+                     "num_keys": keys, "num_values": values, "num_queries": queries}, max_questions)
 
 
 TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
     _niah("niah_single_1", "noise", "words", "numbers"),
     _niah("niah_single_2", "essay", "words", "numbers"),
     _niah("niah_single_3", "essay", "words", "uuids"),
-    _niah("niah_multikey_1", "essay", "words", "numbers", keys=4),
-    _niah("niah_multikey_2", "needle", "words", "numbers"),
-    _niah("niah_multikey_3", "needle", "uuids", "uuids"),
-    _niah("niah_multivalue", "essay", "words", "numbers", values=4),
-    _niah("niah_multiquery", "essay", "words", "numbers", keys=4, queries=4),
-    TaskSpec("vt", "vt", 30, "string_match_all", {"num_chains": 1, "num_hops": 4}),
+    _niah("niah_multikey_1", "essay", "words", "numbers", keys=4, max_questions=4),          # one per key
+    _niah("niah_multikey_2", "needle", "words", "numbers", max_questions=MAX_QUESTIONS),    # + distractors
+    _niah("niah_multikey_3", "needle", "uuids", "uuids", max_questions=MAX_QUESTIONS),
+    _niah("niah_multivalue", "essay", "words", "numbers", values=4),                        # one key
+    _niah("niah_multiquery", "essay", "words", "numbers", keys=4, queries=4, max_questions=4),  # one per key
+    TaskSpec("vt", "vt", 30, "string_match_all", {"num_chains": 1, "num_hops": 4}, MAX_QUESTIONS),  # per chain
     TaskSpec("cwe", "cwe", 120, "string_match_all", {"freq_cw": 30, "freq_ucw": 3, "num_cw": 10}),
     TaskSpec("fwe", "fwe", 50, "string_match_all", {"alpha": 2.0, "coded_wordlen": 6, "num_answers": 3}),
     TaskSpec("qa_1", "qa", 32, "string_match_part", {"dataset": "squad"}),
     TaskSpec("qa_2", "qa", 32, "string_match_part", {"dataset": "hotpotqa"}),
+    # SCBench's key-value retrieval (not RULER's): InfiniteBench's kv_retrieval prompt and 50 tokens to generate.
+    TaskSpec("kv_retrieval", "kv", 50, "string_match_all", {}, MAX_QUESTIONS),
 )}
 
-# The 11 tasks generated from installed packages alone (`--tasks all`).
-OFFLINE_TASKS = tuple(name for name, spec in TASKS.items() if spec.family != "qa")
+# The 11 RULER tasks generated from installed packages alone (`--tasks all`).
+OFFLINE_TASKS = tuple(name for name, spec in TASKS.items() if spec.family not in ("qa", "kv"))
 QA_TASKS = ("qa_1", "qa_2")
 DEFAULT_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3")
 
@@ -86,6 +98,26 @@ def get_task(name: str) -> TaskSpec:
     return TASKS[name]
 
 
+def check_questions_per_context(task: str, questions_per_context) -> None:
+    """ValueError (one line) unless `task` can pose `questions_per_context` questions about one context."""
+    spec = get_task(task)
+    k = questions_per_context
+    if type(k) is not int or k < 1:
+        raise ValueError(f"questions_per_context must be a whole number of at least 1, got {k!r}")
+    if k > spec.max_questions:
+        several = ", ".join(f"{s.name} (up to {s.max_questions})" for s in TASKS.values() if s.max_questions > 1)
+        raise ValueError(f"task {task} cannot pose {k} questions per context (at most {spec.max_questions}); "
+                         f"tasks that pose several: {several}")
+
+
+@dataclass
+class Question:
+    """One question about a rendered context: the body's text after the haystack, the answer prefix, the answers."""
+    text: str                   # RULER's text after the haystack for this question, leading newline(s) included
+    answer_prefix: str
+    outputs: list[str]
+
+
 @dataclass
 class Rendered:
     body: str                   # the user message: instruction, haystack, question
@@ -93,6 +125,7 @@ class Rendered:
                                 # leading space (and vt's trailing space) included
     outputs: list[str]          # the references
     context: str                # the haystack part of `body` (the scored sample's own, no demonstration)
+    questions: list[Question] = field(default_factory=list)   # K-question builders: all K, question 1 first
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,13 +237,21 @@ class Builder:
 
 class NiahBuilder(Builder):
     """Needles in essays (at RULER's depth grid, between sentences), in noise lines or among distractor needles
-    (before distinct lines drawn at random, as RULER)."""
+    (before distinct lines drawn at random, as RULER).
 
-    def __init__(self, spec: TaskSpec, rng: random.Random, seed_key: str):
+    `questions` > 1: question 1 is the task's own; the others ask one key each, the singular form of RULER's
+    question: niah_multikey_1 the other inserted keys (in an order drawn once), niah_multiquery its queried
+    keys one by one (question 1 too), niah_multikey_2/3 distractor needles at positions drawn per size (the
+    haystack is the same as with one question). Everything drawn for one question is drawn as before.
+    """
+
+    def __init__(self, spec: TaskSpec, rng: random.Random, seed_key: str, questions: int = 1):
         o = spec.options
         self.haystack = o["haystack"]
         self.value_kind = o["value"]
+        self.num_values = o["num_values"]
         self.seed_key = seed_key
+        self.num_questions = questions
         num_keys = max(o["num_keys"], o["num_queries"])
         fresh = _Fresh(rng)
         keys = [fresh(o["key"]) for _ in range(num_keys)]
@@ -220,47 +261,69 @@ class NiahBuilder(Builder):
         self.needles = needles
         self.fractions = [d / 100 for d in sorted(rng.sample(DEPTHS, len(needles)))]
         queried = rng.sample(range(num_keys), o["num_queries"])
-        self.query = _join_queries([keys[i] for i in queried])
-        self.outputs = [v for i in queried for v in values[i]]
+        # (keys asked, their values) per question, question 1 first; needle haystacks add distractors per size.
+        self.asks = [([keys[i] for i in queried], [v for i in queried for v in values[i]])]
+        if questions > 1 and o["num_queries"] > 1:
+            self.asks = [([keys[i]], list(values[i])) for i in queried[:questions]]
+        elif questions > 1 and self.haystack != "needle":
+            others = [i for i in range(num_keys) if i not in queried]
+            _sub_rng(seed_key, "questions").shuffle(others)
+            self.asks += [([keys[i]], list(values[i])) for i in others[:questions - 1]]
         self.singular = o["num_queries"] * o["num_values"] == 1
         self.unit = {"essay": "essay words", "noise": "noise sentences", "needle": "distractor needles"}[self.haystack]
         if self.haystack == "noise":
             self.min_size = len(resources.NOISE_SENTENCES) * len(needles)   # one line per needle
         elif self.haystack == "needle":
-            self.min_size = len(needles)
+            self.min_size = max(len(needles), questions - 1)   # the asked distractors are in every haystack
             # Distractor needles: same shape, other keys and values; drawn lazily from their own generator so
             # distractor i is the same whatever sizes were rendered before.
             self._distractor_fresh = _Fresh(random.Random(rng.getrandbits(64)), set(fresh.seen))
             self._key_kind = o["key"]
-            self._distractors: list[str] = []
+            self._distractors: list[tuple[str, str]] = []
         else:
             resources.essay_words()  # fail early with a clear message if the essays are missing
 
-    def _distractor_lines(self, n: int) -> list[str]:
+    def _distractor_pairs(self, n: int) -> list[tuple[str, str]]:
         while len(self._distractors) < n:
-            self._distractors.append(NEEDLE.format(kind=self.value_kind, key=self._distractor_fresh(self._key_kind),
-                                                   value=self._distractor_fresh(self.value_kind)))
+            key = self._distractor_fresh(self._key_kind)
+            self._distractors.append((key, self._distractor_fresh(self.value_kind)))
         return self._distractors[:n]
 
+    def _question(self, keys: list[str], outputs: list[str]) -> Question:
+        plural, single = VALUE_NAMES[self.value_kind]
+        query = _join_queries(keys)
+        # RULER's template; for one answer it swaps Some->A, are all->is, are->is and drops the plural "s".
+        if len(keys) * self.num_values == 1:
+            return Question(f"\nWhat is the special magic {single} for {query} mentioned in the provided text?",
+                            f" The special magic {single} for {query} mentioned in the provided text is", outputs)
+        return Question(f"\nWhat are all the special magic {plural} for {query} mentioned in the provided text?",
+                        f" The special magic {plural} for {query} mentioned in the provided text are", outputs)
+
     def render(self, size: int) -> Rendered:
+        asks = list(self.asks)
         if self.haystack == "essay":
             context = " ".join(_insert(_essay_sentences(size), self.needles, self.fractions))
         else:
-            lines = _noise_lines(size) if self.haystack == "noise" else self._distractor_lines(size)
+            if self.haystack == "noise":
+                lines = _noise_lines(size)
+            else:
+                pairs = self._distractor_pairs(size)
+                lines = [NEEDLE.format(kind=self.value_kind, key=k, value=v) for k, v in pairs]
+                if self.num_questions > 1:
+                    asked = _sub_rng(self.seed_key, "asked distractors", size).sample(range(size),
+                                                                                       self.num_questions - 1)
+                    asks += [([pairs[i][0]], [pairs[i][1]]) for i in asked]
             context = "\n".join(_insert_before_lines(lines, self.needles, _sub_rng(self.seed_key, "lines", size)))
         plural, single = VALUE_NAMES[self.value_kind]
-        # RULER's template; for one answer it swaps Some->A, are all->is, are->is and drops the plural "s".
         if self.singular:
-            body = (f"A special magic {single} is hidden within the following text. Make sure to memorize it. "
-                    f"I will quiz you about the {single} afterwards.\n{context}\n"
-                    f"What is the special magic {single} for {self.query} mentioned in the provided text?")
-            prefix = f" The special magic {single} for {self.query} mentioned in the provided text is"
+            intro = (f"A special magic {single} is hidden within the following text. Make sure to memorize it. "
+                     f"I will quiz you about the {single} afterwards.\n")
         else:
-            body = (f"Some special magic {plural} are hidden within the following text. Make sure to memorize "
-                    f"it. I will quiz you about the {plural} afterwards.\n{context}\n"
-                    f"What are all the special magic {plural} for {self.query} mentioned in the provided text?")
-            prefix = f" The special magic {plural} for {self.query} mentioned in the provided text are"
-        return Rendered(body, prefix, list(self.outputs), context)
+            intro = (f"Some special magic {plural} are hidden within the following text. Make sure to memorize "
+                     f"it. I will quiz you about the {plural} afterwards.\n")
+        questions = [self._question(keys, outputs) for keys, outputs in asks]
+        first = questions[0]
+        return Rendered(intro + context + first.text, first.answer_prefix, list(first.outputs), context, questions)
 
 
 class VariableTrackingBuilder(Builder):
@@ -270,6 +333,10 @@ class VariableTrackingBuilder(Builder):
     A worked example comes first, as in RULER: its own chain of 3-letter names and value, in as many noise
     lines as fit in DEMO_TOKENS tokens (question and answer prefix, without its answer), counted with the
     tokenizer under test.
+
+    `questions` > 1: that many chains (RULER's num_chains), each its own value, one question per chain (question
+    1 the first chain's, drawn as with one); the statements of all chains go before distinct random lines, each
+    chain in its order, the chains interleaved at random. The worked example keeps one chain.
     """
 
     unit = "noise sentences"
@@ -277,7 +344,7 @@ class VariableTrackingBuilder(Builder):
     DEMO_MIN_LINES = 5          # RULER's smallest step for the example
 
     def __init__(self, spec: TaskSpec, rng: random.Random, seed_key: str,
-                 count_tokens: Optional[Callable[[str], int]]):
+                 count_tokens: Optional[Callable[[str], int]], questions: int = 1):
         if count_tokens is None:
             raise ValueError("task vt needs the tokenizer's token counter to size its worked example "
                              "(make_builder(..., count_tokens=formatter.count))")
@@ -287,7 +354,7 @@ class VariableTrackingBuilder(Builder):
         self.seed_key = seed_key
         names = set()
 
-        def chain(name_len: int):
+        def chain(name_len: int, avoid=()):
             chosen = []
             while len(chosen) < hops + 1:
                 name = "".join(rng.choice(string.ascii_uppercase) for _ in range(name_len))
@@ -295,13 +362,24 @@ class VariableTrackingBuilder(Builder):
                     names.add(name)
                     chosen.append(name)
             value = str(rng.randint(10000, 99999))
+            while value in avoid:
+                value = str(rng.randint(10000, 99999))
             statements = [f"VAR {chosen[0]} = {value}"]
             statements += [f"VAR {chosen[j + 1]} = VAR {chosen[j]} " for j in range(hops)]
             return chosen, value, statements
 
         demo_vars, demo_value, demo_statements = chain(3)
-        self.variables, self.value, self.statements = chain(5)
-        self.min_size = len(resources.NOISE_SENTENCES) * len(self.statements)
+        self.chains = [chain(5)]
+        while len(self.chains) < questions:
+            self.chains.append(chain(5, {demo_value} | {value for _, value, _ in self.chains}))
+        self.variables, self.value, self.statements = self.chains[0]
+        # All chains' statements, each chain in order, chains interleaved (one chain: its statements).
+        order = [c for c, (_, _, statements) in enumerate(self.chains) for _ in statements]
+        if questions > 1:
+            _sub_rng(seed_key, "chain order").shuffle(order)
+        pending = [list(statements) for _, _, statements in self.chains]
+        self.all_statements = [pending[c].pop(0) for c in order]
+        self.min_size = len(resources.NOISE_SENTENCES) * len(self.all_statements)
 
         def demo_text(num_lines: int) -> str:
             lines = _insert_before_lines([resources.NOISE] * num_lines, demo_statements,
@@ -318,19 +396,26 @@ class VariableTrackingBuilder(Builder):
             lo, hi = (mid, hi) if count_tokens(demo_text(mid)) <= self.DEMO_TOKENS else (lo, mid)
         self.demo = f"{demo_text(lo)} {' '.join(demo_vars)}\n\n"
 
+    INTRO = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+
     @staticmethod
-    def _question(context: str, value: str, count: int) -> tuple[str, str]:
-        body = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
-                f"{context}\nQuestion: Find all variables that are assigned the value {value} in the text above.")
-        prefix = (f" Answer: According to the chain(s) of variable assignment in the text above, {count} variables "
-                  f"are assigned the value {value}, they are: ")
-        return body, prefix
+    def _asked(value: str, variables: list[str]) -> Question:
+        return Question(f"\nQuestion: Find all variables that are assigned the value {value} in the text above.",
+                        f" Answer: According to the chain(s) of variable assignment in the text above, "
+                        f"{len(variables)} variables are assigned the value {value}, they are: ", list(variables))
+
+    @classmethod
+    def _question(cls, context: str, value: str, count: int) -> tuple[str, str]:
+        asked = cls._asked(value, ["?"] * count)
+        return cls.INTRO + context + asked.text, asked.answer_prefix
 
     def render(self, size: int) -> Rendered:
-        lines = _insert_before_lines(_noise_lines(size), self.statements, _sub_rng(self.seed_key, "lines", size))
+        lines = _insert_before_lines(_noise_lines(size), self.all_statements, _sub_rng(self.seed_key, "lines", size))
         context = "\n".join(lines)
-        body, prefix = self._question(context, self.value, len(self.variables))
-        return Rendered(self.demo + body, prefix, list(self.variables), context)
+        questions = [self._asked(value, variables) for variables, value, _ in self.chains]
+        first = questions[0]
+        return Rendered(self.demo + self.INTRO + context + first.text, first.answer_prefix, list(first.outputs),
+                        context, questions)
 
 
 class CommonWordsBuilder(Builder):
@@ -449,6 +534,40 @@ class FrequentWordsBuilder(Builder):
         return Rendered(body, prefix, self.vocab[1:1 + self.num_answers], context)
 
 
+class KeyValueBuilder(Builder):
+    """SCBench's key-value retrieval: a JSON object of uuid keys -> uuid values (InfiniteBench's kv_retrieval
+    layout: `JSON data:\n{"k": "v", ...}`), one question per asked pair. The asked pairs are drawn first and
+    sit at positions drawn per size among distractor pairs (drawn lazily, as the distractor needles)."""
+
+    unit = "distractor pairs"
+    INSTRUCTION = "Extract the value corresponding to the specified key in the JSON object below.\n\n"
+    ANSWER_PREFIX = " The value associated with the specified key is: "
+
+    def __init__(self, rng: random.Random, seed_key: str, questions: int = 1):
+        fresh = _Fresh(rng)
+        self.asked = [(fresh("uuids"), fresh("uuids")) for _ in range(questions)]
+        self._fresh = _Fresh(random.Random(rng.getrandbits(64)), set(fresh.seen))
+        self._distractors: list[tuple[str, str]] = []
+        self.seed_key = seed_key
+
+    def render(self, size: int) -> Rendered:
+        while len(self._distractors) < size:
+            key = self._fresh("uuids")
+            self._distractors.append((key, self._fresh("uuids")))
+        pairs = self._distractors[:size]
+        rng = _sub_rng(self.seed_key, "pairs", size)
+        positions = sorted(rng.sample(range(size + len(self.asked)), len(self.asked)))
+        order = list(range(len(self.asked)))
+        rng.shuffle(order)
+        for position, i in zip(positions, order):      # ascending: each lands at its final position
+            pairs.insert(position, self.asked[i])
+        context = "JSON data:\n" + json.dumps(dict(pairs), ensure_ascii=False)
+        questions = [Question(f'\n\nKey: "{key}"', self.ANSWER_PREFIX, [value]) for key, value in self.asked]
+        first = questions[0]
+        return Rendered(self.INSTRUCTION + context + first.text, first.answer_prefix, list(first.outputs), context,
+                        questions)
+
+
 # --------------------------------------------------------------------------------------------
 # QA (user-supplied SQuAD v2 / HotpotQA files)
 # --------------------------------------------------------------------------------------------
@@ -556,17 +675,21 @@ class QABuilder(Builder):
 
 def make_builder(spec: TaskSpec, seed: int, context_length: int, index: int,
                  squad_file: Optional[str] = None, hotpot_file: Optional[str] = None,
-                 count_tokens: Optional[Callable[[str], int]] = None) -> Builder:
+                 count_tokens: Optional[Callable[[str], int]] = None, questions_per_context: int = 1) -> Builder:
     """The builder of sample `index` of `spec` at `context_length`; independent of the other samples.
 
     `count_tokens` (text -> tokens under the model's tokenizer) sizes vt's worked example; vt requires it.
+    `questions_per_context` > 1: the renders carry that many questions (check_questions_per_context first).
     """
+    check_questions_per_context(spec.name, questions_per_context)
     seed_key = f"ruler:{seed}:{spec.name}:{context_length}:{index}"
     rng = random.Random(seed_key)
     if spec.family == "niah":
-        return NiahBuilder(spec, rng, seed_key)
+        return NiahBuilder(spec, rng, seed_key, questions_per_context)
     if spec.family == "vt":
-        return VariableTrackingBuilder(spec, rng, seed_key, count_tokens)
+        return VariableTrackingBuilder(spec, rng, seed_key, count_tokens, questions_per_context)
+    if spec.family == "kv":
+        return KeyValueBuilder(rng, seed_key, questions_per_context)
     if spec.family == "cwe":
         return CommonWordsBuilder(spec, rng, context_length, seed_key)
     if spec.family == "fwe":
