@@ -1,0 +1,251 @@
+"""Compressed caches on disk (pyramidkv/generation/cache_file.py): a saved and loaded cache is the cache it was, bit for
+bit (every tensor's storage bytes, unused capacity included, shared storages shared again, every object referenced as
+often as before), and continues greedy decoding with exactly the logits and tokens of the original; bad files and
+paths are refused with one line.
+
+Against the original cache itself, walked here attribute by attribute (not through the file format's own walk)."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections import OrderedDict
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import pyramidkv
+from pyramidkv import compress, make_method
+from pyramidkv.core.cache import STORES, store_kind
+from pyramidkv.core.snapshot import SHARED
+
+# One method per store kind and per decode-time compressor; a kind added to STORES without a case here fails below.
+CASES = {
+    "full_precision": dict(name="snapkv", budget=40, window_size=8),
+    "quantized": dict(name="snapkv", budget=40, window_size=8, quant_method="kivi", nbits=2, group_size=8,
+                      residual_length=8),
+    "thin_keys": dict(name="think", budget=40, window_size=8),
+    "paged": dict(name="quest", budget=40, page_size=4),
+    "paired": dict(name="minicache"),
+    "decode_budget": dict(name="h2o", budget=32, decode_budget=32, decode_interval=2),
+    "threshold": dict(name="kvzap", window_size=8, threshold=0.0),
+}
+PROMPT, PAD, DECODED = 64, 5, 4
+
+
+def _method(case, tables):
+    settings = dict(CASES[case])
+    if settings["name"] == "kvzap":
+        settings["kvzap_path"] = tables["kvzap_path"]
+    return make_method(settings.pop("name"), **settings)
+
+
+def _batch():
+    """Two prompts, the second left-padded by PAD."""
+    ids = torch.randint(3, 200, (2, PROMPT), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, :PAD] = 0
+    return ids, mask
+
+
+def _generate(model, method, ids, mask, new, cache=None):
+    with compress(model, method):
+        return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new,
+                              do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=2)
+
+
+def _continued(out, mask):
+    """(input ids, attention mask) continuing a generate's output: its sequences (the last token not yet fed)."""
+    seq = out.sequences
+    return seq, torch.cat([mask, torch.ones(2, seq.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+
+
+def _same_state(a, b, pairs: dict, path="cache"):
+    """Walk two states side by side: the same structure, objects paired one to one (identity kept), tensors with the
+    same dtype, shape, stride and offset over storages with the same bytes (unused capacity included)."""
+    if id(a) in pairs:
+        assert pairs[id(a)] is b, f"{path}: an object referenced twice is two objects after loading"
+        return
+    if a is None or isinstance(a, (bool, int, float, str)):
+        assert type(a) is type(b) and (a == b or a != a), f"{path}: {a!r} != {b!r}"
+        return
+    pairs[id(a)] = b
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.stride(), a.storage_offset()) == (b.dtype, b.shape, b.stride(), b.storage_offset())
+        sa, sb = a.untyped_storage(), b.untyped_storage()
+        assert sa.nbytes() == sb.nbytes() and bytes(sa.cpu()) == bytes(sb.cpu()), f"{path}: storage bytes differ"
+        pairs.setdefault(("storage", sa.data_ptr(), str(a.device)), sb.data_ptr())
+        assert pairs[("storage", sa.data_ptr(), str(a.device))] == sb.data_ptr(), f"{path}: storage sharing differs"
+    elif isinstance(a, (list, tuple, set, frozenset)):
+        assert len(a) == len(b), path
+        if isinstance(a, (set, frozenset)):
+            assert a == b, path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_state(x, y, pairs, f"{path}[{i}]")
+    elif isinstance(a, (dict, OrderedDict)):
+        assert list(a) == list(b), path
+        for key in a:
+            _same_state(a[key], b[key], pairs, f"{path}[{key!r}]")
+    elif isinstance(a, (torch.dtype, torch.device, type)):
+        assert a == b, path
+    else:
+        for key, value in vars(a).items():
+            _same_state(value, vars(b)[key], pairs, f"{path}.{key}")
+
+
+def test_every_store_kind_has_a_case(sharp_llama):
+    _, _, tables = sharp_llama
+    kinds = {store_kind(_method(case, tables)) for case in CASES}
+    assert kinds == set(STORES)
+
+
+@pytest.mark.parametrize("stage", ["prefill", "decoded"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_round_trip_is_bit_exact_and_decodes_on(sharp_llama, tmp_path, case, stage):
+    model, _, tables = sharp_llama
+    method = _method(case, tables)
+    ids, mask = _batch()
+    out = _generate(model, method, ids, mask, 1 if stage == "prefill" else DECODED)
+    cache = out.past_key_values
+    path = pyramidkv.save_cache(cache, tmp_path / "cache.safetensors", model)
+    assert os.listdir(tmp_path) == ["cache.safetensors"]
+    loaded = pyramidkv.load_cache(path, model)
+
+    assert loaded is not cache and loaded.method == method
+    shared = {id(getattr(cache, name)): getattr(loaded, name) for name in SHARED if getattr(cache, name) is not None}
+    pairs = dict(shared)   # what the model and the method provide: the loaded cache's own, wherever referenced
+    _same_state({k: v for k, v in vars(cache).items() if k not in SHARED},
+                {k: v for k, v in vars(loaded).items() if k not in SHARED}, pairs)
+    assert loaded.get_seq_length() == cache.get_seq_length() == PROMPT + (0 if stage == "prefill" else DECODED - 1)
+    for layer in range(len(cache.layers)):
+        for b in range(2):
+            for got, want in ((loaded.stored_kv(layer, b), cache.stored_kv(layer, b)),
+                              (loaded.kept_kv(layer, b), cache.kept_kv(layer, b))):
+                assert len(got) == len(want)
+                for g, w in zip(got, want):
+                    assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(g, w))
+    assert [loaded.kv_bytes(b) for b in range(2)] == [cache.kv_bytes(b) for b in range(2)]
+    assert loaded.kv_bytes_breakdown() == cache.kv_bytes_breakdown()
+
+    seq, seq_mask = _continued(out, mask)
+    before = _generate(model, method, seq, seq_mask, 5, cache)     # the original, decoded on
+    after = _generate(model, method, seq, seq_mask, 5, loaded)
+    assert torch.equal(after.sequences, before.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(after.logits, before.logits))
+    assert loaded.get_seq_length() == seq.shape[1] + 4
+
+
+@pytest.fixture(scope="module")
+def saved(sharp_llama, tmp_path_factory):
+    """(path, model, method) of a snapkv cache of the batch after a few decode steps, saved once."""
+    model, _, tables = sharp_llama
+    method = _method("full_precision", tables)
+    ids, mask = _batch()
+    path = tmp_path_factory.mktemp("saved") / "cache.safetensors"
+    pyramidkv.save_cache(_generate(model, method, ids, mask, DECODED).past_key_values, path, model)
+    return path, model, method
+
+
+def _rewritten(path, out, edit):
+    """`path` written again to `out` with its record edited by `edit` (dict -> None) and the record's sha256 right."""
+    import hashlib
+
+    with safe_open(str(path), "pt") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+        metadata = f.metadata()
+    record = json.loads(metadata["pyramidkv-cache"])
+    edit(record)
+    text = json.dumps(record)
+    save_file(tensors, str(out), {"pyramidkv-cache": text, "record_sha256": hashlib.sha256(text.encode()).hexdigest()})
+    return out
+
+
+def _bad_file(kind, path, tmp_path):
+    data = path.read_bytes()
+    out = tmp_path / "bad.safetensors"
+    if kind == "missing":
+        return tmp_path / "none.safetensors"
+    if kind == "truncated":
+        out.write_bytes(data[:-10])
+    elif kind == "record byte":
+        (length,) = struct.unpack("<Q", data[:8])
+        at = data.index(b'prompt_len', 8) + 2   # a letter of a key inside the record JSON: the JSON stays valid
+        assert at < 8 + length
+        out.write_bytes(data[:at] + b"X" + data[at + 1:])
+    elif kind == "tensor byte":
+        out.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    elif kind == "version":
+        _rewritten(path, out, lambda record: record.update(version=2))
+    elif kind == "kind":
+        _rewritten(path, out, lambda record: record.update(kind="something-else"))
+    return out
+
+
+@pytest.mark.parametrize("kind, said", [
+    ("missing", "does not exist"),
+    ("truncated", "is torn"),
+    ("record byte", "was edited: its record"),
+    ("tensor byte", "was edited: its tensor bytes"),
+    ("version", "has format version 2; this pyramidkv reads version 1"),
+    ("kind", "not a 'pyramidkv-cache' one"),
+])
+def test_bad_files_are_refused_with_one_line(saved, tmp_path, kind, said):
+    path, model, _ = saved
+    with pytest.raises(ValueError, match=said) as refusal:
+        pyramidkv.load_cache(_bad_file(kind, path, tmp_path), model)
+    assert "\n" not in str(refusal.value)
+    pyramidkv.load_cache(path, model)   # the file itself still loads
+
+
+def test_another_model_or_method_is_refused(saved, random_llama):
+    path, model, method = saved
+    other, _, _ = random_llama   # same shape, other weights, in memory: no folder digest
+    with pytest.raises(ValueError, match="a model with other weights"):
+        pyramidkv.load_cache(path, other)
+    with pytest.raises(ValueError, match="holds a cache of 'snapkv:.*not of 'snapkv:budget=41"):
+        pyramidkv.load_cache(path, model, method=make_method("snapkv", budget=41, window_size=8))
+    assert pyramidkv.load_cache(path, model, method=method).method == method
+
+
+def test_another_checkpoint_is_refused_by_its_content(tiny_model_dir, sharp_model_dir, tmp_path):
+    """Saved without the model: the record's content digest of the model's folder tells another checkpoint apart."""
+    from transformers import LlamaForCausalLM
+
+    made_on, other = (LlamaForCausalLM.from_pretrained(d).eval() for d in (tiny_model_dir, sharp_model_dir))
+    method = make_method("snapkv", budget=40, window_size=8)
+    ids, mask = _batch()
+    path = pyramidkv.save_cache(_generate(made_on, method, ids, mask, 2).past_key_values, tmp_path / "c.safetensors")
+    with pytest.raises(ValueError, match="has content .*another checkpoint"):
+        pyramidkv.load_cache(path, other)
+    pyramidkv.load_cache(path, made_on)
+
+
+def test_bad_save_paths_and_state_are_refused_and_leave_nothing(sharp_llama, tmp_path):
+    model, _, tables = sharp_llama
+    ids, mask = _batch()
+    cache = _generate(model, _method("full_precision", tables), ids, mask, 2).past_key_values
+    for path, said in [(tmp_path / "no" / "c.safetensors", "does not exist"), (tmp_path, "is a directory")]:
+        with pytest.raises(ValueError, match=said) as refusal:
+            pyramidkv.save_cache(cache, path)
+        assert "\n" not in str(refusal.value)
+    cache.note = [1, object()]
+    with pytest.raises(ValueError, match=r"cache\.note\[1\] is a builtins\.object"):
+        pyramidkv.save_cache(cache, tmp_path / "c.safetensors")
+    del cache.note
+    if os.geteuid() != 0:   # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(ValueError, match="not writable"):
+            pyramidkv.save_cache(cache, locked / "c.safetensors")
+        assert os.listdir(locked) == []
+    assert os.listdir(tmp_path) == ([] if os.geteuid() == 0 else ["locked"])
+
+
+def test_loads_onto_a_given_device(saved):
+    path, model, _ = saved
+    cache = pyramidkv.load_cache(path, model, device="cpu")
+    assert all(t.device.type == "cpu" for t in (cache.stored_kv(0, 0)[0][1], cache.stored_kv(1, 1)[0][2]))
