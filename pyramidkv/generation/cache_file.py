@@ -13,7 +13,8 @@ The file is a safetensors file:
 The record: `kind` ("pyramidkv-cache"), `version` (FORMAT_VERSION), `method` (its canonical spec), `model` (name,
 content digest, shape, dtype, a fingerprint of its weights), `positions` (padded prompt length, left padding per
 prompt, tokens held so far), `versions` (torch, transformers, pyramidkv), `storages` (per storage its bytes and
-device), `tensors_sha256` (of the storages' bytes in order), and `state`: the encoded attributes (see `_Encoder`).
+device), `dtypes` (of the state's tensors), `tensors_sha256` (of the storages' bytes in order), `state` (the
+cache's attributes, encoded) and `objects` (what they refer to: see `_Encoder`).
 """
 
 from __future__ import annotations
@@ -301,10 +302,11 @@ def _writable_folder(path: Path) -> None:
 @torch.no_grad()
 def save_cache(cache: CompressedCache, path, model=None) -> Path:
     """Write `cache` (prefilled, possibly decoded further) to `path` (a .safetensors file), atomically: a temporary
-    file in the same folder, renamed. The file records the model by the cache's record of it (name, content digest
-    of its folder, shape); model: the model the cache was made on, to record its dtype and weights fingerprint too
-    (so that a model of the same shape with other weights and no folder, such as one made in memory, is refused). Returns the path. One-line CacheFileError for a path that cannot be written or a state it
-    cannot hold (naming the attribute and its type); nothing is left behind then."""
+    file in the same folder, renamed; returns the path. The file records the model by the cache's record of it (name,
+    content digest of its folder, shape); model: the model the cache was made on, to record its dtype and weights
+    fingerprint too (so that a model of the same shape with other weights and no folder, one made in memory, is
+    refused). One-line CacheFileError for a path that cannot be written or a state the format cannot hold (naming
+    the attribute and its type); nothing is left behind then."""
     path = Path(path)
     if not isinstance(cache, CompressedCache):
         raise CacheFileError(f"save_cache takes a pyramidkv CompressedCache, got {type(cache).__name__}")
@@ -315,12 +317,14 @@ def save_cache(cache: CompressedCache, path, model=None) -> Path:
     state = {name: encoder.encode(value, f"cache.{name}") for name, value in cache.__dict__.items()}
     storages = [tensor.cpu() for tensor in encoder.storage_tensors]
     record = {
-        "kind": KIND, "version": FORMAT_VERSION, "method": method_spec(cache.method), "model": model_identity(cache.model_shape, model),
+        "kind": KIND, "version": FORMAT_VERSION, "method": method_spec(cache.method),
+        "model": model_identity(cache.model_shape, model),
         "positions": {"prompt_len": cache.prompt_len, "pad_lens": list(cache.pad_lens),
                       "held": cache.get_seq_length()},
         "versions": _versions(),
         "storages": [{"key": f"s{i}", "nbytes": t.numel(), "device": d}
                      for i, (t, d) in enumerate(zip(storages, encoder.storage_devices))],
+        "dtypes": sorted({entry["dtype"] for entry in encoder.objects if entry["$"] == "tensor"}),
         "tensors_sha256": _digest(storages),
         "state": state, "objects": encoder.objects,
     }
@@ -332,13 +336,11 @@ def save_cache(cache: CompressedCache, path, model=None) -> Path:
             tmp = f.name
         save_file({f"s{i}": t for i, t in enumerate(storages)}, tmp, metadata=metadata)
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-        raise CacheFileError(f"cannot save the cache to {path}: {e.strerror or e}") from None
-    except BaseException:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise CacheFileError(f"cannot save the cache to {path}: {e.strerror or e}") from None
         raise
     return path
 
@@ -433,26 +435,31 @@ def load_cache(path, model, method: Optional[Method] = None, device=None) -> Com
             return torch.device(device)
         return torch.device(name) if _device_exists(name) else model_device
 
-    with open(path, "rb") as f:
-        f.seek(start)
-        data = bytearray(f.read())
-    storages, loaded = {}, []
-    for spec in record["storages"]:
-        described = header.get(spec["key"])
-        if described is None or described["dtype"] != "U8" or described["shape"] != [spec["nbytes"]]:
-            raise CacheFileError(f"cache file {path} was edited: storage {spec['key']} is not as its record says")
-        first, end = described["data_offsets"]
-        raw = torch.frombuffer(data, dtype=torch.uint8, count=end - first, offset=first) if end > first else \
-            torch.empty(0, dtype=torch.uint8)
-        loaded.append(raw)
-        storages[spec["key"]] = torch.empty(spec["nbytes"], dtype=torch.uint8, device=place(spec["device"]))
-    if _digest(loaded) != record["tensors_sha256"]:
+    storages, h = {}, hashlib.sha256()
+    with open(path, "rb") as f:   # each storage read straight into its own (aligned) buffer
+        for spec in record["storages"]:
+            described = header.get(spec["key"])
+            if described is None or described["dtype"] != "U8" or described["shape"] != [spec["nbytes"]]:
+                raise CacheFileError(f"cache file {path} was edited: storage {spec['key']} is not as its record says")
+            raw = torch.empty(spec["nbytes"], dtype=torch.uint8)
+            f.seek(start + described["data_offsets"][0])
+            if f.readinto(raw.numpy().data) != spec["nbytes"]:
+                raise CacheFileError(f"cache file {path} is torn: storage {spec['key']} ends early")
+            h.update(raw.numpy().data)
+            storages[spec["key"]] = raw
+    if h.hexdigest() != record["tensors_sha256"]:
         raise CacheFileError(f"cache file {path} was edited: its tensor bytes do not match their sha256")
-    for spec, raw in zip(record["storages"], loaded):
-        storages[spec["key"]].copy_(raw)
+    for spec in record["storages"]:
+        storages[spec["key"]] = storages[spec["key"]].to(place(spec["device"]))
     cache = _patch_for(model, method).new_cache()
     decoder = _Decoder(record["objects"], shared_objects(cache), storages, place)
-    state = {name: decoder.decode(value) for name, value in record["state"].items()}
+    try:
+        state = {name: decoder.decode(value) for name, value in record["state"].items()}
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        if isinstance(e, CacheFileError):
+            raise
+        raise CacheFileError(f"cache file {path}: its record is malformed ({type(e).__name__}: {e})".split("\n")[0]) \
+            from None
     missing = [name for name in SHARED if name not in state]
     if missing:
         raise CacheFileError(f"cache file {path}: its state lacks {missing}")

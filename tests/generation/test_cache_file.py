@@ -63,6 +63,11 @@ def _continued(out, mask):
     return seq, torch.cat([mask, torch.ones(2, seq.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
 
 
+def _raw(storage) -> torch.Tensor:
+    """A storage's bytes, all of them, as a uint8 tensor."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 def _same_state(a, b, pairs: dict, path="cache"):
     """Walk two states side by side: the same structure, objects paired one to one (identity kept), tensors with the
     same dtype, shape, stride and offset over storages with the same bytes (unused capacity included)."""
@@ -77,7 +82,7 @@ def _same_state(a, b, pairs: dict, path="cache"):
     if isinstance(a, torch.Tensor):
         assert (a.dtype, a.shape, a.stride(), a.storage_offset()) == (b.dtype, b.shape, b.stride(), b.storage_offset())
         sa, sb = a.untyped_storage(), b.untyped_storage()
-        assert sa.nbytes() == sb.nbytes() and bytes(sa.cpu()) == bytes(sb.cpu()), f"{path}: storage bytes differ"
+        assert torch.equal(_raw(sa).cpu(), _raw(sb).cpu()), f"{path}: storage bytes differ"
         pairs.setdefault(("storage", sa.data_ptr(), str(a.device)), sb.data_ptr())
         assert pairs[("storage", sa.data_ptr(), str(a.device))] == sb.data_ptr(), f"{path}: storage sharing differs"
     elif isinstance(a, (list, tuple, set, frozenset)):
