@@ -146,9 +146,9 @@ def test_round_trip_is_bit_exact_and_decodes_on(sharp_llama, tmp_path, case, sta
 
 @pytest.fixture(scope="module")
 def saved(sharp_llama, tmp_path_factory):
-    """(path, model, method) of a snapkv cache of the batch after a few decode steps, saved once."""
+    """(path, model, method) of a quantized snapkv cache of the batch after a few decode steps, saved once."""
     model, _, tables = sharp_llama
-    method = _method("full_precision", tables)
+    method = _method("quantized", tables)
     ids, mask = _batch()
     path = tmp_path_factory.mktemp("saved") / "cache.safetensors"
     pyramidkv.save_cache(_generate(model, method, ids, mask, DECODED).past_key_values, path, model)
@@ -212,7 +212,7 @@ def test_another_model_or_method_is_refused(saved, random_llama):
     with pytest.raises(ValueError, match="a model with other weights"):
         pyramidkv.load_cache(path, other)
     with pytest.raises(ValueError, match="holds a cache of 'snapkv:.*not of 'snapkv:budget=41"):
-        pyramidkv.load_cache(path, model, method=make_method("snapkv", budget=41, window_size=8))
+        pyramidkv.load_cache(path, model, method=make_method("snapkv", budget=41))
     assert pyramidkv.load_cache(path, model, method=method).method == method
 
 
@@ -250,7 +250,40 @@ def test_bad_save_paths_and_state_are_refused_and_leave_nothing(sharp_llama, tmp
     assert os.listdir(tmp_path) == ([] if os.geteuid() == 0 else ["locked"])
 
 
-def test_loads_onto_a_given_device(saved):
+def test_devices_that_do_not_exist_here_become_the_models(saved, tmp_path):
+    """A file saved from cuda:99 (its storages and the torch.device values of its state) loads onto the model's
+    device; device= puts everything there."""
     path, model, _ = saved
-    cache = pyramidkv.load_cache(path, model, device="cpu")
-    assert all(t.device.type == "cpu" for t in (cache.stored_kv(0, 0)[0][1], cache.stored_kv(1, 1)[0][2]))
+
+    def elsewhere(record):
+        for storage in record["storages"]:
+            storage["device"] = "cuda:99"
+        for entry in record["objects"]:
+            if entry["$"] == "device":
+                entry["name"] = "cuda:99"
+
+    moved = _rewritten(path, tmp_path / "moved.safetensors", elsewhere)
+    for cache in (pyramidkv.load_cache(moved, model), pyramidkv.load_cache(path, model, device="cpu")):
+        pairs = {}
+        _same_state(vars(cache), vars(cache), pairs)
+        tensors = [obj for obj in pairs.values() if isinstance(obj, torch.Tensor)]
+        devices = [obj for obj in pairs.values() if isinstance(obj, torch.device)]
+        assert tensors and all(t.device == torch.device("cpu") for t in tensors)
+        assert devices and all(d == torch.device("cpu") for d in devices)
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(saved, tmp_path, monkeypatch):
+    path, model, _ = saved
+    target = tmp_path / "cache.safetensors"
+    target.write_bytes(b"old")
+
+    def torn(tensors, name, metadata):   # the disk fills halfway through
+        with open(name, "wb") as f:
+            f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("pyramidkv.generation.cache_file.save_file", torn)
+    with pytest.raises(ValueError, match="cannot save the cache to .*No space left on device") as refusal:
+        pyramidkv.save_cache(pyramidkv.load_cache(path, model), target)
+    assert "\n" not in str(refusal.value)
+    assert os.listdir(tmp_path) == ["cache.safetensors"] and target.read_bytes() == b"old"
