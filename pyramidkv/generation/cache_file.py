@@ -124,8 +124,8 @@ def _attributes(obj) -> dict:
     """An object's state: its __dict__ and its set __slots__."""
     state = dict(getattr(obj, "__dict__", {}))
     for cls in type(obj).__mro__:
-        for slot in (cls.__dict__.get("__slots__", ()) if not isinstance(cls.__dict__.get("__slots__"), str)
-                     else (cls.__dict__["__slots__"],)):
+        slots = cls.__dict__.get("__slots__", ())
+        for slot in [slots] if isinstance(slots, str) else slots:
             if slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
                 state[slot] = getattr(obj, slot)
     return state
@@ -313,11 +313,15 @@ def save_cache(cache: CompressedCache, path, model=None) -> Path:
     if cache.pad_lens is None or cache.layers[0] is None:
         raise CacheFileError("cannot save the cache: it holds no prompt yet (save it after the prefill)")
     _writable_folder(path)
+    spec = method_spec(cache.method)
+    if parse_method_spec(spec) != cache.method:
+        raise CacheFileError(f"cannot save the cache: its method's spec {spec!r} does not rebuild the method (a load "
+                             f"would decode on with another)")
     encoder = _Encoder(shared_objects(cache))
     state = {name: encoder.encode(value, f"cache.{name}") for name, value in cache.__dict__.items()}
     storages = [tensor.cpu() for tensor in encoder.storage_tensors]
     record = {
-        "kind": KIND, "version": FORMAT_VERSION, "method": method_spec(cache.method),
+        "kind": KIND, "version": FORMAT_VERSION, "method": spec,
         "model": model_identity(cache.model_shape, model),
         "positions": {"prompt_len": cache.prompt_len, "pad_lens": list(cache.pad_lens),
                       "held": cache.get_seq_length()},
