@@ -56,3 +56,36 @@ def test_bad_shared_context_flags_end_in_one_line(tiny_model_dir, tmp_path, caps
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert error in err[-1] and err[-1].startswith("run_ruler.py: error:")
+
+
+TIMES = ("time_to_first_token", "prefill_seconds")
+
+
+@pytest.mark.parametrize("mode", ["multi_request", "multi_turn"])
+def test_three_questions_resume_per_question_after_a_kill(sharp_model_dir, tmp_path, mode, capsys):
+    """A kill -9 leaves the rows fsynced so far and maybe a torn line; the rerun answers only the questions
+    missing (context 0's third, context 1's) and the file equals an uninterrupted run's, times aside."""
+    argv = ["--method", "snapkv", "--max_capacity_prompts", "64", "--model_path", sharp_model_dir, "--device", "cpu",
+            "--num_threads", "1", "--tasks", "kv_retrieval", "--context_lengths", "640", "--num_samples", "2",
+            "--questions_per_context", "3", "--shared_context", mode, "--cache_dir", str(tmp_path / "data")]
+    assert RU.main([*argv, "--save_dir", str(tmp_path / "whole")]) == 0
+    folder = f"{Path(sharp_model_dir).name}_64/snapkv_{mode}"
+    whole_path = tmp_path / "whole" / folder / "kv_retrieval_640_q3.jsonl"
+    whole = rows(whole_path)
+    assert [r["qid"] for r in whole] == ["0#1", "0#2", "0#3", "1#1", "1#2", "1#3"]
+    assert len({r["pred"] for r in whole}) > 2 and len({r["outputs"][0] for r in whole}) == 6
+    killed = tmp_path / "killed" / folder / "kv_retrieval_640_q3.jsonl"
+    killed.parent.mkdir(parents=True)
+    lines = whole_path.read_text(encoding="utf-8").splitlines(keepends=True)
+    killed.write_text("".join(lines[:2]) + lines[2][:25], encoding="utf-8")
+    for name in ("run_meta.json", ".fingerprint.json"):
+        if (whole_path.parent / name).exists():
+            (killed.parent / name).write_bytes((whole_path.parent / name).read_bytes())
+    capsys.readouterr()
+    assert RU.main([*argv, "--save_dir", str(tmp_path / "killed")]) == 0
+    assert "4 question(s) in" in capsys.readouterr().out
+    resumed = rows(killed)
+    strip = [lambda r: {k: v for k, v in r.items() if k not in TIMES}][0]
+    assert sorted(map(strip, resumed), key=lambda r: r["qid"]) == [strip(r) for r in whole]
+    result = json.loads((killed.parent / "results.json").read_text())
+    assert set(result["turn_scores"]["kv_retrieval@640"]) == {"1", "2-3"}

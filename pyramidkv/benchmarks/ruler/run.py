@@ -137,7 +137,8 @@ class Ruler(Benchmark):
                     continue
                 prompt, question_start = tokenizer(row["input"], add_special_tokens=False).input_ids, None
                 if args.question_as_decode or args.shared_context:
-                    prompt, question_start = split_at_question(tokenizer, row, label)
+                    prompt, question_start = split_at_question(
+                        tokenizer, row, label, "--shared_context" if args.shared_context else "--question_as_decode")
                 samples.append(Sample(row["index"], prompt, row["max_new_tokens"],
                                       {"outputs": row["outputs"], "length": row["length"]}, label,
                                       question_start=question_start))
@@ -180,13 +181,13 @@ def several_questions(tokenizer, row: dict, label: str, k: int) -> Sample:
                   {"length": row["length"]}, label, questions=asked)
 
 
-def split_at_question(tokenizer, row: dict, label: str) -> tuple[list[int], int]:
+def split_at_question(tokenizer, row: dict, label: str, flag: str = "--question_as_decode") -> tuple[list[int], int]:
     """(the prompt's token ids, the index of its question part's first token): the part from the row's
     "question_start" (the character offset where the haystack ends, generate.context_end) on."""
     from pyramidkv.generation import split_prompt
 
     if row.get("question_start") is None:
-        raise ValueError(f"--question_as_decode / --shared_context: {label} records no \"question_start\" (where its question part "
+        raise ValueError(f"{flag}: {label} records no \"question_start\" (where its question part "
                          f"begins; RULER's own files do not), so its question cannot be split off; let this "
                          f"runner generate the samples (no --data_file / --data_dir)")
     context, question = split_prompt(tokenizer, row["input"], row["question_start"])
