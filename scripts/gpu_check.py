@@ -32,8 +32,8 @@ model's converted folder). Steps, in the order they run (most important first af
   device_map   scripts/device_map_check.py on its tiny model and on the SmolLM2-shaped one (a model split over
                the GPU and the CPU).
   tests        pytest on the test files with CUDA paths, less the tests that need the real default model's
-               weights (NEEDS_REAL_WEIGHTS): with the stand-in, the ones that only read its config and
-               tokenizer run.
+               weights (NEEDS_REAL_WEIGHTS) and slow ones that compute on the CPU alone (SLOW_CPU_ONLY):
+               with the stand-in, the ones that only read its config and tokenizer run.
   timings_1b   (last, if time is left) the same benchmark on a random Llama-3.2-1B-shaped model.
 
 PASS: every check of the step held. FAIL: one did not (the reason names it), or the step crashed or ran
@@ -48,6 +48,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,10 +84,16 @@ SIZES = {
 }
 TIMING_METHODS = ("fullkv", "snapkv", "h2o", "snapkv:quant_method=kivi,nbits=2")
 
-# The steps of the tests that read the real default model's weights or its packaged tables (a random stand-in
-# of its shape gives other numbers), found by running the files on the CPU with the stand-in.
-TEST_FILES = ("tests/sparse_prefill/test_minference.py", "tests/test_errors.py", "tests/runner/test_run_integrity.py")
+# The test files with CUDA paths (`grep -l cuda tests`); the smoke run takes the quickest. Not run: the tests that
+# read the real default model's weights or its packaged tables (the stand-in is random: found by running the files
+# on the CPU with it, where only this one failed), and the slow ones that compute on the CPU alone (60 to 290 s each
+# on 2 CPU cores; nothing in them runs on CUDA).
+TEST_FILES = {"cuda": ("tests/sparse_prefill/test_minference.py", "tests/test_errors.py",
+                       "tests/runner/test_run_integrity.py"), "cpu": ("tests/test_errors.py",)}
 NEEDS_REAL_WEIGHTS = ("test_the_packaged_table_fits_the_default_model",)
+SLOW_CPU_ONLY = ("test_batch_of_three_equals_single_runs",
+                 "test_masked_prefill_equals_a_float64_reference_on_the_model",
+                 "test_scorers_read_the_weights_of_the_sparse_attention")
 
 
 def check_methods(budget: int) -> dict:
@@ -95,7 +102,8 @@ def check_methods(budget: int) -> dict:
     return {"fullkv": ("fullkv", {}), "snapkv": ("snapkv", dict(budget=budget)),
             "pyramidkv": ("pyramidkv", dict(budget=budget)), "h2o": ("h2o", dict(budget=budget)),
             "adakv": ("adakv", dict(budget=budget)), "streamingllm": ("streamingllm", dict(budget=budget)),
-            "quest": ("quest", dict(budget=budget, page_size=8)), "snapkv+kivi2": ("snapkv", dict(budget=budget, **kivi)),
+            "quest": ("quest", dict(budget=budget, page_size=8)),
+            "snapkv+kivi2": ("snapkv", dict(budget=budget, **kivi)),
             "think": ("think", dict(budget=budget)), "minicache": ("minicache", {}),
             "kvzip": ("kvzip", dict(budget=budget))}
 
@@ -103,6 +111,8 @@ def check_methods(budget: int) -> dict:
 # ---------------------------------------------------------------------------------------------------- the parent
 
 def main(argv=None) -> int:
+    if importlib.util.find_spec("pyramidkv") is None:   # run from a checkout with no install: use the checkout
+        sys.path.insert(0, str(ROOT))
     from pyramidkv.runner.arguments import ArgumentParser
 
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,6 +125,7 @@ def main(argv=None) -> int:
                         "(default: .devkit/smollm2, else the default model's converted folder)")
     parser.add_argument("--only", default=None, choices=STEPS, help=argparse.SUPPRESS)   # a step's own process
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--cap_s", type=float, default=None, help=argparse.SUPPRESS)   # the step's cap
     args = parser.parse_args(argv)
     if args.only is not None:
         return run_step(args)
@@ -156,6 +167,7 @@ def main(argv=None) -> int:
     tmp = Path(args.out).with_name(Path(args.out).name + ".tmp")
     tmp.write_text(json.dumps(summary, indent=1))
     os.replace(tmp, args.out)
+    shutil.rmtree(work, ignore_errors=True)
     print(f"{summary['overall']}: {len(results)} steps in {summary['seconds']:.0f} s"
           + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
     return 1 if failed else 0
@@ -185,7 +197,8 @@ def run_in_child(step: str, args, tokenizer, work: Path, cap: float) -> dict:
     """The step in its own process (own session: on timeout its whole group is killed), its result read back."""
     part = work / f"{step}.json"
     command = [sys.executable, str(Path(__file__).resolve()), "--only", step, "--device", args.device,
-               "--work", str(work), "--out", str(part)] + (["--tokenizer", tokenizer] if tokenizer else [])
+               "--work", str(work), "--out", str(part), "--cap_s", str(cap)]
+    command += ["--tokenizer", tokenizer] if tokenizer else []
     print(f"--- {step} (cap {cap:.0f} s)", flush=True)
     started = time.monotonic()
     child = subprocess.Popen(command, cwd=ROOT, start_new_session=True, env=step_env(work, args.device))
@@ -216,13 +229,15 @@ def step_env(work: Path, device: str) -> dict:
 
 def run_step(args) -> int:
     """Run one step in this process and write {status, reason, details} to --out."""
+    args.deadline = time.monotonic() + (args.cap_s or 600) - 5   # a step's inner commands end before its cap
     try:
         status, reason, details = STEP_FUNCTIONS[args.only](args, SIZES[args.device])
     except Exception as error:   # a step's crash is its FAIL line, with the exception
         import traceback
 
         traceback.print_exc()
-        status, reason, details = "FAIL", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", {}
+        first = str(error).splitlines()[0] if str(error) else ""
+        status, reason, details = "FAIL", f"{type(error).__name__}: {first}", {}
     tmp = Path(args.out + ".tmp")
     tmp.write_text(json.dumps({"status": status, "reason": reason, "details": details}, indent=1, default=str))
     os.replace(tmp, args.out)
@@ -250,8 +265,9 @@ def step_environment(args, sizes):
                        memory_gib=round(props.total_memory / 2**30, 1))
     for key, value in details.items():
         print(f"  {key}: {value}")
-    optional = (f"flash_attn {'importable' if details['flash_attn'] else 'not importable (flash_attention_2 refused)'}, "
-                f"minference {'importable' if details['minference'] else 'not importable (its CUDA kernels untested)'}")
+    flash = "importable" if details["flash_attn"] else "not importable (flash_attention_2 refused)"
+    minference = "importable" if details["minference"] else "not importable (its CUDA kernels untested)"
+    optional = f"flash_attn {flash}, minference {minference}"
     where = details.get("device_name", "no CUDA device")
     if transformers.__version__ != PINNED_TRANSFORMERS:
         return "FAIL", (f"transformers {transformers.__version__} from {transformers.__file__}, pinned "
@@ -431,7 +447,8 @@ def step_correctness(args, sizes):
                 problems, note, same_positions = [f"{type(error).__name__}: {str(error).splitlines()[0]}"], "", None
             status = "FAIL" if problems else "PASS"
             rows[key] = {"status": status, "problems": problems, "note": note, "same_positions": same_positions}
-            print(f"  {status} {key}" + (f": {'; '.join(problems)}" if problems else "") + (f" ({note})" if note else "")
+            print(f"  {status} {key}" + (f": {'; '.join(problems)}" if problems else "")
+                  + (f" ({note})" if note else "")
                   + ("" if same_positions in (None, True) else " [kept positions differ from the CPU's]"), flush=True)
             failures += [f"{key}: {p}" for p in problems]
     ran = sum(r["status"] != "SKIP" for r in rows.values())
@@ -457,17 +474,35 @@ def models_of(args) -> dict:
     return json.loads((Path(args.work) / "models.json").read_text())["details"]
 
 
-def benchmark(model: str, device: str, context: int, budget: int, sizes: dict, out: Path, methods=TIMING_METHODS,
-              timeout: float = 600):
-    """measure/benchmark_latency_memory.py once; (exit status, stderr tail, its JSON or None)."""
+def run_capped(command: list, timeout: float) -> tuple:
+    """(exit status, stdout, stderr) of `command` run from the checkout in its own session; past `timeout` seconds
+    its whole group is killed (pytest's workers too) and the status is None."""
+    child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        out, err = child.communicate(timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        out, err = child.communicate()
+        err += f"\nran past the {timeout:.0f} s left of the step's cap"
+    return child.returncode if child.returncode >= 0 else None, out, err
+
+
+def left(args) -> float:
+    return args.deadline - time.monotonic()
+
+
+def benchmark(model: str, device: str, context: int, budget: int, sizes: dict, out: Path, methods, timeout: float):
+    """measure/benchmark_latency_memory.py once; (exit status, stderr tail, its JSON or None); past `timeout`
+    seconds: exit status None."""
     dtype = "bfloat16" if device == "cuda" else "float32"
     command = [sys.executable, "measure/benchmark_latency_memory.py", "--model_path", model, "--device", device,
                "--dtype", dtype, "--attn_implementation", "sdpa", "--context_length", str(context),
                "--max_capacity_prompts", str(budget), "--methods", *methods, "--new_tokens",
                str(sizes["timing_tokens"]), "--repeats", str(sizes["repeats"]), "--out", str(out)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    print(done.stdout, flush=True)
-    return done.returncode, done.stderr[-1500:], (json.loads(out.read_text()) if out.is_file() else None)
+    code, stdout, stderr = run_capped(command, timeout)
+    print(stdout, flush=True)
+    return code, stderr[-1500:], (json.loads(out.read_text()) if code == 0 and out.is_file() else None)
 
 
 def timing_rows(report_json: dict) -> dict:
@@ -485,9 +520,11 @@ def timings(args, sizes, model: str, label: str, cases, methods=TIMING_METHODS):
     problems, details = [], {}
     for context, budget in cases:
         name = f"{label}_{context}_{budget}"
-        code, stderr, result = benchmark(model, args.device, context, budget, sizes, work / f"{name}.json", methods)
+        code, stderr, result = benchmark(model, args.device, context, budget, sizes, work / f"{name}.json", methods,
+                                         left(args))
         if code != 0 or result is None:
-            problems.append(f"{context}/{budget}: exit {code}: {stderr.strip().splitlines()[-1] if stderr.strip() else ''}")
+            last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
+            problems.append(f"{context}/{budget}: exit {code}: {last}")
             continue
         details[name] = timing_rows(result)
     return problems, details
@@ -497,21 +534,21 @@ def step_timings(args, sizes):
     models = models_of(args)
     device = args.device
     problems = []
-    refusal = subprocess.run([sys.executable, "measure/benchmark_latency_memory.py", "--model_path", models["timing"],
-                              "--device", device, "--attn_implementation", "flash_attention_2", "--context_length",
-                              "64"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    lines = [line for line in refusal.stderr.splitlines() if line.strip()]
+    code, _, stderr = run_capped([sys.executable, "measure/benchmark_latency_memory.py", "--model_path",
+                                  models["timing"], "--device", device, "--attn_implementation", "flash_attention_2",
+                                  "--context_length", "64"], min(60.0, left(args)))
+    lines = [line for line in stderr.splitlines() if line.strip()]
     flash_absent = importlib.util.find_spec("flash_attn") is None
-    if flash_absent and not (refusal.returncode == 2 and len(lines) == 1 and "error:" in lines[0]
-                             and "flash" in lines[0]):
-        problems.append(f"flash_attention_2 not refused in one line (exit {refusal.returncode}): {lines[-3:]}")
-    print(f"  flash_attention_2: exit {refusal.returncode}: {lines}", flush=True)
+    if flash_absent and not (code == 2 and len(lines) == 1 and "error:" in lines[0] and "flash" in lines[0]):
+        problems.append(f"flash_attention_2 not refused in one line (exit {code}): {lines[-3:]}")
+    print(f"  flash_attention_2: exit {code}: {lines}", flush=True)
     found, details = timings(args, sizes, models["timing"], "smollm2", sizes["timings"])
     problems += found
     details["flash_refusal"] = lines
     summary = "; ".join(f"{case}: " + ", ".join(f"{row} prefill x{f['prefill_x_plain']} {f['decode_ms_per_token']} "
-                                                 f"ms/tok KV x{f['kv_x_fullkv']}" for row, f in rows.items()
-                                                 if row != "plain")
+                                                 f"ms/tok KV x{f['kv_x_fullkv']}"
+                                                 + ("" if f["peak_gpu_mib"] is None else f" peak {f['peak_gpu_mib']} MiB")
+                                                 for row, f in rows.items())
                         for case, rows in details.items() if case != "flash_refusal")
     return ("FAIL" if problems else "PASS"), ("; ".join(problems) + " | " if problems else "") + summary, details
 
@@ -545,29 +582,32 @@ def step_device_map(args, sizes):
     gpu = "cuda:0" if args.device == "cuda" else "cpu"
     problems, details = [], {}
     for label, model in (("tiny", "tiny"), ("smollm2-shaped", models["standin"])):
-        done = subprocess.run([sys.executable, "scripts/device_map_check.py", "--model_path", model, "--gpu", gpu,
-                               "--prompt_tokens", str(sizes["map_prompt"]), "--new_tokens", str(sizes["map_tokens"])], cwd=ROOT, capture_output=True,
-                              text=True, timeout=300)
-        print(done.stdout, done.stderr[-1500:], flush=True)
-        last = (done.stdout.strip().splitlines() or [""])[-1]
+        code, stdout, stderr = run_capped([sys.executable, "scripts/device_map_check.py", "--model_path", model,
+                                           "--gpu", gpu, "--prompt_tokens", str(sizes["map_prompt"]), "--new_tokens",
+                                           str(sizes["map_tokens"])], left(args))
+        print(stdout, stderr[-1500:], flush=True)
+        last = (stdout.strip().splitlines() or [""])[-1]
         details[label] = last
-        if done.returncode != 0 or not last.startswith("PASS"):
-            problems.append(f"{label}: exit {done.returncode}: {last or done.stderr.strip()[-300:]}")
+        if code != 0 or not last.startswith("PASS"):
+            said = last if last.startswith(("PASS", "FAIL")) else stderr.strip()[-300:]
+            problems.append(f"{label}: exit {code}: {said}")
     return ("FAIL" if problems else "PASS"), "; ".join(problems) or "; ".join(details.values()), details
 
 
 def step_tests(args, sizes):
-    deselect = " and ".join(f"not {name}" for name in NEEDS_REAL_WEIGHTS)
+    deselect = " and ".join(f"not {name}" for name in NEEDS_REAL_WEIGHTS + SLOW_CPU_ONLY)
     workers = ["-n", "8"] if args.device == "cuda" else []
+    files = TEST_FILES[args.device]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *workers, "-k", deselect,
-               *TEST_FILES]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    print(done.stdout[-6000:], done.stderr[-1500:], flush=True)
-    last = (done.stdout.strip().splitlines() or [""])[-1]
-    details = {"command": " ".join(command[1:]), "summary": last, "not_run": list(NEEDS_REAL_WEIGHTS),
-               "why_not_run": "reads the real SmolLM2 weights or the tables packaged for them (a stand-in is random)"}
-    reason = f"{last} ({len(TEST_FILES)} files; deselected, needing the real weights: {', '.join(NEEDS_REAL_WEIGHTS)})"
-    return ("PASS" if done.returncode == 0 else "FAIL"), reason, details
+               *files]
+    code, stdout, stderr = run_capped(command, left(args))
+    print(stdout[-6000:], stderr[-1500:], flush=True)
+    last = (stdout.strip().splitlines() or [""])[-1] + ("" if code is not None else " (ran past the step's cap)")
+    details = {"command": " ".join(command[1:]), "summary": last, "needs_real_weights": list(NEEDS_REAL_WEIGHTS),
+               "slow_cpu_only": list(SLOW_CPU_ONLY)}
+    reason = (f"{last} ({', '.join(files)}; not run: {', '.join(NEEDS_REAL_WEIGHTS)} (the real weights' table), "
+              f"{len(SLOW_CPU_ONLY)} slow CPU-only tests)")
+    return ("PASS" if code == 0 else "FAIL"), reason, details
 
 
 STEP_FUNCTIONS = {"environment": step_environment, "models": step_models, "correctness": step_correctness,
