@@ -20,7 +20,8 @@ spec without its quantizer where that row is in the run (`decode_ratio_unquantiz
 Timing: a warm-up round, then `--repeats` rounds that visit every method in turn (so drifting
 machine load hits all alike); each round is one prefill and `--new_tokens` greedy decode steps
 (median step, and the mean: compression during decoding makes some steps slower). Figures are
-medians over rounds. KV bytes are counted after prefill; peak prefill KV bytes are the cache's
+medians over rounds. On CUDA each row also gets its peak GPU memory (`peak_gpu_bytes`:
+torch.cuda.max_memory_allocated over one prefill and its decode steps, the weights included). KV bytes are counted after prefill; peak prefill KV bytes are the cache's
 `peak_prefill_kv_bytes` where it reports one, else its bytes after prefill; peak KV bytes are the
 most stored at any moment of the whole run (prefill peak, after every decode step, and for
 compression during decoding, e.g. `snapkv:decode_budget=512`, just before each re-selection). The
@@ -75,6 +76,8 @@ def measure_once(model, ids, method: Optional[Method], new_tokens: int, device: 
     returns the timings and the KV bytes (the prefill of a reconstructing method, KVzip, includes its repeat
     passes, built with `tokenizer`)."""
     patch = None if method is None else compress(model, method)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
     try:
         cache = DynamicCache() if patch is None else patch.new_cache(ids.tolist(), tokenizer)
         sync(device)
@@ -120,6 +123,8 @@ def measure_once(model, ids, method: Optional[Method], new_tokens: int, device: 
               "kv_bytes_fp16": fp16, **{f"kv_bytes_{part}": size for part, size in breakdown.items()}, **per_layer}
     if formula is not None:
         result["formula_kv_bytes_fp16"] = formula
+    if device.startswith("cuda"):   # weights, cache and activations: the most allocated during this prefill + decode
+        result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
     return result
 
 
@@ -221,6 +226,11 @@ def main(argv=None) -> None:
                   f"{'-' if unquantized is None else f'{unquantized:.3f}'} | {r.get('kv_bytes_codes', 0) / 2**20:.2f} | "
                   f"{(r.get('kv_bytes_scales', 0) + r.get('kv_bytes_zeros', 0)) / 2**20:.2f} | {extra / 2**20:.2f} | "
                   f"{r['kv_bytes_residual'] / 2**20:.2f} |")
+    if any("peak_gpu_bytes" in r for r in rows.values()):
+        print("\n| method | peak GPU MiB (torch.cuda.max_memory_allocated, weights included) |")
+        print("|---|---|")
+        for name, r in rows.items():
+            print(f"| {name} | {r['peak_gpu_bytes'] / 2**20:.0f} |")
     ragged = {name: [r[k] for k in sorted((k for k in r if k.startswith("kept_layer_")), key=lambda k: int(k[11:]))]
               for name, r in rows.items() if name != PLAIN}
     ragged = {name: counts for name, counts in ragged.items() if len(set(counts)) > 1}
