@@ -76,6 +76,8 @@ def main() -> None:
     p.add_argument("--methods", nargs="+", default=["fullkv", "snapkv", "pyramidkv", "adakv", "h2o", "streamingllm",
                                                     "l2norm", "quest"])
     p.add_argument("--num_threads", type=int, default=1)
+    p.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS),
+                   help="own_prompt: each question inside its own prompt; multi_request: the context compressed once")
     args = p.parse_args()
     lines = ["| method | budget | protocol | " + " | ".join(f"{t} turn 1 | {t} turns 2-{args.questions_per_context}"
                                                           for t in args.tasks) + " | TTFT turn 1 s | TTFT later s |",
@@ -83,7 +85,7 @@ def main() -> None:
     for method in args.methods:
         budgets = args.budgets if takes_budget(get_method_class(method.split(":")[0])) else [None]
         for budget in budgets:
-            for protocol in PROTOCOLS:
+            for protocol in args.protocols:
                 argv = cell_argv(args, method, budget, protocol)
                 if ruler.main(argv) != 0:
                     raise SystemExit(f"cell failed: run_ruler.py {' '.join(argv)}")
@@ -96,7 +98,7 @@ def main() -> None:
                 lines.append(f"| {method} | {budget or '-'} | {protocol} | {scores} | {ttft1 or '-'} | "
                              f"{ttft_later or '-'} |")
                 print(lines[-1], flush=True)
-    Path(args.save_dir, "summary.md").write_text("\n".join(lines) + "\n")
+    Path(args.save_dir, f"summary_{'_'.join(args.protocols)}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
