@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
@@ -73,13 +73,18 @@ def check_mode(mode: str) -> str:
 def answer_questions(model, tokenizer, contexts: Sequence, questions: Sequence[Sequence], method: Method,
                      max_new_tokens: int, mode: str = "multi_request", followups: Optional[Sequence[Sequence]] = None,
                      stop_token_ids: Optional[Sequence[int]] = None, min_new_tokens: int = 0,
-                     decode_threads: Optional[int] = None) -> list[list[Answer]]:
+                     decode_threads: Optional[int] = None, compressed=None,
+                     on_compressed: Optional[Callable] = None) -> list[list[Answer]]:
     """Per context (a string or token ids), its questions (each a string or token ids, at least one per context)
     answered from the context compressed once by `method`: per context one `Answer` per question, in order.
 
     followups: multi_turn only, per context per question what is fed when it is asked as a later turn (a chat
     template's new user turn around the question); None: the question itself. Strings are tokenized without
     special tokens: the caller applies any chat template (pyramidkv.pipeline does). Stop tokens as in `generate`.
+
+    compressed: one context only, its cache as compressed before (pyramidkv.load_cache): the prefill is skipped
+    (prefill_seconds 0; turn 1's time to first token starts at the first question); it must hold exactly this
+    context. on_compressed: called with the cache right after compression, before any question (save_cache).
     """
     check_mode(mode)
     if max_new_tokens < 1:
@@ -100,7 +105,15 @@ def answer_questions(model, tokenizer, contexts: Sequence, questions: Sequence[S
     for tokens in context_ids:
         method.check_prompt(len(tokens))
     stops = default_stop_token_ids(model, tokenizer) if stop_token_ids is None else [int(t) for t in stop_token_ids]
-    run = _Run(model, tokenizer, method, max_new_tokens, stops, min_new_tokens, decode_threads)
+    if compressed is not None:
+        if len(context_ids) != 1:
+            raise ValueError(f"a compressed cache holds one context; got {len(context_ids)} contexts")
+        held = compressed.prompt_len if compressed.pad_lens is not None else 0
+        if held != len(context_ids[0]) or compressed.pad_lens != [0]:
+            raise ValueError(f"the compressed cache holds a context of {held} tokens; this context has "
+                             f"{len(context_ids[0])}")
+    run = _Run(model, tokenizer, method, max_new_tokens, stops, min_new_tokens, decode_threads, compressed,
+               on_compressed)
     if mode == "multi_request":
         return run.requests(context_ids, question_ids)
     return [run.turns(c, q, f) for c, q, f in zip(context_ids, question_ids, followup_ids)]
@@ -131,14 +144,18 @@ class _FirstToken(StoppingCriteria):
 class _Run:
     """One call's settings; `requests` and `turns` drive the patched model."""
 
-    def __init__(self, model, tokenizer, method, max_new_tokens, stops, min_new_tokens, decode_threads):
+    def __init__(self, model, tokenizer, method, max_new_tokens, stops, min_new_tokens, decode_threads, compressed,
+                 on_compressed):
         self.model, self.tokenizer, self.method = model, tokenizer, method
         self.max_new_tokens, self.stops, self.min_new_tokens = max_new_tokens, stops, min_new_tokens
-        self.decode_threads = decode_threads
+        self.decode_threads, self.compressed, self.on_compressed = decode_threads, compressed, on_compressed
+        self.saving = 0.0   # seconds on_compressed took: not part of a time to first token
 
     def _prefill(self, patch, contexts: list[list[int]]):
         """The contexts prefilled and compressed into a new cache: (cache, input_ids, attention_mask, seconds)."""
         input_ids, mask, _, _ = _left_padded(self.model, self.tokenizer, contexts)
+        if self.compressed is not None:
+            return self.compressed, input_ids, mask, 0.0
         cache = patch.new_cache(contexts, self.tokenizer)
         positions = mask.long().cumsum(-1) - 1
         positions.masked_fill_(mask == 0, 1)    # as generate() gives a left-padded prompt
@@ -146,7 +163,11 @@ class _Run:
         with _prompt_then_decode(self.model, self.decode_threads):
             self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                        use_cache=True)
-        return cache, input_ids, mask, time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if self.on_compressed is not None:
+            self.on_compressed(cache)
+            self.saving = time.perf_counter() - start - seconds
+        return cache, input_ids, mask, seconds
 
     def _ask(self, cache, sequence: torch.Tensor, mask: torch.Tensor, forced: list[list[int]]):
         """Continue every row from `sequence` [B, T] (its last token not in the cache yet: fed first), then its
@@ -178,6 +199,7 @@ class _Run:
         with compress(self.model, self.method) as patch:
             start = time.perf_counter()
             cache, input_ids, mask, prefill = self._prefill(patch, contexts)
+            start += self.saving
             kept = [cache.kv_bytes(row) for row in range(len(contexts))]
             compressed = snapshot(cache)
             for turn in range(max(len(q) for q in questions)):
@@ -204,6 +226,7 @@ class _Run:
         with compress(self.model, self.method) as patch:
             start = time.perf_counter()
             cache, sequence, mask, prefill = self._prefill(patch, [context])
+            start += self.saving
             kept = cache.kv_bytes(0)
             for turn, (question, followup) in enumerate(zip(questions, followups)):
                 if turn:

@@ -31,7 +31,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from pyramidkv.generation.shared import MODES
-from pyramidkv.runner.shared import Question, check_shared_samples, decode_questions  # noqa: F401 (Question: the adapters')
+from pyramidkv.runner.shared import (  # noqa: F401 (Question: the adapters')
+    Question, check_cache_file_flags, check_cache_files, check_shared_samples, decode_questions,
+)
 from pyramidkv.runner.arguments import ArgumentParser
 from pyramidkv.runner.batching import achieved, batches, load_run_model  # noqa: F401 (achieved: the adapters')
 from pyramidkv.runner.cli import (
@@ -168,6 +170,12 @@ def build_parser(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) -> 
                         "multi_turn keeps each question and answer in the cache (a conversation); one row per "
                         "question with its turn. The run folder gets the suffix _{mode}; when not given: each "
                         "question inside its own prompt")
+    p.add_argument("--save_compressed", default=None, metavar="DIR",
+                   help="with --shared_context: write each context's cache right after compression to "
+                        "DIR/{predictions file}/{key}.safetensors (pyramidkv.save_cache); needs --eval_batch_size 1")
+    p.add_argument("--load_compressed", default=None, metavar="DIR",
+                   help="with --shared_context: a context whose file --save_compressed wrote is answered from it, "
+                        "not compressed again (same model and method, else refused); needs --eval_batch_size 1")
     if "--print_run_dir" not in parser._option_string_actions:
         parser.add_argument("--print_run_dir", action="store_true",
                             help="print the run folder these arguments write to and exit (used by eval.sh)")
@@ -197,6 +205,7 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
         if args.shared_context and args.question_as_decode:
             raise ValueError("--shared_context already feeds each question after its context: leave out "
                              "--question_as_decode")
+        check_cache_file_flags(args)
         benchmark.check_arguments(args)
         method = method_from_args(args, parser)
         check_shared_names(parser, method)
@@ -230,6 +239,7 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
         files = benchmark.prepare(args, tokenizer, config, out_dir)
         check_samples(files, method, config, args.model_path, args.question_as_decode)
         check_shared_samples(files, method, args.shared_context)
+        check_cache_files(args, files, method)
         generation = generation_config(model_check[0], config)
         for sample_file in files:
             sample_file.stop_token_ids = benchmark.stop_token_ids(generation, tokenizer, sample_file)

@@ -42,6 +42,10 @@ NON_GENERATING_ARGS = {
     "e_len": "which needle cells run (same reason)",
     "step": "which needle cells run (same reason)",
     "num_depths": "which needle cells run (same reason)",
+    "questions_per_context": "which task files run ({task}_{length}_q{K}.jsonl; rows keyed per question)",
+    "save_compressed": "writes each compressed context to a file as well",
+    "load_compressed": "a saved compressed context is the cache compressing again gives, bit for bit "
+                       "(tests/generation/test_cache_file.py)",
 }
 # Arguments fingerprinted by their resolved value instead (auto -> cpu/cuda, default dtype -> its name).
 RESOLVED_ARGS = ("device", "dtype", "model_path")

@@ -41,6 +41,46 @@ def context_and_questions(sample) -> tuple[list[int], list[Question]]:
     return list(sample.prompt[:start]), [Question(list(sample.prompt[start:]))]
 
 
+def check_cache_file_flags(args) -> None:
+    """--save_compressed / --load_compressed: under --shared_context, one context per batch, a usable folder."""
+    for flag in ("save_compressed", "load_compressed"):
+        folder = getattr(args, flag, None)
+        if folder is None:
+            continue
+        if not args.shared_context:
+            raise ValueError(f"--{flag} needs --shared_context (a compressed context is what it shares)")
+        if getattr(args, "eval_batch_size", 1) != 1:
+            raise ValueError(f"--{flag} stores one context per file: give --eval_batch_size 1, got "
+                             f"{args.eval_batch_size}")
+        if flag == "load_compressed" and not Path(folder).is_dir():
+            raise ValueError(f"--load_compressed {folder}: no such folder")
+        if Path(folder).exists() and not Path(folder).is_dir():
+            raise ValueError(f"--{flag} {folder} is a file, not a folder")
+
+
+def cache_path(folder: str, sample_file, key) -> Path:
+    """Where --save_compressed writes (and --load_compressed reads) a context's cache."""
+    return Path(folder) / Path(sample_file.file_name).stem / f"{str(key).replace('/', '_')}.safetensors"
+
+
+def check_cache_files(args, files, method) -> None:
+    """The cache files --load_compressed would read are whole, unedited and of this method (one line each,
+    before the model loads; the model is checked when each is loaded)."""
+    if not getattr(args, "load_compressed", None):
+        return
+    from pyramidkv.generation.cache_file import read_record
+    from pyramidkv.methods import method_spec
+
+    for sample_file in files:
+        for sample in sample_file.samples:
+            path = cache_path(args.load_compressed, sample_file, sample.key)
+            if path.is_file():
+                recorded = read_record(path)[0]["method"]
+                if recorded != method_spec(method):
+                    raise ValueError(f"--load_compressed: {path} holds a cache of {recorded!r}, not of this run's "
+                                     f"{method_spec(method)!r}")
+
+
 def check_shared_samples(files, method, shared_context: Optional[str]) -> None:
     """Under --shared_context every sample has a question part and a context the method can compress."""
     if not shared_context:
@@ -123,11 +163,14 @@ def decode_questions(args, method, benchmark, files, out_dir: Path) -> None:
                     else:
                         followups = [[list(q.followup or q.ids) for q in i.asked] for i in batch] \
                             if mode == "multi_turn" else None
+                        files_kw, loaded = _cache_files(args, sample_file, batch, model, method)
                         per_item = answer_questions(model, tokenizer, [i.context for i in batch],
                                                     [[list(q.ids) for q in i.asked] for i in batch], method, max_new,
-                                                    mode=mode, followups=followups, **common)
+                                                    mode=mode, followups=followups, **common, **files_kw)
                     for item, outputs in zip(batch, per_item):
                         for row in _rows(benchmark, item.sample, item.context, item.turns, item.asked, outputs):
+                            if mode is not None and (args.load_compressed or args.save_compressed):
+                                row["compressed_cache"] = "loaded" if loaded else "compressed"
                             if row["turn"] in item.missing:
                                 writer.append(row)
                         bar.update(len(item.missing))
@@ -135,6 +178,23 @@ def decode_questions(args, method, benchmark, files, out_dir: Path) -> None:
     elapsed = time.perf_counter() - started
     print(f"{done_now} question(s) in {elapsed:.1f} s; {total - done_now} already done" if done_now else
           f"all {total} question(s) already done; scoring only")
+
+
+def _cache_files(args, sample_file, batch, model, method) -> tuple[dict, bool]:
+    """answer_questions' arguments for --load_compressed / --save_compressed (one context per batch), and whether
+    the context's cache was loaded."""
+    if not (args.load_compressed or args.save_compressed):
+        return {}, False
+    from pyramidkv.generation.cache_file import load_cache, save_cache
+
+    key = batch[0].sample.key
+    if args.load_compressed and cache_path(args.load_compressed, sample_file, key).is_file():
+        return {"compressed": load_cache(cache_path(args.load_compressed, sample_file, key), model, method)}, True
+    if args.save_compressed:
+        path = cache_path(args.save_compressed, sample_file, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return {"on_compressed": lambda cache: save_cache(cache, path, model)}, False
+    return {}, False
 
 
 class _Item:

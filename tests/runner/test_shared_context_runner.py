@@ -89,3 +89,34 @@ def test_three_questions_resume_per_question_after_a_kill(sharp_model_dir, tmp_p
     assert sorted(map(strip, resumed), key=lambda r: r["qid"]) == [strip(r) for r in whole]
     result = json.loads((killed.parent / "results.json").read_text())
     assert set(result["turn_scores"]["kv_retrieval@640"]) == {"1", "2-3"}
+
+
+def test_a_later_run_answers_from_the_saved_compressed_contexts(sharp_model_dir, tmp_path, capsys):
+    """--save_compressed writes each context's cache after compression; a run with --load_compressed answers from
+    them without compressing (prefill 0 s) and writes the same predictions; another method's files are refused."""
+    argv = ["--max_capacity_prompts", "64", "--model_path", sharp_model_dir, "--device", "cpu",
+            "--num_threads", "1", "--tasks", "kv_retrieval", "--context_lengths", "640", "--num_samples", "2",
+            "--questions_per_context", "2", "--shared_context", "multi_request", "--cache_dir", str(tmp_path / "data")]
+    saved = tmp_path / "compressed"
+    assert RU.main(["--method", "snapkv", *argv, "--save_dir", str(tmp_path / "first"), "--save_compressed",
+                    str(saved)]) == 0
+    files = sorted(p.name for p in (saved / "kv_retrieval_640_q2").iterdir())
+    assert files == ["0.safetensors", "1.safetensors"]
+    assert RU.main(["--method", "snapkv", *argv, "--save_dir", str(tmp_path / "second"), "--load_compressed",
+                    str(saved)]) == 0
+    folder = f"{Path(sharp_model_dir).name}_64/snapkv_multi_request/kv_retrieval_640_q2.jsonl"
+    first, second = rows(tmp_path / "first" / folder), rows(tmp_path / "second" / folder)
+    assert [r["compressed_cache"] for r in first] == ["compressed"] * 4
+    assert [r["compressed_cache"] for r in second] == ["loaded"] * 4
+    assert all(r["prefill_seconds"] == 0 for r in second) and all(r["prefill_seconds"] > 0 for r in first)
+    same = ("pred", "kv_bytes", "context_kv_bytes", "qid")
+    assert [{k: r[k] for k in same} for r in second] == [{k: r[k] for k in same} for r in first]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        RU.main(["--method", "pyramidkv", *argv, "--save_dir", str(tmp_path / "third"), "--load_compressed",
+                 str(saved)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "holds a cache of 'snapkv" in err and "not of this run's 'pyramidkv" in err
+    with pytest.raises(SystemExit):
+        RU.main(["--method", "snapkv", *argv[:-6], "--save_dir", str(tmp_path / "x"), "--save_compressed", str(saved)])
+    assert "--save_compressed needs --shared_context" in capsys.readouterr().err
