@@ -75,10 +75,14 @@ def check_cache_files(args, files, method) -> None:
         for sample in sample_file.samples:
             path = cache_path(args.load_compressed, sample_file, sample.key)
             if path.is_file():
-                recorded = read_record(path)[0]["method"]
-                if recorded != method_spec(method):
-                    raise ValueError(f"--load_compressed: {path} holds a cache of {recorded!r}, not of this run's "
-                                     f"{method_spec(method)!r}")
+                record = read_record(path)[0]
+                if record["method"] != method_spec(method):
+                    raise ValueError(f"--load_compressed: {path} holds a cache of {record['method']!r}, not of this "
+                                     f"run's {method_spec(method)!r}")
+                held, context = record["positions"]["prompt_len"], len(context_and_questions(sample)[0])
+                if held != context or record["positions"]["pad_lens"] != [0]:
+                    raise ValueError(f"--load_compressed: {path} holds a context of {held} tokens; "
+                                     f"{sample.label or sample.key} has {context}")
 
 
 def check_shared_samples(files, method, shared_context: Optional[str]) -> None:
