@@ -104,10 +104,11 @@ class Benchmark:
         raise NotImplementedError
 
     def check_resume(self, path: Path, sample_file: SampleFile) -> None:
-        """Predictions already in `path` must belong to these samples (by default: each key once)."""
+        """Predictions already in `path` must belong to these samples (by default: each key, or question, once)."""
         from pyramidkv.runner.results import read_unique_rows
 
-        read_unique_rows(path, self.key, skip_torn_last_line=True)
+        several = any(sample.questions for sample in sample_file.samples)   # one row per question (runner/shared.py)
+        read_unique_rows(path, "qid" if several else self.key, skip_torn_last_line=True)
 
     def fingerprint_extra(self, args, tokenizer) -> Optional[dict]:
         """Facts beyond the arguments that decide the predictions (the needle text, a haystack hash)."""
@@ -128,6 +129,11 @@ class Benchmark:
     def prediction_row(self, sample: Sample, output) -> dict:
         return {self.key: sample.key, "pred": output.text, **(sample.row or {}), "prompt_tokens": output.prompt_tokens,
                 "kv_bytes": output.kv_bytes_per_prompt, **achieved(output)}
+
+    def question_row(self, sample: Sample, question, output) -> dict:
+        """What a question's row (several questions per context: runner/shared.py) adds over `prediction_row`: by
+        default the question's own fields (its references)."""
+        return dict(question.row or {})
 
     def score(self, args, out_dir: Path, files: list[SampleFile], method, model: str) -> Optional[dict]:
         """Score the run and write its results files (write_results); None: no scoring this run."""

@@ -111,7 +111,7 @@ def _rows(benchmark, sample, context: list[int], turns: list[int], questions: li
     for turn, question, out in zip(turns, questions, outputs):
         row = {benchmark.key: sample.key, "turn": turn, QID: qid(sample.key, turn)}
         row.update(benchmark.prediction_row(sample, out))
-        row.update(question.row or {})
+        row.update(benchmark.question_row(sample, question, out))
         row["context_tokens"] = len(context)
         if hasattr(out, "context_kv_bytes"):
             row.update(context_kv_bytes=out.context_kv_bytes, time_to_first_token=round(out.time_to_first_token, 6),

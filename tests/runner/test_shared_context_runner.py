@@ -120,3 +120,24 @@ def test_a_later_run_answers_from_the_saved_compressed_contexts(sharp_model_dir,
     with pytest.raises(SystemExit):
         RU.main(["--method", "snapkv", *argv[:-6], "--save_dir", str(tmp_path / "x"), "--save_compressed", str(saved)])
     assert "--save_compressed needs --shared_context" in capsys.readouterr().err
+
+
+def test_fullkv_needle_questions_are_the_same_in_both_protocols(sharp_model_dir, tmp_path):
+    """Under fullkv a question asked inside its own prompt and one asked after the context prefilled alone attend
+    to the same tokens: two needles per cell, the same answers either way, each scored against its own needle."""
+    from pyramidkv.benchmarks import needle as nd
+
+    argv = ["--method", "fullkv", "--model_path", sharp_model_dir, "--device", "cpu", "--num_threads", "1",
+            "--s_len", "500", "--e_len", "500", "--num_depths", "2", "--max_new_tokens", "8",
+            "--questions_per_context", "2"]
+    assert needle_runner.main([*argv, "--save_dir", str(tmp_path / "own")]) == 0
+    assert needle_runner.main([*argv, "--save_dir", str(tmp_path / "shared"), "--shared_context", "multi_request"]) == 0
+    model = Path(sharp_model_dir).name
+    own = rows(tmp_path / "own" / f"{model}_full" / "fullkv" / "needle_q2.jsonl")
+    shared = rows(tmp_path / "shared" / f"{model}_full" / "fullkv_multi_request" / "needle_q2.jsonl")
+    assert [r["qid"] for r in own] == ["500_0#1", "500_0#2", "500_100#1", "500_100#2"]
+    assert [r["pred"] for r in shared] == [r["pred"] for r in own] and len({r["pred"] for r in own}) > 1
+    assert [r["needle"] for r in own[:2]] == [nd.NEEDLE, nd.NEEDLES[1][0]]
+    assert own[1]["recall"] == nd.needle_recall(own[1]["pred"], nd.NEEDLES[1][0], nd.NEEDLES[1][1])
+    result = json.loads((tmp_path / "shared" / f"{model}_full" / "fullkv_multi_request" / "results.json").read_text())
+    assert set(result["by_turn"]) == {"1", "2-2"}

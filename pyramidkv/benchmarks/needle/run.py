@@ -2,7 +2,8 @@
 the repository root calls `main`.
 
 Writes {save_dir}/{model_version}_{budget}/{method}/:
-    needle.jsonl   one row per (context length, depth) cell, appended as it finishes (resumable)
+    needle.jsonl   one row per (context length, depth) cell, appended as it finishes (resumable); with
+                   --questions_per_context K: needle_q{K}.jsonl, one row per cell and question (qid, turn)
     results.json   mean scores x100 in the project's common results schema (+ results.csv)
     run_meta.json  the full configuration
 Then draw the heatmap with scripts/scripts_needle/visualize.py RUN_DIR. With --question_as_decode the part of
@@ -19,7 +20,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from pyramidkv.benchmarks import needle as nd
-from pyramidkv.runner.protocol import Benchmark, Sample, SampleFile, achieved, run_benchmark, write_results
+from pyramidkv.runner.protocol import (
+    Benchmark, Question, Sample, SampleFile, achieved, run_benchmark, write_results,
+)
 from pyramidkv.runner.protocol import build_parser as protocol_parser
 
 RESULTS_FILE = "needle.jsonl"
@@ -104,6 +107,10 @@ class Needle(Benchmark):
                             "needle, with the template/question on top; 'prompt': the whole prompt, template included")
         g.add_argument("--answer_prefix", default=nd.ANSWER_PREFIX,
                        help="text that starts the assistant's reply (none unless given); not part of the scored answer")
+        g.add_argument("--questions_per_context", type=int, default=1, metavar="K",
+                       help=f"K needles in each cell (1 to {len(nd.NEEDLES)}: the reference needle, then "
+                            "nd.NEEDLES'), one question each, one row per question (needle_q{K}.jsonl); with "
+                            "--shared_context asked from the cell compressed once, else each inside its own prompt")
         g.add_argument("--save_dir", default="results/needle")
 
     def check_arguments(self, args) -> None:
@@ -113,6 +120,9 @@ class Needle(Benchmark):
             raise ValueError(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
         if args.eval_batch_size < 1:
             raise ValueError(f"--eval_batch_size must be >= 1, got {args.eval_batch_size}")
+        nd.check_questions_per_context(args.questions_per_context)
+        self.results_file = RESULTS_FILE if args.questions_per_context == 1 else \
+            f"needle_q{args.questions_per_context}.jsonl"
         label = self.model_label(args)
         if "/" in label or label in ("", ".", ".."):
             raise ValueError(f"--model_version must be a plain name, got {label!r}")
@@ -129,15 +139,37 @@ class Needle(Benchmark):
                                       args.max_new_tokens)
         builder.prepare(args.e_len)
         samples = []
+        k = args.questions_per_context
         for length in self.lengths:
             for depth in self.depths:
-                cell = builder.build(length, depth)
-                samples.append(Sample(f"{length}_{depth}", cell.input_ids, args.max_new_tokens, {
-                    "context_length": length, "depth_percent": depth,
-                    "needle_depth_actual": round(cell.actual_depth_percent, 2)},
-                    f"needle cell {length} tokens at {depth}%", batch_group=length,
-                    question_start=cell.question_start if args.question_as_decode or args.shared_context else None))
-        return [SampleFile("needle", RESULTS_FILE, samples, "needle")]
+                cell = builder.build(length, depth, questions_per_context=k)
+                row = {"context_length": length, "depth_percent": depth,
+                       "needle_depth_actual": round(cell.actual_depth_percent, 2)}
+                label = f"needle cell {length} tokens at {depth}%"
+                if k > 1:
+                    samples.append(Sample(f"{length}_{depth}", cell.input_ids[:cell.question_start],
+                                          args.max_new_tokens, row, label, batch_group=length,
+                                          questions=self._questions(tokenizer, cell, k)))
+                    continue
+                samples.append(Sample(f"{length}_{depth}", cell.input_ids, args.max_new_tokens, row, label,
+                                      batch_group=length, question_start=cell.question_start
+                                      if args.question_as_decode or args.shared_context else None))
+        return [SampleFile("needle", self.results_file, samples, "needle")]
+
+    def _questions(self, tokenizer, cell, k: int) -> list[Question]:
+        """A K-needle cell's questions: the tokens after the document, the follow-up turn, and which needle (with
+        its retrieval question) the answer is scored against."""
+        def ids(text: str) -> list[int]:
+            return tokenizer(text, add_special_tokens=False).input_ids
+
+        asked = [(self.builder.needle, self.builder.question)] + list(nd.NEEDLES[1:k])
+        return [Question(ids(q["question"]), ids(q["followup"]), {"needle": needle, "retrieval_question": question})
+                for q, (needle, question) in zip(cell.questions, asked)]
+
+    def question_row(self, sample, question, output) -> dict:
+        """The scores against the question's own needle (prediction_row's are the reference needle's)."""
+        fields = question.row
+        return {**fields, **nd.score_answer(output.text.strip(), fields["needle"], fields["retrieval_question"])}
 
     def fingerprint_extra(self, args, tokenizer) -> dict:
         b = self.builder
@@ -164,8 +196,12 @@ class Needle(Benchmark):
     def score(self, args, out_dir, files, method, model) -> dict:
         from pyramidkv.runner.results import read_unique_rows
 
-        rows = read_unique_rows(out_dir / RESULTS_FILE, "key")
+        several = args.questions_per_context > 1
+        rows = read_unique_rows(out_dir / self.results_file, "qid" if several else "key")
         result = summarize(rows, model, method)
+        if several:   # the first needle's question against the others'
+            result["by_turn"] = {"1": _cell_scores([r for r in rows if r["turn"] == 1]),
+                                 f"2-{args.questions_per_context}": _cell_scores([r for r in rows if r["turn"] > 1])}
         table = [[k, result["scores"][k], result["num_samples"][k]] for k in SCORE_KEYS]
         write_results(out_dir, result, ["score", "value", "num_samples"], table)
         return result
