@@ -1,6 +1,6 @@
 """The pipeline API: a context compressed once, several questions answered from it (generation/shared.py).
 
-    pipe = pyramidkv.pipeline(model, tokenizer)          # or transformers.pipeline("kv-compression", model=..., tokenizer=...)
+    pipe = pyramidkv.pipeline(model, tokenizer)   # or transformers.pipeline("kv-compression", model=, tokenizer=)
     out = pipe(context, questions=["Who?", "When?"], method="snapkv:budget=256", max_new_tokens=32)
     out["answers"]       # one string per question
     out["stats"]         # per question: turn, kept and held bytes, time to first token, ...

@@ -171,7 +171,8 @@ class _Run:
 
     def _ask(self, cache, sequence: torch.Tensor, mask: torch.Tensor, forced: list[list[int]]):
         """Continue every row from `sequence` [B, T] (its last token not in the cache yet: fed first), then its
-        `forced` tokens, then its answer; mask: the context's attention mask (left padding). -> (output [B, T + steps], bytes-at-stop recorder, first-token times)."""
+        `forced` tokens, then its answer; mask: the context's attention mask (left padding).
+        -> (output [B, T + steps], the bytes-at-stop recorder, the first-token times)."""
         width = sequence.shape[1]
         steps = max(len(f) for f in forced) + self.max_new_tokens
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], width - mask.shape[1])], dim=1)
@@ -217,8 +218,9 @@ class _Run:
                         continue
                     text, new = self._answer(output, row, width, len(question) - 1)
                     answers[row].append(Answer(
-                        text, new, turn + 1, len(question), len(new), len(contexts[row]), kept[row], cache.final_kv_bytes(row),
-                        first.at.get(row, time.perf_counter()) - start, prefill, *_held(cache, row, stop.held)))
+                        text, new, turn + 1, len(question), len(new), len(contexts[row]), kept[row],
+                        cache.final_kv_bytes(row), first.at.get(row, time.perf_counter()) - start, prefill,
+                        *_held(cache, row, stop.held)))
         return answers
 
     def turns(self, context: list[int], questions: list[list[int]], followups: list[list[int]]) -> list[Answer]:

@@ -74,7 +74,8 @@ def same(a, b) -> bool:
 @pytest.mark.parametrize("spec", [
     "snapkv:budget=64,window_size=8",
     "h2o:budget=64,window_size=8,decode_budget=64,decode_interval=4",   # the questions re-select the compressed part
-    "snapkv:budget=64,window_size=8,quant_method=kivi,nbits=2,group_size=16,residual_length=16",  # appends fill the quantizer's residual
+    # appends fill the quantizer's residual
+    "snapkv:budget=64,window_size=8,quant_method=kivi,nbits=2,group_size=16,residual_length=16",
 ])
 def test_multi_request_rolls_back_to_the_compressed_context_bitwise(sharp_llama, monkeypatch, spec):
     model, tokenizer, _ = sharp_llama
@@ -166,7 +167,8 @@ def test_pipeline_frames_with_the_chat_template_and_registers_with_transformers(
     assert isinstance(pipe, pyramidkv.KVCompressionPipeline)
     out = pipe(context, questions=questions, method="snapkv:budget=48,window_size=8", max_new_tokens=NEW)
     head, tail = chat_frame(tokenizer)
-    assert [s["turn"] for s in out["stats"]] == [1, 2] and out["stats"][0]["context_kv_bytes"] < out["stats"][0]["kv_bytes"]
+    first = out["stats"][0]
+    assert [s["turn"] for s in out["stats"]] == [1, 2] and first["context_kv_bytes"] < first["kv_bytes"]
     for question, answer in zip(questions, out["answers"]):
         context_ids = tokenizer(head + context, add_special_tokens=False).input_ids
         question_ids = tokenizer(question + tail, add_special_tokens=False).input_ids
@@ -184,7 +186,8 @@ def test_pipeline_frames_with_the_chat_template_and_registers_with_transformers(
 @pytest.mark.parametrize("call,error", [
     (dict(questions=[]), "context 0 has no questions"),
     (dict(questions=["ok", "  "]), "question 1 of context 0 is empty"),
-    (dict(questions=["ok"], mode="multi_requests"), "unknown mode 'multi_requests'; allowed: multi_request, multi_turn"),
+    (dict(questions=["ok"], mode="multi_requests"),
+     "unknown mode 'multi_requests'; allowed: multi_request, multi_turn"),
     (dict(), "no questions"),
     (dict(questions=["ok"], question="ok"), "not both"),
     (dict(questions=["ok"], method="snapkv:budget=0"), "budget"),
