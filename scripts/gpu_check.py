@@ -58,9 +58,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVKIT_TOKENIZER = ROOT / ".devkit" / "smollm2"
-STEPS = ("environment", "models", "correctness", "timings", "device_map", "tests", "timings_1b")
-CAPS_S = {"environment": 40, "models": 60, "correctness": 120, "timings": 150, "device_map": 90, "tests": 90,
-          "timings_1b": 120}   # each step's cap; every cap is also cut to the time left of --budget_s
+STEPS = ("environment", "models", "correctness", "shared_context", "timings", "device_map", "tests", "timings_1b")
+CAPS_S = {"environment": 40, "models": 60, "correctness": 120, "shared_context": 120, "timings": 150,
+          "device_map": 90, "tests": 90, "timings_1b": 120}   # each step's cap; every cap is also cut to the time left of --budget_s
 PINNED_TRANSFORMERS = "4.44.2"
 LOGIT_TOL = 1e-3   # float32, device vs CPU: max |difference| <= LOGIT_TOL * max(1, max |CPU logit|) per step
 
@@ -77,9 +77,9 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, 
 
 # The sizes per mode: the device's, and the CPU smoke run's (every code path, seconds).
 SIZES = {
-    "cuda": dict(prompts=(200, 150), budget=64, new_tokens=16, shaped_layers=None,
+    "cuda": dict(prompts=(200, 150), budget=64, new_tokens=16, shaped_layers=None, shared=(16384, 1024, 4, 24, 8),
                  timings=((32768, 2048), (4096, 256)), timing_tokens=32, repeats=2, map_prompt=400, map_tokens=16),
-    "cpu": dict(prompts=(72, 56), budget=40, new_tokens=3, shaped_layers=2,
+    "cpu": dict(prompts=(72, 56), budget=40, new_tokens=3, shaped_layers=2, shared=(160, 48, 3, 6, 3),
                 timings=((256, 64),), timing_tokens=2, repeats=1, map_prompt=200, map_tokens=4),
 }
 TIMING_METHODS = ("fullkv", "snapkv", "h2o", "snapkv:quant_method=kivi,nbits=2")
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-NEEDS_MODELS = {"timings", "device_map", "tests", "timings_1b"}
+NEEDS_MODELS = {"shared_context", "timings", "device_map", "tests", "timings_1b"}
 
 
 def needs_missing(step: str, results: list) -> str | None:
@@ -610,7 +610,78 @@ def step_tests(args, sizes):
     return ("PASS" if code == 0 else "FAIL"), reason, details
 
 
+def step_shared_context(args, sizes):
+    """Compress once, ask many on the device (SmolLM2-shaped random model, bf16 on CUDA): K questions answered from
+    one compressed context (multi_request) against each asked inside its own prompt (times to first token), the
+    cache saved from the device and loaded back bit for bit (the next token's logits equal), and the pipeline."""
+    import torch
+
+    import pyramidkv
+    from pyramidkv.generation import generate
+    from pyramidkv.generation.shared import answer_questions
+
+    n, budget, k, q_len, new = sizes["shared"]
+    device = "cuda" if args.device == "cuda" else "cpu"
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    model, tokenizer = pyramidkv.load_model(models_of(args)["timing"], device=device, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    context = torch.randint(100, 40000, (n,), generator=g).tolist()
+    questions = [torch.randint(100, 40000, (q_len,), generator=g).tolist() for _ in range(k)]
+    method = pyramidkv.make_method("snapkv", budget=budget)
+
+    def synced(fn):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return out, time.perf_counter() - start
+
+    answer_questions(model, tokenizer, [context[:256]], [questions[:1]], method, 2, stop_token_ids=[])   # warm-up
+    answers, _ = synced(lambda: answer_questions(model, tokenizer, [context], [questions], method, new,
+                                                 stop_token_ids=[])[0])
+    own = [synced(lambda q=q: generate(model, tokenizer, [context + q], method, new, stop_token_ids=[])[0])
+           for q in questions]
+    details = {"context_tokens": n, "budget": budget, "questions": k, "question_tokens": q_len, "new_tokens": new,
+               "ttft_turn_1_s": round(answers[0].time_to_first_token, 4),
+               "ttft_later_s": round(sum(a.time_to_first_token for a in answers[1:]) / (k - 1), 4),
+               "prefill_s": round(answers[0].prefill_seconds, 4),
+               "own_prompt_s_per_question": round(sum(t for _, t in own) / k, 4),
+               "shared_answers_equal_own_prompt": sum(a.text == o.text for a, (o, _) in zip(answers, own))}
+    problems = []
+    with pyramidkv.compress(model, method) as patch:   # a compressed context saved from the device, loaded back
+        cache = patch.new_cache()
+        ids = torch.tensor([context], device=model.device)
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        path = Path(args.work) / "context.safetensors"
+        _, save_s = synced(lambda: pyramidkv.save_cache(cache, path, model))
+        loaded, load_s = synced(lambda: pyramidkv.load_cache(path, model))
+        same = all(torch.equal(a, b) for layer in range(cache.num_layers)
+                   for x, y in zip(cache.stored_kv(layer), loaded.stored_kv(layer)) for a, b in zip(x, y))
+        step = torch.tensor([[questions[0][0]]], device=model.device)
+        logits = [model(input_ids=step, past_key_values=c, use_cache=True,
+                        position_ids=torch.tensor([[n]], device=model.device)).logits for c in (cache, loaded)]
+    megabytes = path.stat().st_size / 1e6
+    details.update(cache_file_mb=round(megabytes, 2), save_mb_s=round(megabytes / save_s), load_mb_s=round(
+        megabytes / load_s), loaded_device=str(loaded.layers[0].stored_kv(0)[0][1].device) if hasattr(
+        loaded.layers[0], "stored_kv") else None, stored_kv_equal=same, next_logits_equal=torch.equal(*logits))
+    if not same or not torch.equal(*logits):
+        problems.append("the loaded cache differs from the saved one")
+    out = pyramidkv.pipeline(model, tokenizer)("A short text. " * 20, questions=["Why?", "How?"], max_new_tokens=4,
+                                              method=method)
+    details["pipeline_answers"] = len(out["answers"])
+    reason = (f"{n} tokens, budget {budget}, {k} questions: time to first token turn 1 {details['ttft_turn_1_s']} s "
+              f"(prefill {details['prefill_s']} s), turns 2-{k} {details['ttft_later_s']} s; each question in its own "
+              f"prompt {details['own_prompt_s_per_question']} s per question (answers equal: "
+              f"{details['shared_answers_equal_own_prompt']}/{k}); cache file {details['cache_file_mb']} MB saved at "
+              f"{details['save_mb_s']} MB/s, loaded at {details['load_mb_s']} MB/s, bit-exact {same}, next logits "
+              f"equal {details['next_logits_equal']}")
+    return ("FAIL" if problems else "PASS"), ("; ".join(problems) + " | " if problems else "") + reason, details
+
+
 STEP_FUNCTIONS = {"environment": step_environment, "models": step_models, "correctness": step_correctness,
+                  "shared_context": step_shared_context,
                   "timings": step_timings, "device_map": step_device_map, "tests": step_tests,
                   "timings_1b": step_timings_1b}
 
