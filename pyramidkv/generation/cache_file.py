@@ -278,8 +278,12 @@ def _dtype(name: str) -> torch.dtype:
 # ---- save --------------------------------------------------------------------------------------------------------
 
 def _versions() -> dict:
-    return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "pyramidkv": importlib.metadata.version("pyramidkv")}
+    """The versions the file records; pyramidkv's is None when it runs from a checkout that is not installed."""
+    try:
+        ours = importlib.metadata.version("pyramidkv")
+    except importlib.metadata.PackageNotFoundError:
+        ours = None
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "pyramidkv": ours}
 
 
 def _digest(tensors) -> str:
