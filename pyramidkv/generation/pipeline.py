@@ -111,7 +111,10 @@ def _stats(answer: Answer) -> dict:
 
 
 def pipeline(model, tokenizer, chat_template: bool = True, device=None) -> KVCompressionPipeline:
-    """The pipeline over a loaded model (pyramidkv.load_model()) and its tokenizer."""
+    """The pipeline over a loaded model (pyramidkv.load_model()) and its tokenizer; device: None, where the model
+    is (a model placed by a device map stays where accelerate put it)."""
+    if device is None and getattr(model, "hf_device_map", None) is None:
+        device = model.device
     return KVCompressionPipeline(model=model, tokenizer=tokenizer, chat_template=chat_template, device=device)
 
 
