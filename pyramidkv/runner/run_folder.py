@@ -231,7 +231,8 @@ def fingerprint_differences(old: dict, new: dict, argument_defaults: Optional[di
 
     An argument the stored fingerprint lacks (a flag added since) counts as equal when the new run leaves it
     at its default (`argument_defaults`), and one only the stored fingerprint has counts as equal when it was
-    not given (None: a flag since removed or folded into the method section); the method flags older
+    not given (None: a flag since removed or folded into the method section), or is in NON_GENERATING_ARGS (found
+    since not to change predictions); the method flags older
     fingerprints listed among the arguments are compared through the method section instead
     (LEGACY_METHOD_ARGS). A method setting the stored description lacks (a setting added since, whose
     default changes nothing) counts as equal when the new run leaves it at its default (`method_at_default`)."""
@@ -242,7 +243,8 @@ def fingerprint_differences(old: dict, new: dict, argument_defaults: Optional[di
     for section in sorted(set(old) | set(new)):
         a, b = old.get(section), new.get(section)
         if section == "arguments" and isinstance(a, dict) and isinstance(b, dict):
-            a = {k: v for k, v in a.items() if (k not in LEGACY_METHOD_ARGS or k in b) and (k in b or v is not None)}
+            a = {k: v for k, v in a.items() if (k not in LEGACY_METHOD_ARGS or k in b) and (k in b or v is not None)
+                 and k not in NON_GENERATING_ARGS}   # an argument found not to change predictions since
             a.update({k: defaults[k] for k in b if k not in a and k in defaults and b[k] == defaults[k]})
         if section == "method" and isinstance(a, dict) and isinstance(b, dict):
             a = {**{k: b[k] for k in b if k not in a and k in at_default}, **_legacy_quest(a)}

@@ -355,6 +355,10 @@ def test_a_fingerprint_from_before_new_settings_matches_when_they_stay_at_their_
     stored["arguments"]["history_window"] = 64
     assert fingerprint_differences(stored, new, {}, ["page_budget", "page_size"]) == [
         "arguments.history_window: 64 -> '<unset>'"]
+    # An argument stored then, found since not to change predictions (NON_GENERATING_ARGS), is not compared.
+    stored["arguments"]["history_window"] = None
+    stored["arguments"]["questions_per_context"] = 4
+    assert fingerprint_differences(stored, new, {}, ["page_budget", "page_size"]) == []
 
 
 def test_a_unit_setting_added_since_matches_at_its_default():
