@@ -243,8 +243,8 @@ def fingerprint_differences(old: dict, new: dict, argument_defaults: Optional[di
     for section in sorted(set(old) | set(new)):
         a, b = old.get(section), new.get(section)
         if section == "arguments" and isinstance(a, dict) and isinstance(b, dict):
-            a = {k: v for k, v in a.items() if (k not in LEGACY_METHOD_ARGS or k in b) and (k in b or v is not None)
-                 and k not in NON_GENERATING_ARGS}   # an argument found not to change predictions since
+            a, b = ({k: v for k, v in d.items() if k not in NON_GENERATING_ARGS} for d in (a, b))
+            a = {k: v for k, v in a.items() if (k not in LEGACY_METHOD_ARGS or k in b) and (k in b or v is not None)}
             a.update({k: defaults[k] for k in b if k not in a and k in defaults and b[k] == defaults[k]})
         if section == "method" and isinstance(a, dict) and isinstance(b, dict):
             a = {**{k: b[k] for k in b if k not in a and k in at_default}, **_legacy_quest(a)}
