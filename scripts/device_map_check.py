@@ -4,8 +4,8 @@ whether the tokens are right. Needs CUDA; under 2 minutes on either model.
     python scripts/device_map_check.py                 # the default model (SmolLM2-135M, 30 layers)
     python scripts/device_map_check.py --model_path tiny   # a 4-layer random Llama with its tokenizer
 
-Two placements of one map (the embedding and the first half of the layers on the CPU; the rest, the final norm
-and lm_head on cuda:0), float32:
+Two placements of one map (the embedding, lm_head and the first half of the layers on the CPU; the rest and the
+final norm on cuda:0), float32:
 
   split      accelerate's dispatch_model with main_device="cpu": the CPU half computes on the CPU, so the
              cache spans two devices;
@@ -55,9 +55,10 @@ def tiny_model(folder: str) -> str:
 def split_map(num_layers: int, gpu: str) -> dict[str, str]:
     """The embedding on the CPU, where dispatch_model's main device keeps the inputs: transformers 4.44.2 builds the
     causal mask on the embeddings' device from generate()'s cache_position, which stays on the main device (an
-    embedding on cuda:0 with main device cpu fails there, seen on an H100, before any compression runs)."""
+    embedding on cuda:0 with main device cpu fails there, seen on an H100, before any compression runs); lm_head
+    with it (tied to it in SmolLM2: one weight, one device)."""
     half = num_layers // 2
-    return {"model.embed_tokens": "cpu", "lm_head": gpu, "model.norm": gpu,
+    return {"model.embed_tokens": "cpu", "lm_head": "cpu", "model.norm": gpu,
             **{f"model.layers.{i}": "cpu" if i < half else gpu for i in range(num_layers)}}
 
 
