@@ -58,7 +58,9 @@ def split_map(num_layers: int, gpu: str) -> dict[str, str]:
     embedding on cuda:0 with main device cpu fails there, seen on an H100, before any compression runs); lm_head
     with it (tied to it in SmolLM2: one weight, one device)."""
     half = num_layers // 2
-    return {"model.embed_tokens": "cpu", "lm_head": "cpu", "model.norm": gpu,
+    # model.rotary_emb named too: left out, from_pretrained's offload kept its inv_freq on cuda:0 while the position
+    # ids stayed on the CPU (seen on an H100; the split placement passed there with this map otherwise).
+    return {"model.embed_tokens": "cpu", "lm_head": "cpu", "model.norm": gpu, "model.rotary_emb": gpu,
             **{f"model.layers.{i}": "cpu" if i < half else gpu for i in range(num_layers)}}
 
 
