@@ -111,8 +111,6 @@ def check_methods(budget: int) -> dict:
 # ---------------------------------------------------------------------------------------------------- the parent
 
 def main(argv=None) -> int:
-    if importlib.util.find_spec("pyramidkv") is None:   # run from a checkout with no install: use the checkout
-        sys.path.insert(0, str(ROOT))
     from pyramidkv.runner.arguments import ArgumentParser
 
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -167,8 +167,11 @@ class Needle(Benchmark):
                 for q, (needle, question) in zip(cell.questions, asked)]
 
     def question_row(self, sample, question, output) -> dict:
-        """The scores against the question's own needle (prediction_row's are the reference needle's)."""
+        """The scores against the question's own needle (prediction_row's are the reference needle's, which a
+        cell's one question asks)."""
         fields = question.row
+        if not fields:
+            return {}
         return {**fields, **nd.score_answer(output.text.strip(), fields["needle"], fields["retrieval_question"])}
 
     def fingerprint_extra(self, args, tokenizer) -> dict:
