@@ -64,16 +64,18 @@ def cache_path(folder: str, sample_file, key) -> Path:
 
 
 def check_cache_files(args, files, method) -> None:
-    """The cache files --load_compressed would read are whole, unedited and of this method (one line each,
-    before the model loads; the model is checked when each is loaded)."""
+    """The cache files --load_compressed would read are whole, unedited and of this method, and there is at least
+    one (one line each, before the model loads; the model is checked when each is loaded)."""
     if not getattr(args, "load_compressed", None):
         return
     from pyramidkv.generation.cache_file import read_record
     from pyramidkv.methods import method_spec
 
+    found = 0
     for sample_file in files:
         for sample in sample_file.samples:
             path = cache_path(args.load_compressed, sample_file, sample.key)
+            found += path.is_file()
             if path.is_file():
                 record = read_record(path)[0]
                 if record["method"] != method_spec(method):
@@ -83,6 +85,11 @@ def check_cache_files(args, files, method) -> None:
                 if held != context or record["positions"]["pad_lens"] != [0]:
                     raise ValueError(f"--load_compressed: {path} holds a context of {held} tokens; "
                                      f"{sample.label or sample.key} has {context}")
+    if not found:   # the flag would do nothing
+        first = files[0]
+        raise ValueError(f"--load_compressed {args.load_compressed} holds no cache file of this run's contexts "
+                         f"(e.g. {cache_path(args.load_compressed, first, first.samples[0].key)}, as "
+                         f"--save_compressed writes them)")
 
 
 def check_shared_samples(files, method, shared_context: Optional[str]) -> None:

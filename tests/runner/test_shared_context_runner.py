@@ -120,6 +120,11 @@ def test_a_later_run_answers_from_the_saved_compressed_contexts(sharp_model_dir,
     with pytest.raises(SystemExit):
         RU.main(["--method", "snapkv", *argv[:-6], "--save_dir", str(tmp_path / "x"), "--save_compressed", str(saved)])
     assert "--save_compressed needs --shared_context" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):   # a folder with none of the run's contexts: the flag would do nothing
+        RU.main(["--method", "snapkv", *argv, "--save_dir", str(tmp_path / "y"), "--load_compressed",
+                 str(tmp_path / "empty")])
+    assert "holds no cache file of this run's contexts" in capsys.readouterr().err
 
 
 def test_fullkv_needle_questions_are_the_same_in_both_protocols(sharp_model_dir, tmp_path):
