@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 
 from pyramidkv.generation.shared import MODES
 from pyramidkv.runner.shared import (  # noqa: F401 (Question: the adapters')
-    Question, check_cache_file_flags, check_cache_files, check_shared_samples, decode_questions,
+    Question, check_cache_file_flags, check_cache_files, decode_questions,
 )
 from pyramidkv.runner.arguments import ArgumentParser
 from pyramidkv.runner.batching import achieved, batches, load_run_model  # noqa: F401 (achieved: the adapters')
@@ -243,8 +243,8 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
         config = model_check[1]
         tokenizer = AutoTokenizer.from_pretrained(model_check[0])
         files = benchmark.prepare(args, tokenizer, config, out_dir)
-        check_samples(files, method, config, args.model_path, args.question_as_decode)
-        check_shared_samples(files, method, args.shared_context)
+        check_samples(files, method, config, args.model_path, args.question_as_decode or bool(args.shared_context),
+                      "--shared_context" if args.shared_context else "--question_as_decode")
         check_cache_files(args, files, method)
         generation = generation_config(model_check[0], config)
         for sample_file in files:
@@ -313,32 +313,35 @@ def _recorded_arguments(args: argparse.Namespace) -> dict:
 
 
 def check_samples(files: list[SampleFile], method, config, model_path: str,
-                  question_as_decode: bool = False) -> None:
-    """Each sample fits the model's window with its new tokens, and the method can do what its settings
-    say on what it prefills (Method.check_prompt: a ratio budget below the window, a pooling kernel wider
-    than the prompt): the whole prompt, or with question_as_decode its context, which must leave a question
-    part of at least one token."""
+                  question_as_decode: bool = False, split_flag: str = "--question_as_decode") -> None:
+    """Each sample fits the model's window with its new tokens (with several questions: the context, the longest
+    question and the new tokens), and the method can do what its settings say on what it prefills
+    (Method.check_prompt: a ratio budget below the window, a pooling kernel wider than the prompt): the whole
+    prompt, or with question_as_decode (`split_flag`: the flag that asked for it) its context, which must leave a
+    question part of at least one token; a sample with several questions prefills its prompt, the context."""
     window = getattr(config, "max_position_embeddings", None)
     for sample_file in files:
         for sample in sample_file.samples:
             name = sample.label or f"{sample_file.source or sample_file.name}: sample {sample.key}"
-            if window and len(sample.prompt) + sample.max_new_tokens > window:
-                raise ValueError(f"{name} needs {len(sample.prompt)} prompt + {sample.max_new_tokens} new tokens, "
-                                 f"above the model's window: {model_path} has max_position_embeddings = {window}")
+            asked = max((len(q.ids) for q in sample.questions), default=0) if sample.questions else 0
+            if window and len(sample.prompt) + asked + sample.max_new_tokens > window:
+                raise ValueError(f"{name} needs {len(sample.prompt) + asked} prompt + {sample.max_new_tokens} new "
+                                 f"tokens, above the model's window: {model_path} has max_position_embeddings = "
+                                 f"{window}")
             prefilled = len(sample.prompt)
-            if question_as_decode:
+            split = question_as_decode and not sample.questions
+            if split:
                 start = sample.question_start
                 if start is None or not 0 < start < len(sample.prompt):
                     where = "no question part" if start is None else (
                         f"its question part at token {start} of {len(sample.prompt)}, which leaves "
                         f"{'no context' if start <= 0 else 'no question'}")
-                    raise ValueError(f"--question_as_decode: {name} has {where}; run it without "
-                                     f"--question_as_decode")
+                    raise ValueError(f"{split_flag}: {name} has {where}; run it without {split_flag}")
                 prefilled = start
             try:
                 method.check_prompt(prefilled)
             except ValueError as e:
-                what = f"{prefilled} context tokens" if question_as_decode else f"{prefilled} tokens"
+                what = f"{prefilled} context tokens" if split or sample.questions else f"{prefilled} tokens"
                 raise ValueError(f"{name} ({what}): {e}") from None
 
 

@@ -92,25 +92,6 @@ def check_cache_files(args, files, method) -> None:
                          f"--save_compressed writes them)")
 
 
-def check_shared_samples(files, method, shared_context: Optional[str]) -> None:
-    """Under --shared_context every sample has a question part and a context the method can compress."""
-    if not shared_context:
-        return
-    for sample_file in files:
-        for sample in sample_file.samples:
-            if sample.questions:
-                continue
-            name = sample.label or f"{sample_file.source or sample_file.name}: sample {sample.key}"
-            start = sample.question_start
-            if start is None or not 0 < start < len(sample.prompt):
-                raise ValueError(f"--shared_context: {name} has no question part after its context; run it without "
-                                 f"--shared_context")
-            try:
-                method.check_prompt(start)
-            except ValueError as e:
-                raise ValueError(f"{name} ({start} context tokens): {e}") from None
-
-
 def _rows(benchmark, sample, context: list[int], turns: list[int], questions: list[Question], outputs) -> list[dict]:
     """The benchmark's prediction rows of a sample's answers, each with its question's fields, turn and qid; the
     shared protocol's also with the compressed context's bytes and the times."""
