@@ -27,6 +27,15 @@ class Question:
     followup: Optional[Sequence[int]] = None
     row: Optional[dict] = None
 
+    @classmethod
+    def of(cls, tokenizer, question: dict, row: dict) -> "Question":
+        """From a generated question ({"question": text after the context, "followup": its later-turn text or
+        absent}), tokenized alone without special tokens."""
+        def ids(text: str) -> list[int]:
+            return tokenizer(text, add_special_tokens=False).input_ids
+
+        return cls(ids(question["question"]), ids(question["followup"]) if question.get("followup") else None, row)
+
 
 def qid(key, turn: int) -> str:
     return f"{key}#{turn}"

@@ -159,11 +159,8 @@ class Needle(Benchmark):
     def _questions(self, tokenizer, cell, k: int) -> list[Question]:
         """A K-needle cell's questions: the tokens after the document, the follow-up turn, and which needle (with
         its retrieval question) the answer is scored against."""
-        def ids(text: str) -> list[int]:
-            return tokenizer(text, add_special_tokens=False).input_ids
-
         asked = [(self.builder.needle, self.builder.question)] + list(nd.NEEDLES[1:k])
-        return [Question(ids(q["question"]), ids(q["followup"]), {"needle": needle, "retrieval_question": question})
+        return [Question.of(tokenizer, q, {"needle": needle, "retrieval_question": question})
                 for q, (needle, question) in zip(cell.questions, asked)]
 
     def question_row(self, sample, question, output) -> dict:

@@ -171,13 +171,9 @@ def several_questions(tokenizer, row: dict, label: str, k: int) -> Sample:
         raise ValueError(f"--questions_per_context {k}: {label} holds {len(questions)} question(s) and "
                          f"{'a' if row.get('question_start') is not None else 'no'} \"question_start\"; it needs "
                          f"both (rows this runner generates with --questions_per_context {k})")
-
-    def ids(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False).input_ids
-
-    asked = [Question(ids(q["question"]), ids(q["followup"]) if q.get("followup") else None,
-                      {"outputs": q["outputs"]}) for q in questions[:k]]
-    return Sample(row["index"], ids(row["input"][:row["question_start"]]), row["max_new_tokens"],
+    asked = [Question.of(tokenizer, q, {"outputs": q["outputs"]}) for q in questions[:k]]
+    context = tokenizer(row["input"][:row["question_start"]], add_special_tokens=False).input_ids
+    return Sample(row["index"], context, row["max_new_tokens"],
                   {"length": row["length"]}, label, questions=asked)
 
 
