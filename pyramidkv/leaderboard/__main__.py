@@ -80,7 +80,7 @@ def grid_of(args) -> Grid:
     grid = Grid(args.model_path, methods, ratios, list(dict.fromkeys(args.tasks)), args.context_length,
                 args.num_samples, args.needle_depths, args.attn_implementation, args.dtype,
                 shlex.split(args.runner_args))
-    swept = [spec for spec in methods if any(e.ratio is not None for e in entries_of(spec, ratios, 1))]
+    swept = [spec for spec in methods if any(e.ratio is not None for e in entries_of(spec, ratios, args.context_length))]
     if given_ratios and not swept:
         raise ValueError(f"--ratios given, but none of --methods {' '.join(methods)} takes a ratio (each runs once "
                          f"at its own settings: docs/leaderboard.md)")
