@@ -33,7 +33,8 @@ def build_parser():
     g = parser.add_argument_group("grid (recorded in SAVE_DIR/grid.json)")
     g.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
     g.add_argument("--methods", nargs="+", default=None, metavar="SPEC",
-                   help="method specs NAME[:setting=value,...] without a budget (default: every registered method)")
+                   help="method specs NAME[:setting=value,...] without a budget (default: every registered method); "
+                        "fullkv is always in the grid: the reference of KL, agreement and bytes")
     ratios = g.add_mutually_exclusive_group()
     ratios.add_argument("--ratios", nargs="+", type=float, default=None,
                         help=f"fractions of the prompt kept (default: {' '.join(map(str, RATIOS))})")
@@ -77,6 +78,8 @@ def grid_of(args) -> Grid:
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     methods = args.methods or list(METHODS)
+    if not any(spec.strip().lower() == "fullkv" for spec in methods):
+        methods = ["fullkv", *methods]     # the reference of every cell's KL, agreement and bytes
     grid = Grid(args.model_path, methods, ratios, list(dict.fromkeys(args.tasks)), args.context_length,
                 args.num_samples, args.needle_depths, args.attn_implementation, args.dtype,
                 shlex.split(args.runner_args))

@@ -26,7 +26,7 @@ def command(grid: Grid) -> str:
     if grid.model_path != DEFAULT_MODEL_NAME:
         words += ["--model_path", grid.model_path]
     if grid.methods != list(METHODS):
-        words += ["--methods", *grid.methods]
+        words += ["--methods", *(m for m in grid.methods if m != "fullkv")]
     if list(grid.ratios) != list(RATIOS):
         words += ["--ratios", *(f"{r:g}" for r in grid.ratios)]
     if list(grid.tasks) != list(TASKS):

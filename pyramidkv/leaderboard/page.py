@@ -95,6 +95,7 @@ def figure(rows: list[dict], path) -> None:
     right.set(xlabel="fraction of the prompt kept", ylabel="mean KL from fullkv (nats / token)", yscale="symlog",
               title="KL divergence from fullkv (teacher forced)")
     right.set_yscale("symlog", linthresh=1e-4)
+    left.set_ylim(-3, 103)
     for axis in (left, right):
         axis.set_xlim(0, 1.05)
         axis.grid(alpha=0.3)
