@@ -152,7 +152,7 @@ class _Run:
         self.saving = 0.0   # seconds on_compressed took: not part of a time to first token
         self.next_logits = None
 
-    def _prefill(self, patch, contexts: list[list[int]]):
+    def prefill(self, patch, contexts: list[list[int]]):
         """The contexts prefilled and compressed into a new cache: (cache, input_ids, attention_mask, seconds)."""
         input_ids, mask, _, _ = _left_padded(self.model, self.tokenizer, contexts)
         if self.compressed is not None:
@@ -171,7 +171,7 @@ class _Run:
             self.saving = time.perf_counter() - start - seconds
         return cache, input_ids, mask, seconds
 
-    def _ask(self, cache, sequence: torch.Tensor, mask: torch.Tensor, forced: list[list[int]]):
+    def ask(self, cache, sequence: torch.Tensor, mask: torch.Tensor, forced: list[list[int]]):
         """Continue every row from `sequence` [B, T] (its last token not in the cache yet: fed first), then its
         `forced` tokens, then its answer; mask: the context's attention mask (left padding).
         -> (output [B, T + steps], the bytes-at-stop recorder, the first-token times)."""
@@ -201,7 +201,7 @@ class _Run:
         answers: list[list[Answer]] = [[] for _ in contexts]
         with compress(self.model, self.method) as patch:
             start = time.perf_counter()
-            cache, input_ids, mask, prefill = self._prefill(patch, contexts)
+            cache, input_ids, mask, prefill = self.prefill(patch, contexts)
             start += self.saving
             kept = [cache.kv_bytes(row) for row in range(len(contexts))]
             compressed = snapshot(cache)
@@ -212,7 +212,7 @@ class _Run:
                 # a context with fewer questions repeats its last one (its answer is not kept)
                 asked = [q[min(turn, len(q) - 1)] for q in questions]
                 first_tokens = torch.tensor([[q[0]] for q in asked], device=input_ids.device)
-                output, stop, first = self._ask(cache, torch.cat([input_ids, first_tokens], dim=1), mask,
+                output, stop, first = self.ask(cache, torch.cat([input_ids, first_tokens], dim=1), mask,
                                                 [q[1:] for q in asked])
                 width = input_ids.shape[1] + 1
                 for row, question in enumerate(asked):
@@ -229,7 +229,7 @@ class _Run:
         answers: list[Answer] = []
         with compress(self.model, self.method) as patch:
             start = time.perf_counter()
-            cache, sequence, mask, prefill = self._prefill(patch, [context])
+            cache, sequence, mask, prefill = self.prefill(patch, [context])
             start += self.saving
             kept = cache.kv_bytes(0)
             for turn, (question, followup) in enumerate(zip(questions, followups)):
@@ -240,7 +240,7 @@ class _Run:
                 else:
                     forced = question[1:]
                     sequence = torch.cat([sequence, torch.tensor([[question[0]]], device=sequence.device)], dim=1)
-                output, stop, first = self._ask(cache, sequence, mask, [forced])
+                output, stop, first = self.ask(cache, sequence, mask, [forced])
                 text, new = self._answer(output, 0, sequence.shape[1], len(forced))
                 answers.append(Answer(text, new, turn + 1, len(forced) + 1, len(new), len(context), kept,
                                       cache.final_kv_bytes(0), first.at.get(0, time.perf_counter()) - start, prefill,

@@ -62,7 +62,7 @@ def score_reference(model, tokenizer, prompt: Sequence[int], reference: Sequence
     run = _Run(model, tokenizer, method, max_new_tokens - 1, stops, max(min_new_tokens - 1, 0), decode_threads,
                None, None)
     with compress(model, method) as patch:
-        cache, input_ids, mask, prefill = run._prefill(patch, [prompt])
+        cache, input_ids, mask, prefill = run.prefill(patch, [prompt])
         first_logits = run.next_logits[0].float()
         kept = snapshot(cache) if max_new_tokens >= 1 else None
         rows, step_seconds = [first_logits], []
@@ -91,7 +91,7 @@ def _greedy_from_prefill(run: _Run, cache, input_ids, mask, first_logits, stops,
     first = int(logits.argmax())
     answer = [first]
     if first not in stops and max_new_tokens > 1:
-        output, stop, _ = run._ask(cache, torch.cat([input_ids, input_ids.new_tensor([[first]])], dim=1), mask, [[]])
+        output, stop, _ = run.ask(cache, torch.cat([input_ids, input_ids.new_tensor([[first]])], dim=1), mask, [[]])
         answer += output[0, input_ids.shape[1] + 1:].tolist()[:max_new_tokens - 1]
         held = _held(cache, 0, stop.held)
     else:

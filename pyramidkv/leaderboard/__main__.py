@@ -19,10 +19,9 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pyramidkv.leaderboard.grid import RATIOS, TASKS, Grid, check_ratios, check_tasks, parse_shard, shard_units
-
-DEFAULTS = {"save_dir": "results/leaderboard", "context_length": 4096, "num_samples": 1, "needle_depths": 3}
-
+from pyramidkv.leaderboard.grid import (
+    DEFAULTS, RATIOS, TASKS, Grid, check_ratios, check_tasks, claim_folder, parse_shard, shard_units,
+)
 
 def build_parser():
     from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
@@ -111,6 +110,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             grid = grid_of(args)
         shard = parse_shard(args.shard) if args.shard is not None else None
+        if not args.summarize:
+            claim_folder(save_dir, grid, write=False)       # another grid's folder: refused before anything
         units = grid.units()
         folders = {u.name: cells.run_dir_of(grid, u, save_dir) for u in units}   # every unit checked, no weights
     except ValueError as e:
@@ -119,12 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{len(units)} units")
         return 0
     if not args.summarize:
-        try:
-            from pyramidkv.leaderboard.grid import claim_folder
-
-            claim_folder(save_dir, grid)
-        except ValueError as e:
-            parser.error(" ".join(str(e).split()))
+        claim_folder(save_dir, grid)
         mine = shard_units(units, shard)
         failed = []
         for k, unit in enumerate(mine, 1):

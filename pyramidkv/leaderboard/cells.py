@@ -52,9 +52,11 @@ def runner_main(runner: str):
 
 
 def run_dir_of(grid: Grid, unit: Unit, save_dir: Path) -> Path:
-    """The unit's run folder (its runner's --print_run_dir: every check that needs no weights passes first)."""
+    """The unit's run folder, after every check its runner makes without weights on every sample
+    (--prepare_only: RULER's data generated, the needle's haystack built, each prompt checked against the model
+    and the method)."""
     runner, argv = unit_command(grid, unit, save_dir)
-    code, out, err = _call(runner_main(runner), [*argv, "--print_run_dir"])
+    code, out, err = _call(runner_main(runner), [*argv, "--prepare_only"])
     if code != 0:
         raise ValueError(f"{unit.name}: {_last_line(err) or f'exit status {code}'}")
     return Path(out.strip().splitlines()[-1])

@@ -26,6 +26,9 @@ from pathlib import Path
 from typing import Optional
 
 RATIOS = (0.25, 0.5, 0.75, 0.9)
+# The default grid's sizes (python -m pyramidkv.leaderboard's defaults): about one night on 2 CPU cores for the
+# embedded model (docs/results.md, "The leaderboard").
+DEFAULTS = {"save_dir": "results/leaderboard", "context_length": 4096, "num_samples": 1, "needle_depths": 3}
 RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_2", "niah_multivalue", "vt", "cwe",
                "fwe")
 NEEDLE, SHARED = "needle", "shared_context"
@@ -163,8 +166,8 @@ def check_tasks(tasks) -> None:
 GRID_FILE = "grid.json"
 
 
-def claim_folder(save_dir: Path, grid: Grid) -> None:
-    """The folder's grid.json is this grid (written now if absent); another grid's folder is refused."""
+def claim_folder(save_dir: Path, grid: Grid, write: bool = True) -> None:
+    """The folder's grid.json is this grid (written now if absent and `write`); another grid's folder is refused."""
     from pyramidkv.runner.results import atomic_write_json
 
     path = Path(save_dir) / GRID_FILE
@@ -180,7 +183,8 @@ def claim_folder(save_dir: Path, grid: Grid) -> None:
                              f"{', '.join(f'{k} {held.get(k)!r} here, {record.get(k)!r} asked' for k in differ)}); "
                              f"use another --save_dir, never a mixed one")
         return
-    atomic_write_json(path, record)
+    if write:
+        atomic_write_json(path, record)
 
 
 def read_grid(save_dir: Path) -> Grid:

@@ -10,7 +10,7 @@ import shlex
 from pathlib import Path
 from typing import Optional
 
-from pyramidkv.leaderboard.grid import RATIOS, TASKS, Grid
+from pyramidkv.leaderboard.grid import DEFAULTS, RATIOS, TASKS, Grid
 
 NAMES = {"csv": "leaderboard.csv", "json": "leaderboard.json", "figure": "leaderboard.svg", "page": "leaderboard.md",
          "grid": "grid.json"}
@@ -18,7 +18,6 @@ NAMES = {"csv": "leaderboard.csv", "json": "leaderboard.json", "figure": "leader
 
 def command(grid: Grid) -> str:
     """The command line that regenerates the grid (defaults left out)."""
-    from pyramidkv.leaderboard.__main__ import DEFAULTS
     from pyramidkv.methods import METHODS
     from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
 

@@ -189,6 +189,9 @@ def build_parser(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) -> 
                    help="also feed each sample's reference answer teacher forced after its prompt (the same compressed "
                         "prefill) and record the mean KL divergence of the next-token distributions from fullkv's, "
                         "computed once per sample and kept in SAVE_DIR/fullkv_reference (runner/divergence.py)")
+    p.add_argument("--prepare_only", action="store_true",
+                   help="every check that needs no weights, on every sample (the data generated and tokenized), then "
+                        "print the run folder and exit (the leaderboard checks its whole grid so)")
     if "--print_run_dir" not in parser._option_string_actions:
         parser.add_argument("--print_run_dir", action="store_true",
                             help="print the run folder these arguments write to and exit (used by eval.sh)")
@@ -246,7 +249,6 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
     try:
         from transformers import AutoTokenizer
 
-        check_writable(out_dir)
         config = model_check[1]
         tokenizer = AutoTokenizer.from_pretrained(model_check[0])
         files = benchmark.prepare(args, tokenizer, config, out_dir)
@@ -254,6 +256,10 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
                       "--shared_context" if args.shared_context else "--question_as_decode")
         check_cache_files(args, files, method)
         check_kl_flags(args, files)
+        if args.prepare_only:
+            print(out_dir)
+            return 0
+        check_writable(out_dir)
         generation = generation_config(model_check[0], config)
         for sample_file in files:
             sample_file.stop_token_ids = benchmark.stop_token_ids(generation, tokenizer, sample_file)

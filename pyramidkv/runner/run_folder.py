@@ -31,6 +31,7 @@ NON_GENERATING_ARGS = {
     "decode_threads": "CPU threads of the decode steps (same reason)",
     "eval": "score afterwards",
     "print_run_dir": "prints the folder and exits",
+    "prepare_only": "checks, prepares and exits",
     "eval_batch_size": "left-padded batches are built to give each prompt's own output "
                        "(tested in tests/core/test_memory_and_batch.py); a resumed run may use another size",
     "num_samples": "how many samples run; each prediction row is keyed and checked on its own",
