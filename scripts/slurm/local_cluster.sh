@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# A one-node SLURM cluster on this machine (tests, CI, trying the sbatch scripts), with job accounting: munged,
+# MariaDB, slurmdbd, slurmctld and slurmd started directly as root (no systemd, no cgroups), their config, state
+# and logs in one folder, ${PYRAMIDKV_SLURM_DIR:-/tmp/pyramidkv-slurm}.
+#   scripts/slurm/local_cluster.sh start    # waits until the node is idle; else names the daemon and its log
+#   scripts/slurm/local_cluster.sh status
+#   scripts/slurm/local_cluster.sh stop     # stops the daemons start started
+# Then: export SLURM_CONF=${PYRAMIDKV_SLURM_DIR:-/tmp/pyramidkv-slurm}/slurm.conf; sbatch ...; sacct ...
+# Needs (Debian bookworm, Slurm 22.05): apt-get install slurm-wlm slurmdbd munge mariadb-server
+set -euo pipefail
+DIR=${PYRAMIDKV_SLURM_DIR:-/tmp/pyramidkv-slurm}
+WAIT_S=${PYRAMIDKV_SLURM_WAIT_S:-60}
+PORT=${PYRAMIDKV_SLURM_PORT:-6817}   # slurmctld; slurmd, slurmdbd and MariaDB take the next three
+export SLURM_CONF=$DIR/slurm.conf
+DAEMONS=(munged mariadbd slurmdbd slurmctld slurmd)   # in start order
+
+say() { echo "local_cluster.sh: $*"; }
+
+pid_of() {   # the pid of a daemon this script started, if it still runs
+  local pid
+  pid=$(cat "$DIR/run/$1.pid" 2>/dev/null) || return 1
+  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && echo "$pid"
+}
+
+fail() {   # fail DAEMON WHAT: one line naming the daemon and its log, then the log's tail
+  say "error: $1 $2 (log $DIR/log/$1.log)" >&2
+  tail -n 15 "$DIR/log/$1.log" 2>/dev/null | sed 's/^/  /' >&2
+  exit 1
+}
+
+wait_for() {   # wait_for DAEMON WHAT COMMAND...: until COMMAND succeeds, DAEMON dies or the deadline passes
+  local daemon=$1 what=$2; shift 2
+  until "$@" >/dev/null 2>&1; do
+    pid_of "$daemon" >/dev/null || fail "$daemon" "exited before $what"
+    [ "$SECONDS" -lt "$DEADLINE" ] || fail "$daemon" "runs but is not $what after ${WAIT_S}s"
+    sleep 0.3
+  done
+}
+
+write_config() {   # slurm.conf, slurmdbd.conf and the munge key; CPUs and memory read from this machine
+  local host cpus mem
+  host=$(hostname -s)
+  cpus=$(nproc)                                              # what this container may use, not the host's cores
+  mem=$(( $(awk '/^MemTotal:/ {print $2}' /proc/meminfo) / 1024 * 9 / 10 ))
+  mkdir -p "$DIR"/{run,log,state,spool,munge,mysql}
+  chmod 700 "$DIR" "$DIR/munge"
+  if [ ! -s "$DIR/munge/munge.key" ]; then
+    head -c 1024 /dev/urandom > "$DIR/munge/munge.key"
+    chmod 400 "$DIR/munge/munge.key"
+  fi
+  cat > "$DIR/slurm.conf" <<EOF
+# Written by scripts/slurm/local_cluster.sh: one node, everything as root, no cgroups.
+ClusterName=pyramidkv
+SlurmctldHost=$host(127.0.0.1)
+SlurmctldPort=$PORT
+SlurmdPort=$((PORT + 1))
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$DIR/munge/munge.socket
+StateSaveLocation=$DIR/state
+SlurmdSpoolDir=$DIR/spool
+SlurmctldPidFile=$DIR/run/slurmctld.pid
+SlurmdPidFile=$DIR/run/slurmd.pid
+SlurmctldLogFile=$DIR/log/slurmctld.log
+SlurmdLogFile=$DIR/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/linux
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort=$((PORT + 2))
+AccountingStoragePass=$DIR/munge/munge.socket
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+ReturnToService=2
+NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN
+PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+EOF
+  # slurmdbd reads slurmdbd.conf beside $SLURM_CONF; it holds the database password, so only root reads it.
+  ( umask 077; cat > "$DIR/slurmdbd.conf" <<EOF
+AuthType=auth/munge
+AuthInfo=socket=$DIR/munge/munge.socket
+DbdHost=localhost
+DbdAddr=127.0.0.1
+DbdPort=$((PORT + 2))
+SlurmUser=root
+PidFile=$DIR/run/slurmdbd.pid
+LogFile=$DIR/log/slurmdbd.log
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$((PORT + 3))
+StorageUser=slurm
+StoragePass=$DB_PASS
+StorageLoc=slurm_acct_db
+EOF
+  )
+}
+
+sql() { mariadb --no-defaults --socket="$DIR/mysql/mysqld.sock" -e "$1"; }
+
+start_mariadb() {   # a private MariaDB on 127.0.0.1:PORT+3; the user slurmdbd logs in as gets a new password
+  if [ ! -d "$DIR/mysql/data/mysql" ]; then
+    mariadb-install-db --no-defaults --datadir="$DIR/mysql/data" --user=root --skip-test-db \
+      >>"$DIR/log/mariadbd.log" 2>&1 || fail mariadbd "could not create its database folder"
+  fi
+  setsid mariadbd --no-defaults --datadir="$DIR/mysql/data" --user=root --socket="$DIR/mysql/mysqld.sock" \
+    --bind-address=127.0.0.1 --port=$((PORT + 3)) --skip-name-resolve --innodb-lock-wait-timeout=900 \
+    --pid-file="$DIR/run/mariadbd.pid" --log-error="$DIR/log/mariadbd.log" </dev/null >>"$DIR/log/mariadbd.log" 2>&1 &
+  echo $! > "$DIR/run/mariadbd.pid"   # at once, so wait_for sees it die; mariadbd writes the same pid later
+  wait_for mariadbd "answering" mariadb-admin --no-defaults --socket="$DIR/mysql/mysqld.sock" ping
+  sql "CREATE OR REPLACE USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$DB_PASS';
+       GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';" >>"$DIR/log/mariadbd.log" 2>&1 \
+    || fail mariadbd "refused to create the slurm user"
+}
+
+node_state() { sinfo -h -N -o %t 2>/dev/null | head -n 1; }
+node_idle() { [ "$(node_state)" = idle ]; }
+cluster_registered() { sacctmgr -n -P list cluster format=cluster 2>/dev/null | grep -qx pyramidkv; }
+
+start() {
+  local d
+  for d in "${DAEMONS[@]}" mariadb-install-db sbatch sacct; do
+    command -v "$d" >/dev/null || { say "error: $d is not installed (apt-get install slurm-wlm slurmdbd munge mariadb-server)" >&2; exit 1; }
+  done
+  [ "$(id -u)" = 0 ] || { say "error: run as root (the daemons run as root here)" >&2; exit 1; }
+  if status >/dev/null 2>&1; then echo "already running: export SLURM_CONF=$SLURM_CONF"; return 0; fi
+  stop >/dev/null
+  DEADLINE=$(( SECONDS + WAIT_S ))
+  DB_PASS=$(head -c 18 /dev/urandom | base64 | tr -dc A-Za-z0-9)
+  write_config
+  munged --force --socket="$DIR/munge/munge.socket" --key-file="$DIR/munge/munge.key" \
+    --pid-file="$DIR/run/munged.pid" --log-file="$DIR/log/munged.log" --seed-file="$DIR/munge/munged.seed" \
+    >>"$DIR/log/munged.log" 2>&1 || fail munged "did not start"
+  start_mariadb
+  slurmdbd >>"$DIR/log/slurmdbd.log" 2>&1 || fail slurmdbd "did not start"
+  wait_for slurmdbd "answering" sacctmgr -n list cluster
+  cluster_registered || sacctmgr -i add cluster pyramidkv >>"$DIR/log/slurmdbd.log" 2>&1 \
+    || fail slurmdbd "did not register the cluster"
+  slurmctld >>"$DIR/log/slurmctld.log" 2>&1 || fail slurmctld "did not start"
+  slurmd >>"$DIR/log/slurmd.log" 2>&1 || fail slurmd "did not start"
+  wait_for slurmctld "answering" sinfo
+  wait_for slurmd "idle (sinfo: '$(node_state)')" node_idle
+  echo "started: export SLURM_CONF=$SLURM_CONF"
+}
+
+stop() {
+  local d pid i
+  for (( i = ${#DAEMONS[@]} - 1; i >= 0; i-- )); do
+    d=${DAEMONS[$i]}
+    if pid=$(pid_of "$d"); then
+      kill "$pid"
+      for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+      if kill -0 "$pid" 2>/dev/null; then kill -9 "$pid"; fi
+      echo "stopped $d ($pid)"
+    fi
+    rm -f "$DIR/run/$d.pid"
+  done
+}
+
+status() {   # exit status 0: every daemon runs and the node is idle
+  local d pid ok=0
+  for d in "${DAEMONS[@]}"; do
+    if pid=$(pid_of "$d"); then echo "$d: running ($pid)"; else echo "$d: not running"; ok=1; fi
+  done
+  if [ "$ok" = 0 ]; then echo "node: $(node_state)"; node_idle || ok=1; fi
+  return "$ok"
+}
+
+case "${1:-}" in
+  start) start ;;
+  stop) stop ;;
+  status) status ;;
+  *) sed -n 2,9p "$0"; exit 2 ;;
+esac
