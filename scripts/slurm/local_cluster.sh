@@ -16,10 +16,18 @@ DAEMONS=(munged mariadbd slurmdbd slurmctld slurmd)   # in start order
 
 say() { echo "local_cluster.sh: $*"; }
 
-pid_of() {   # the pid of a daemon this script started, if it still runs
-  local pid
-  pid=$(cat "$DIR/run/$1.pid" 2>/dev/null) || return 1
-  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && echo "$pid"
+pid_of() {   # the pid of a daemon this script started, if it still runs (a zombie is not running)
+  local pid stat
+  pid=$(cat "$DIR/run/$1.pid" 2>/dev/null) && [ -n "$pid" ] || return 1
+  stat=$(cat "/proc/$pid/stat" 2>/dev/null) || return 1
+  stat=${stat##*) }
+  [ "${stat:0:1}" != Z ] && echo "$pid"
+}
+
+launch() {   # launch NAME COMMAND...: the daemon in the foreground of its own session, its pid kept at once
+  local name=$1; shift
+  setsid "$@" </dev/null >>"$DIR/log/$name.log" 2>&1 &
+  echo $! > "$DIR/run/$name.pid"
 }
 
 fail() {   # fail DAEMON WHAT: one line naming the daemon and its log, then the log's tail
@@ -42,12 +50,16 @@ write_config() {   # slurm.conf, slurmdbd.conf and the munge key; CPUs and memor
   host=$(hostname -s)
   cpus=$(nproc)                                              # what this container may use, not the host's cores
   mem=$(( $(awk '/^MemTotal:/ {print $2}' /proc/meminfo) / 1024 * 9 / 10 ))
+  rm -rf "$DIR/log.prev"
+  if [ -d "$DIR/log" ]; then mv "$DIR/log" "$DIR/log.prev"; fi   # the logs of this start alone; the last kept
   mkdir -p "$DIR"/{run,log,state,spool,munge,mysql}
-  chmod 700 "$DIR" "$DIR/munge"
   if [ ! -s "$DIR/munge/munge.key" ]; then
     head -c 1024 /dev/urandom > "$DIR/munge/munge.key"
     chmod 400 "$DIR/munge/munge.key"
   fi
+  # AccountingStoragePass: the munge socket slurmctld and the clients reach slurmdbd through (AuthInfo's is not
+  # used for it). MinJobAge=5: a finished job leaves slurmctld after 5 s (sacct keeps it), so sbatch --wait polls
+  # every 2 s rather than backing off to 32 s.
   cat > "$DIR/slurm.conf" <<EOF
 # Written by scripts/slurm/local_cluster.sh: one node, everything as root, no cgroups.
 ClusterName=pyramidkv
@@ -61,8 +73,8 @@ CredType=cred/munge
 AuthInfo=socket=$DIR/munge/munge.socket
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool
-SlurmctldPidFile=$DIR/run/slurmctld.pid
-SlurmdPidFile=$DIR/run/slurmd.pid
+SlurmctldPidFile=$DIR/state/slurmctld.pid
+SlurmdPidFile=$DIR/state/slurmd.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
 SlurmdLogFile=$DIR/log/slurmd.log
 ProctrackType=proctrack/linuxproc
@@ -77,6 +89,8 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=none
 ReturnToService=2
+MinJobAge=5
+MailProg=/bin/true
 NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN
 PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
@@ -88,7 +102,7 @@ DbdHost=localhost
 DbdAddr=127.0.0.1
 DbdPort=$((PORT + 2))
 SlurmUser=root
-PidFile=$DIR/run/slurmdbd.pid
+PidFile=$DIR/state/slurmdbd.pid
 LogFile=$DIR/log/slurmdbd.log
 StorageType=accounting_storage/mysql
 StorageHost=127.0.0.1
@@ -107,10 +121,9 @@ start_mariadb() {   # a private MariaDB on 127.0.0.1:PORT+3; the user slurmdbd l
     mariadb-install-db --no-defaults --datadir="$DIR/mysql/data" --user=root --skip-test-db \
       >>"$DIR/log/mariadbd.log" 2>&1 || fail mariadbd "could not create its database folder"
   fi
-  setsid mariadbd --no-defaults --datadir="$DIR/mysql/data" --user=root --socket="$DIR/mysql/mysqld.sock" \
+  launch mariadbd mariadbd --no-defaults --datadir="$DIR/mysql/data" --user=root --socket="$DIR/mysql/mysqld.sock" \
     --bind-address=127.0.0.1 --port=$((PORT + 3)) --skip-name-resolve --innodb-lock-wait-timeout=900 \
-    --pid-file="$DIR/run/mariadbd.pid" --log-error="$DIR/log/mariadbd.log" </dev/null >>"$DIR/log/mariadbd.log" 2>&1 &
-  echo $! > "$DIR/run/mariadbd.pid"   # at once, so wait_for sees it die; mariadbd writes the same pid later
+    --pid-file="$DIR/state/mariadbd.pid" --log-error="$DIR/log/mariadbd.log"
   wait_for mariadbd "answering" mariadb-admin --no-defaults --socket="$DIR/mysql/mysqld.sock" ping
   sql "CREATE OR REPLACE USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$DB_PASS';
        GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';" >>"$DIR/log/mariadbd.log" 2>&1 \
@@ -132,18 +145,22 @@ start() {
   DEADLINE=$(( SECONDS + WAIT_S ))
   DB_PASS=$(head -c 18 /dev/urandom | base64 | tr -dc A-Za-z0-9)
   write_config
-  munged --force --socket="$DIR/munge/munge.socket" --key-file="$DIR/munge/munge.key" \
-    --pid-file="$DIR/run/munged.pid" --log-file="$DIR/log/munged.log" --seed-file="$DIR/munge/munged.seed" \
-    >>"$DIR/log/munged.log" 2>&1 || fail munged "did not start"
+  launch munged munged --foreground --force --socket="$DIR/munge/munge.socket" --key-file="$DIR/munge/munge.key" \
+    --pid-file="$DIR/state/munged.pid" --log-file="$DIR/log/munged.log" --seed-file="$DIR/munge/munged.seed"
+  wait_for munged "answering" munge -S "$DIR/munge/munge.socket" -n
   start_mariadb
-  slurmdbd >>"$DIR/log/slurmdbd.log" 2>&1 || fail slurmdbd "did not start"
+  launch slurmdbd slurmdbd -D
   wait_for slurmdbd "answering" sacctmgr -n list cluster
   cluster_registered || sacctmgr -i add cluster pyramidkv >>"$DIR/log/slurmdbd.log" 2>&1 \
     || fail slurmdbd "did not register the cluster"
-  slurmctld >>"$DIR/log/slurmctld.log" 2>&1 || fail slurmctld "did not start"
-  slurmd >>"$DIR/log/slurmd.log" 2>&1 || fail slurmd "did not start"
+  launch slurmctld slurmctld -D
+  launch slurmd slurmd -D
   wait_for slurmctld "answering" sinfo
-  wait_for slurmd "idle (sinfo: '$(node_state)')" node_idle
+  until node_idle; do
+    for d in "${DAEMONS[@]}"; do pid_of "$d" >/dev/null || fail "$d" "exited before the node was idle"; done
+    [ "$SECONDS" -lt "$DEADLINE" ] || fail slurmd "runs but the node is '$(node_state)', not idle, after ${WAIT_S}s"
+    sleep 0.3
+  done
   echo "started: export SLURM_CONF=$SLURM_CONF"
 }
 
@@ -153,8 +170,8 @@ stop() {
     d=${DAEMONS[$i]}
     if pid=$(pid_of "$d"); then
       kill "$pid"
-      for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-      if kill -0 "$pid" 2>/dev/null; then kill -9 "$pid"; fi
+      for _ in $(seq 100); do pid_of "$d" >/dev/null || break; sleep 0.1; done
+      if pid_of "$d" >/dev/null; then kill -9 "$pid"; fi
       echo "stopped $d ($pid)"
     fi
     rm -f "$DIR/run/$d.pid"
