@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: setup quickstart test benchmark clean
+.PHONY: setup quickstart test benchmark leaderboard clean
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,11 @@ test: setup
 
 benchmark: setup
 	$(PY) measure/benchmark_latency_memory.py
+
+# The whole leaderboard grid on the embedded model (about a night on 2 CPU cores: docs/leaderboard.md), published to
+# docs/leaderboard.md; a rerun resumes. LEADERBOARD_ARGS="--methods snapkv h2o --num_samples 2" narrows it.
+leaderboard: setup
+	$(PY) -m pyramidkv.leaderboard --save_dir results/leaderboard --publish docs $(LEADERBOARD_ARGS)
 
 clean:
 	rm -rf $(VENV)

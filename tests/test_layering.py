@@ -29,6 +29,7 @@ FLOORS = {
     "pyramidkv.runner": 6,
     "pyramidkv.benchmarks": 7,
     "pyramidkv.viz": 8,
+    "pyramidkv.leaderboard": 8,     # the leaderboard grid: runs the benchmark runners, reads their outputs
     "pyramidkv": 9,                 # the facade (pyramidkv/__init__.py): imported by users, never from inside
     "pyramidkv.doc_tables": 9,      # the docs' generated tables (reads the registry and the engine's docstrings)
 }

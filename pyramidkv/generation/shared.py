@@ -150,6 +150,7 @@ class _Run:
         self.max_new_tokens, self.stops, self.min_new_tokens = max_new_tokens, stops, min_new_tokens
         self.decode_threads, self.compressed, self.on_compressed = decode_threads, compressed, on_compressed
         self.saving = 0.0   # seconds on_compressed took: not part of a time to first token
+        self.next_logits = None
 
     def _prefill(self, patch, contexts: list[list[int]]):
         """The contexts prefilled and compressed into a new cache: (cache, input_ids, attention_mask, seconds)."""
@@ -161,8 +162,9 @@ class _Run:
         positions.masked_fill_(mask == 0, 1)    # as generate() gives a left-padded prompt
         start = time.perf_counter()
         with _prompt_then_decode(self.model, self.decode_threads):
-            self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                       use_cache=True)
+            output = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                                past_key_values=cache, use_cache=True)
+        self.next_logits = output.logits[:, -1]     # [B, vocab]: the distribution of each context's next token
         seconds = time.perf_counter() - start
         if self.on_compressed is not None:
             self.on_compressed(cache)

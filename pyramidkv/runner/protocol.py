@@ -35,6 +35,7 @@ from pyramidkv.runner.shared import (  # noqa: F401 (Question: the adapters')
     Question, check_cache_file_flags, check_cache_files, decode_questions,
 )
 from pyramidkv.runner.arguments import ArgumentParser
+from pyramidkv.runner.divergence import check_kl_flags
 from pyramidkv.runner.batching import achieved, batches, load_run_model  # noqa: F401 (achieved: the adapters')
 from pyramidkv.runner.cli import (
     INPUT_ERRORS, QUESTION_AS_DECODE_SUFFIX, HelpScope, add_model_and_method_args,
@@ -60,6 +61,8 @@ class Sample:
                                           # prefix); set by the adapter under --question_as_decode
     questions: Optional[list[Question]] = None   # several questions on one context (`prompt`): one row each
                                           # (runner/shared.py); set by the adapter
+    reference: Optional[str] = None       # the reference answer's text, scored teacher forced after the prompt
+                                          # under --kl_vs_fullkv (runner/divergence.py); set by the adapter
 
 
 @dataclass
@@ -182,6 +185,10 @@ def build_parser(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) -> 
     p.add_argument("--load_compressed", default=None, metavar="DIR",
                    help="with --shared_context: a context whose file --save_compressed wrote is answered from it, "
                         "not compressed again (same model and method, else refused); needs --eval_batch_size 1")
+    p.add_argument("--kl_vs_fullkv", action="store_true",
+                   help="also feed each sample's reference answer teacher forced after its prompt (the same compressed "
+                        "prefill) and record the mean KL divergence of the next-token distributions from fullkv's, "
+                        "computed once per sample and kept in SAVE_DIR/fullkv_reference (runner/divergence.py)")
     if "--print_run_dir" not in parser._option_string_actions:
         parser.add_argument("--print_run_dir", action="store_true",
                             help="print the run folder these arguments write to and exit (used by eval.sh)")
@@ -246,6 +253,7 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
         check_samples(files, method, config, args.model_path, args.question_as_decode or bool(args.shared_context),
                       "--shared_context" if args.shared_context else "--question_as_decode")
         check_cache_files(args, files, method)
+        check_kl_flags(args, files)
         generation = generation_config(model_check[0], config)
         for sample_file in files:
             sample_file.stop_token_ids = benchmark.stop_token_ids(generation, tokenizer, sample_file)
@@ -353,6 +361,7 @@ def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], 
     run decodes exactly the samples missing."""
     from tqdm import tqdm
 
+    from pyramidkv.runner.divergence import decode_scored, reference_store
     from pyramidkv.runner.results import ResultsWriter
 
     if args.shared_context or any(s.questions for f in files for s in f.samples):
@@ -371,6 +380,14 @@ def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], 
                     model, tokenizer = load_run_model(args, out_dir)
                 bar.set_postfix_str(sample_file.name)
                 for batch in batches(pending, args.eval_batch_size, benchmark.batch_by_length):
+                    if args.kl_vs_fullkv:
+                        for sample in batch:
+                            output, fields = decode_scored(model, tokenizer, method, sample, sample_file,
+                                                           reference_store(args), args.decode_threads)
+                            writer.append({**benchmark.prediction_row(sample, output), **fields})
+                        bar.update(len(batch))
+                        done_now += len(batch)
+                        continue
                     outputs = decode_batch(model, tokenizer, method, batch, sample_file.stop_token_ids,
                                            sample_file.min_new_tokens, args.question_as_decode, args.decode_threads)
                     for sample, output in zip(batch, outputs):

@@ -396,7 +396,8 @@ class LongBench(Benchmark):
                 samples.append(Sample(row["_id"], array("l", ids), self.max_new[dataset],
                                       {"answers": row["answers"], "all_classes": row.get("all_classes"),
                                        "length": row["length"]}, f"{dataset}: sample {row['_id']}",
-                                      question_start=question_start))
+                                      question_start=question_start,
+                                      reference=row["answers"][0] if row["answers"] else None))
             files.append(SampleFile(dataset, f"{dataset}{suffix}.jsonl", samples, dataset,
                                     min_new_tokens=1 if dataset == "samsum" else 0))
         return files

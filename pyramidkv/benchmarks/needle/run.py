@@ -153,7 +153,8 @@ class Needle(Benchmark):
                     continue
                 samples.append(Sample(f"{length}_{depth}", cell.input_ids, args.max_new_tokens, row, label,
                                       batch_group=length, question_start=cell.question_start
-                                      if args.question_as_decode or args.shared_context else None))
+                                      if args.question_as_decode or args.shared_context else None,
+                                      reference=builder.needle.strip()))
         return [SampleFile("needle", self.results_file, samples, "needle")]
 
     def _questions(self, tokenizer, cell, k: int) -> list[Question]:

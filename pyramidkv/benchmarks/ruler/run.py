@@ -141,7 +141,7 @@ class Ruler(Benchmark):
                         tokenizer, row, label, "--shared_context" if args.shared_context else "--question_as_decode")
                 samples.append(Sample(row["index"], prompt, row["max_new_tokens"],
                                       {"outputs": row["outputs"], "length": row["length"]}, label,
-                                      question_start=question_start))
+                                      question_start=question_start, reference=", ".join(row["outputs"])))
             files.append(SampleFile(s.key, s.file_name, samples, s.source))
         return files
 

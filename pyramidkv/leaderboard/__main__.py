@@ -1,0 +1,144 @@
+"""python -m pyramidkv.leaderboard: every method at several fractions kept, on RULER's tasks, the needle and the
+shared-context protocol, through the benchmark runners; then one CSV/JSON of every cell, a figure and a page.
+
+    python -m pyramidkv.leaderboard                                   # the whole grid on the embedded model
+    python -m pyramidkv.leaderboard --methods snapkv h2o --ratios 0.25 0.5 --tasks niah_single_1 --num_samples 2
+    python -m pyramidkv.leaderboard --shard 3/16                      # one SLURM array task's share
+    python -m pyramidkv.leaderboard --summarize                       # the outputs from the cells done so far
+    python -m pyramidkv.leaderboard --summarize --publish docs        # docs/leaderboard.md + docs/leaderboard/
+
+A rerun resumes (finished units are skipped, a killed unit continues at its missing rows). A save_dir holds one
+grid: another grid's arguments are refused (docs/leaderboard.md: treatments of methods that take no ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from pyramidkv.leaderboard.grid import RATIOS, TASKS, Grid, check_ratios, check_tasks, parse_shard, shard_units
+
+DEFAULTS = {"save_dir": "results/leaderboard", "context_length": 4096, "num_samples": 1, "needle_depths": 3}
+
+
+def build_parser():
+    from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
+    from pyramidkv.runner.arguments import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m pyramidkv.leaderboard", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = parser.add_argument_group("grid (recorded in SAVE_DIR/grid.json)")
+    g.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
+    g.add_argument("--methods", nargs="+", default=None, metavar="SPEC",
+                   help="method specs NAME[:setting=value,...] without a budget (default: every registered method); "
+                        "fullkv is always in the grid: the reference of KL, agreement and bytes")
+    ratios = g.add_mutually_exclusive_group()
+    ratios.add_argument("--ratios", nargs="+", type=float, default=None,
+                        help=f"fractions of the prompt kept (default: {' '.join(map(str, RATIOS))})")
+    ratios.add_argument("--compression_ratios", nargs="+", type=float, default=None,
+                        help="kvpress's convention, the fraction removed: kept = 1 - it")
+    g.add_argument("--tasks", nargs="+", default=list(TASKS), help=f"from: {', '.join(TASKS)}")
+    g.add_argument("--context_length", type=int, default=DEFAULTS["context_length"])
+    g.add_argument("--num_samples", type=int, default=DEFAULTS["num_samples"],
+                   help="samples per RULER task (and contexts of the shared-context protocol)")
+    g.add_argument("--needle_depths", type=int, default=DEFAULTS["needle_depths"],
+                   help="needle depths spread over 0..100%%")
+    g.add_argument("--attn_implementation", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"))
+    g.add_argument("--dtype", default="float32")
+    g.add_argument("--runner_args", default="", help="more flags for every run, one string (e.g. '--device cuda')")
+    r = parser.add_argument_group("running")
+    r.add_argument("--save_dir", default=DEFAULTS["save_dir"])
+    r.add_argument("--shard", default=None, metavar="i/n", help="run units k with k mod n == i only (0 <= i < n)")
+    r.add_argument("--count", action="store_true", help="print the number of units and exit")
+    r.add_argument("--summarize", action="store_true",
+                   help="write the outputs from the cells done so far (the grid of SAVE_DIR/grid.json) and exit")
+    r.add_argument("--publish", default=None, metavar="DOCS",
+                   help="with the outputs, write DOCS/leaderboard.md and DOCS/leaderboard/ (CSV, JSON, figure)")
+    return parser
+
+
+def grid_of(args) -> Grid:
+    """The grid the arguments ask for (ValueError, one line, for a bad one)."""
+    from pyramidkv.leaderboard.grid import entries_of
+    from pyramidkv.methods import METHODS
+
+    given_ratios = args.ratios is not None or args.compression_ratios is not None
+    ratios = args.ratios if args.ratios is not None else \
+        [round(1 - c, 10) for c in args.compression_ratios] if args.compression_ratios is not None else list(RATIOS)
+    if args.compression_ratios is not None:
+        for c in args.compression_ratios:
+            if not 0.0 <= c < 1.0:
+                raise ValueError(f"--compression_ratios {c:g} is outside [0, 1): the fraction removed")
+    ratios = check_ratios(ratios)
+    check_tasks(args.tasks)
+    for flag in ("context_length", "num_samples", "needle_depths"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    methods = args.methods or list(METHODS)
+    if not any(spec.strip().lower() == "fullkv" for spec in methods):
+        methods = ["fullkv", *methods]     # the reference of every cell's KL, agreement and bytes
+    grid = Grid(args.model_path, methods, ratios, list(dict.fromkeys(args.tasks)), args.context_length,
+                args.num_samples, args.needle_depths, args.attn_implementation, args.dtype,
+                shlex.split(args.runner_args))
+    swept = [spec for spec in methods if any(e.ratio is not None for e in entries_of(spec, ratios, args.context_length))]
+    if given_ratios and not swept:
+        raise ValueError(f"--ratios given, but none of --methods {' '.join(methods)} takes a ratio (each runs once "
+                         f"at its own settings: docs/leaderboard.md)")
+    return grid
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from pyramidkv.leaderboard import cells, outputs
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    save_dir = Path(args.save_dir)
+    try:
+        if args.summarize:
+            from pyramidkv.leaderboard.grid import read_grid
+
+            grid = read_grid(save_dir)
+        else:
+            grid = grid_of(args)
+        shard = parse_shard(args.shard) if args.shard is not None else None
+        units = grid.units()
+        folders = {u.name: cells.run_dir_of(grid, u, save_dir) for u in units}   # every unit checked, no weights
+    except ValueError as e:
+        parser.error(" ".join(str(e).split()))
+    if args.count:
+        print(f"{len(units)} units")
+        return 0
+    if not args.summarize:
+        try:
+            from pyramidkv.leaderboard.grid import claim_folder
+
+            claim_folder(save_dir, grid)
+        except ValueError as e:
+            parser.error(" ".join(str(e).split()))
+        mine = shard_units(units, shard)
+        failed = []
+        for k, unit in enumerate(mine, 1):
+            status = cells.read_status(save_dir, unit)
+            if status and status.get("state") == "done" and (folders[unit.name] / "results.json").is_file():
+                continue
+            print(f"[leaderboard] unit {k}/{len(mine)}: {unit.name}", flush=True)
+            status = cells.run_unit(grid, unit, save_dir)
+            if status["state"] != "done":
+                failed.append(f"{unit.name}: {status['error']}")
+        if failed:
+            print(f"[leaderboard] {len(failed)} unit(s) failed:\n  " + "\n  ".join(failed), file=sys.stderr)
+        if shard is not None:
+            return 1 if failed else 0
+    written, failed_cells = outputs.write(grid, save_dir, folders, args.publish)
+    print("[leaderboard] outputs:\n  " + "\n  ".join(str(p) for p in written))
+    if failed_cells:
+        print(f"[leaderboard] {failed_cells} cell(s) failed (marked in the CSV, the page and the figure)",
+              file=sys.stderr)
+    return 1 if failed_cells else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""docs/leaderboard.md and its figure, made from the leaderboard CSV's rows alone (table.read_csv).
+
+An entry's summary averages its cells over the single-question tasks (RULER's and the needle); the shared-context
+protocol is reported in its own columns (turn 1, later turns). A failed or pending cell is never averaged in: the
+entry shows its state, and the figure marks it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+SINGLE = "single"      # the cells an entry's average covers: every part but the shared-context protocol
+
+
+def entries(rows: list[dict]) -> list[dict]:
+    """One summary per entry (spec), in the CSV's order."""
+    out: dict[str, dict] = {}
+    for row in rows:
+        entry = out.setdefault(row["spec"], {"spec": row["spec"], "base": row["base"], "method": row["method"],
+                                             "treatment": row["treatment"], "ratio": row["ratio"], "cells": []})
+        entry["cells"].append(row)
+    for entry in out.values():
+        cells = entry.pop("cells")
+        single = [c for c in cells if c["part"] != "shared_context"]
+        done = [c for c in single if c["status"] == "done"]
+        states = {c["status"] for c in cells}
+        entry["status"] = "failed" if "failed" in states else "pending" if "pending" in states else "done"
+        entry["errors"] = sorted({c["error"] for c in cells if c["error"]})
+        entry["tasks"] = {c["task"]: c["score"] for c in single}
+        entry["score"] = _mean([c["score"] for c in done]) if len(done) == len(single) else None
+        for field in ("kl", "agreement", "kv_bytes_x_fullkv", "prefill_ms", "decode_ms_per_token"):
+            entry[field] = _mean([c[field] for c in done])
+        entry["kept"] = _mean([c["kept"] for c in done]) if entry["treatment"] in ("fixed", "outcome") else \
+            entry["ratio"]
+        shared = next((c for c in cells if c["part"] == "shared_context"), None)
+        entry["shared"] = None if shared is None else (shared["status"], shared["score_turn_1"],
+                                                      shared["score_later_turns"])
+        entry["samples"] = sorted({int(c["samples"]) for c in cells if c["samples"] is not None})
+        entry["seconds"] = math.fsum({c["part"]: c["unit_seconds"] for c in cells if c["unit_seconds"]}.values())
+    return list(out.values())
+
+
+def _mean(values) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return math.fsum(values) / len(values) if values else None
+
+
+def _fmt(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _kl(value) -> str:
+    return "-" if value is None else f"{value:.2e}"
+
+
+def figure(rows: list[dict], path) -> None:
+    """Score vs fraction kept (left) and KL from fullkv vs fraction kept (right): a line per method swept over
+    ratios, a point per method placed at its measured share, fullkv's score as the ceiling; failed entries as red
+    crosses on the axis. Written as SVG with fixed metadata, so the same CSV gives the same bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    matplotlib.rcParams.update({"svg.hashsalt": "pyramidkv-leaderboard", "svg.fonttype": "path"})
+    summary = entries(rows)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.2))
+    lines: dict[str, list[dict]] = {}
+    for entry in summary:
+        lines.setdefault(entry["base"], []).append(entry)
+    cmap = plt.get_cmap("tab20")
+    for i, (base, group) in enumerate(lines.items()):
+        color = cmap(i % 20)
+        ok = [e for e in group if e["status"] == "done" and e["kept"] is not None]
+        failed = [e for e in group if e["status"] == "failed"]
+        if base == "fullkv":
+            for e in ok:
+                left.axhline(e["score"], color="black", linestyle="--", linewidth=1, label="fullkv (ceiling)")
+            continue
+        style = dict(color=color, marker="o", markersize=4, linewidth=1.2,
+                     linestyle=":" if group[0]["treatment"] == "read" else "-")
+        label = base + (" (fraction read)" if group[0]["treatment"] == "read" else "")
+        ok.sort(key=lambda e: e["kept"])
+        if ok:
+            left.plot([e["kept"] for e in ok], [e["score"] if e["score"] is not None else math.nan for e in ok],
+                      label=label, **style)
+            right.plot([e["kept"] for e in ok], [e["kl"] if e["kl"] is not None else math.nan for e in ok], **style)
+        for e in failed:
+            x = e["ratio"] if e["ratio"] is not None else 1.0
+            left.plot([x], [0], marker="x", color="red", markersize=8, linestyle="none")
+    left.plot([], [], marker="x", color="red", linestyle="none", label="failed cell")
+    left.set(xlabel="fraction of the prompt kept (compression_ratio = 1 - it)", ylabel="mean score (0-100)",
+             title="score vs fraction kept")
+    right.set(xlabel="fraction of the prompt kept", ylabel="mean KL from fullkv (nats / token)", yscale="symlog",
+              title="KL divergence from fullkv (teacher forced)")
+    right.set_yscale("symlog", linthresh=1e-4)
+    left.set_ylim(-3, 103)
+    for axis in (left, right):
+        axis.set_xlim(0, 1.05)
+        axis.grid(alpha=0.3)
+    fig.legend(*left.get_legend_handles_labels(), loc="center right", fontsize=7, frameon=False)
+    fig.subplots_adjust(right=0.8, wspace=0.25)
+    fig.savefig(path, format="svg", metadata={"Date": None, "Creator": None})
+    plt.close(fig)
+
+
+def page(rows: list[dict], csv_name: str, figure_name: str, command: str) -> str:
+    """The markdown page."""
+    summary = entries(rows)
+    first = rows[0] if rows else {}
+    tasks = list(dict.fromkeys(r["task"] for r in rows if r["part"] != "shared_context"))
+    samples = sorted({int(r["samples"]) for r in rows if r["samples"] is not None})
+    seconds = math.fsum(e["seconds"] for e in summary)
+    cells = len(rows)
+    states = {s: sum(1 for r in rows if r["status"] == s) for s in ("done", "failed", "pending")}
+    commits = sorted({r["git_commit"] for r in rows if r["git_commit"]})
+    versions = sorted({f"torch {r['torch']}, transformers {r['transformers']}" for r in rows if r["torch"]})
+    out = [
+        "# Leaderboard",
+        "",
+        "<!-- generated by `python -m pyramidkv.leaderboard --summarize` from the CSV below; do not edit -->",
+        "",
+        f"Model `{first.get('model')}`, {int(first['context_length']) if first.get('context_length') else '-'} "
+        f"tokens per context, samples per cell: {', '.join(str(s) for s in samples) or '-'}; "
+        f"{cells} cells ({states['done']} done, {states['failed']} failed, {states['pending']} pending); "
+        f"wall time of the runs: {seconds / 3600:.2f} h ({seconds / max(len(summary), 1):.0f} s per entry on average).",
+        f"Tasks: {', '.join(tasks)}; shared context: {'shared_context' in {r['part'] for r in rows} and 'yes' or 'no'}.",
+        f"Versions: {'; '.join(versions) or '-'}; git commit: {', '.join(commits) or '-'}.",
+        "",
+        f"Regenerate: `{command}`. Every cell: [{csv_name}]({csv_name}).",
+        "",
+        f"![score and KL vs fraction kept]({figure_name})",
+        "",
+        "`kept`: the fraction of the prompt kept (kvpress's compression_ratio = 1 - kept); for methods that take no "
+        "ratio, the measured share (bytes held x fullkv, or the achieved kept share of a threshold); quest's is the "
+        "fraction of pages read per step, its cache holds every token. `score`: the mean over the single-question "
+        "tasks; `KL`: mean KL divergence of the next-token distribution from fullkv's over the reference answers, "
+        "teacher forced; `agree`: the greedy answer's common prefix with fullkv's; `bytes`: K/V bytes held x "
+        "fullkv's; `shared`: the shared-context protocol's turn 1 / later turns (compress once, ask "
+        f"{SHARED_QUESTIONS_TEXT}).",
+        "",
+        "| entry | kept | score | " + " | ".join(tasks) + " | KL | agree | bytes | prefill ms | decode ms/token | shared "
+        "| state |",
+        "|---|---|---|" + "---|" * len(tasks) + "---|---|---|---|---|---|---|",
+    ]
+    for e in summary:
+        shared = "-" if e["shared"] is None else (
+            f"{_fmt(e['shared'][1], 0)} / {_fmt(e['shared'][2], 0)}" if e["shared"][0] == "done" else e["shared"][0])
+        state = e["status"] + (f": {e['errors'][0]}" if e["errors"] else "")
+        out.append(f"| {e['spec'] if e['ratio'] is None else e['base'] + ' @ ' + format(e['ratio'], 'g')} | "
+                   f"{_fmt(e['kept'], 2)} | {_fmt(e['score'])} | "
+                   + " | ".join(_fmt(e["tasks"].get(t), 0) for t in tasks)
+                   + f" | {_kl(e['kl'])} | {_fmt(e['agreement'], 2)} | {_fmt(e['kv_bytes_x_fullkv'], 2)} | "
+                   f"{_fmt(e['prefill_ms'], 0)} | {_fmt(e['decode_ms_per_token'], 0)} | {shared} | "
+                   f"{state.replace('|', '/')} |")
+    return "\n".join(out) + "\n"
+
+
+SHARED_QUESTIONS_TEXT = "4 questions of RULER's niah_multikey_1 per context"
