@@ -4,7 +4,7 @@
 # and logs in one folder, ${PYRAMIDKV_SLURM_DIR:-/tmp/pyramidkv-slurm}.
 #   scripts/slurm/local_cluster.sh start    # waits until the node is idle; else names the daemon and its log
 #   scripts/slurm/local_cluster.sh status
-#   scripts/slurm/local_cluster.sh stop     # stops the daemons start started
+#   scripts/slurm/local_cluster.sh stop     # cancels its jobs, stops the daemons start started
 # Then: export SLURM_CONF=${PYRAMIDKV_SLURM_DIR:-/tmp/pyramidkv-slurm}/slurm.conf; sbatch ...; sacct ...
 # Needs (Debian bookworm, Slurm 22.05): apt-get install slurm-wlm slurmdbd munge mariadb-server
 set -euo pipefail
@@ -16,17 +16,17 @@ DAEMONS=(munged mariadbd slurmdbd slurmctld slurmd)   # in start order
 
 say() { echo "local_cluster.sh: $*"; }
 
-pid_of() {   # the pid of a daemon this script started, if it still runs (a zombie is not running)
+pid_of() {   # the pid of a daemon this script started, if it still runs (a zombie or a reused pid is not it)
   local pid stat
   pid=$(cat "$DIR/run/$1.pid" 2>/dev/null) && [ -n "$pid" ] || return 1
-  stat=$(cat "/proc/$pid/stat" 2>/dev/null) || return 1
+  [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$1" ] && stat=$(cat "/proc/$pid/stat" 2>/dev/null) || return 1
   stat=${stat##*) }
   [ "${stat:0:1}" != Z ] && echo "$pid"
 }
 
 launch() {   # launch NAME COMMAND...: the daemon in the foreground of its own session, its pid kept at once
   local name=$1; shift
-  setsid "$@" </dev/null >>"$DIR/log/$name.log" 2>&1 &
+  setsid "$@" </dev/null >>"$DIR/log/$name.log" 2>&1 9>&- &   # 9: the lock, not theirs to hold
   echo $! > "$DIR/run/$name.pid"
 }
 
@@ -114,7 +114,7 @@ EOF
   )
 }
 
-sql() { mariadb --no-defaults --socket="$DIR/mysql/mysqld.sock" -e "$1"; }
+sql() { mariadb --no-defaults --socket="$DIR/mysql/mysqld.sock" <<< "$1"; }   # on stdin: no password in ps
 
 start_mariadb() {   # a private MariaDB on 127.0.0.1:PORT+3; the user slurmdbd logs in as gets a new password
   if [ ! -d "$DIR/mysql/data/mysql" ]; then
@@ -132,6 +132,7 @@ start_mariadb() {   # a private MariaDB on 127.0.0.1:PORT+3; the user slurmdbd l
 
 node_state() { sinfo -h -N -o %t 2>/dev/null | head -n 1; }
 node_idle() { [ "$(node_state)" = idle ]; }
+node_up() { [[ "$(node_state)" =~ ^(idle|mix|alloc|comp)$ ]]; }   # running jobs or ready for them
 cluster_registered() { sacctmgr -n -P list cluster format=cluster 2>/dev/null | grep -qx pyramidkv; }
 
 start() {
@@ -164,8 +165,12 @@ start() {
   echo "started: export SLURM_CONF=$SLURM_CONF"
 }
 
-stop() {
-  local d pid i
+stop() {   # cancels the jobs (their steps would outlive slurmd), then stops the daemons in reverse order
+  local d pid i jobs
+  if pid_of slurmctld >/dev/null && jobs=$(squeue -h -o %i 2>/dev/null) && [ -n "$jobs" ]; then
+    scancel $jobs && echo "cancelled jobs: $(echo $jobs)"
+    for _ in $(seq 50); do [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break; sleep 0.2; done
+  fi
   for (( i = ${#DAEMONS[@]} - 1; i >= 0; i-- )); do
     d=${DAEMONS[$i]}
     if pid=$(pid_of "$d"); then
@@ -178,18 +183,20 @@ stop() {
   done
 }
 
-status() {   # exit status 0: every daemon runs and the node is idle
+status() {   # exit status 0: every daemon runs and the node runs jobs or waits for them
   local d pid ok=0
   for d in "${DAEMONS[@]}"; do
     if pid=$(pid_of "$d"); then echo "$d: running ($pid)"; else echo "$d: not running"; ok=1; fi
   done
-  if [ "$ok" = 0 ]; then echo "node: $(node_state)"; node_idle || ok=1; fi
+  if [ "$ok" = 0 ]; then echo "node: $(node_state)"; node_up || ok=1; fi
   return "$ok"
 }
 
+lock() { exec 9>"${DIR%/}.lock"; flock 9; }   # one start or stop at a time (pytest-xdist workers, two shells)
+
 case "${1:-}" in
-  start) start ;;
-  stop) stop ;;
+  start) lock; start ;;
+  stop) lock; stop ;;
   status) status ;;
   *) sed -n 2,9p "$0"; exit 2 ;;
 esac
