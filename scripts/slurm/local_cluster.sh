@@ -2,17 +2,18 @@
 # A one-node SLURM cluster on this machine (tests, CI, trying the sbatch scripts), with job accounting: munged,
 # MariaDB, slurmdbd, slurmctld and slurmd started directly as root (no systemd, no cgroups), their config, state
 # and logs in one folder, ${PYRAMIDKV_SLURM_DIR:-/tmp/pyramidkv-slurm}.
+#   scripts/slurm/local_cluster.sh install  # Debian's packages (apt-get, as root); their services left stopped
 #   scripts/slurm/local_cluster.sh start    # waits until the node is idle; else names the daemon and its log
 #   scripts/slurm/local_cluster.sh status
 #   scripts/slurm/local_cluster.sh stop     # cancels its jobs, stops the daemons start started
 # Then: export SLURM_CONF=${PYRAMIDKV_SLURM_DIR:-/tmp/pyramidkv-slurm}/slurm.conf; sbatch ...; sacct ...
-# Needs (Debian bookworm, Slurm 22.05): apt-get install slurm-wlm slurmdbd munge mariadb-server
 set -euo pipefail
 DIR=${PYRAMIDKV_SLURM_DIR:-/tmp/pyramidkv-slurm}
 WAIT_S=${PYRAMIDKV_SLURM_WAIT_S:-60}
 PORT=${PYRAMIDKV_SLURM_PORT:-6817}   # slurmctld; slurmd, slurmdbd and MariaDB take the next three
 export SLURM_CONF=$DIR/slurm.conf
 DAEMONS=(munged mariadbd slurmdbd slurmctld slurmd)   # in start order
+PACKAGES="slurm-wlm slurmdbd munge mariadb-server-core mariadb-client-core"   # Debian bookworm: Slurm 22.05
 
 say() { echo "local_cluster.sh: $*"; }
 
@@ -27,12 +28,22 @@ pid_of() {   # the pid of a daemon this script started, if it still runs (a zomb
 launch() {   # launch NAME COMMAND...: the daemon in the foreground of its own session, its pid kept at once
   local name=$1; shift
   setsid "$@" </dev/null >>"$DIR/log/$name.log" 2>&1 9>&- &   # 9: the lock, not theirs to hold
-  echo $! > "$DIR/run/$name.pid"
+  local pid=$!
+  echo "$pid" > "$DIR/run/$name.pid"
+  for _ in $(seq 50); do   # until setsid has become the daemon (pid_of checks the name), or has died
+    [ "$(cat "/proc/$pid/comm" 2>/dev/null)" != "$name" ] && kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
 }
 
 fail() {   # fail DAEMON WHAT: one line naming the daemon and its log, then the log's tail
-  say "error: $1 $2 (log $DIR/log/$1.log)" >&2
-  tail -n 15 "$DIR/log/$1.log" 2>/dev/null | sed 's/^/  /' >&2
+  local log=$DIR/log/$1.log tail
+  say "error: $1 $2 (log $log)" >&2
+  # A Slurm daemon in the foreground writes its messages twice, to its log file and ("$1: ...") to stderr: once
+  # here, unless it died before it opened the file.
+  tail=$(grep -v "^$1: " "$log" 2>/dev/null | tail -n 12) || true
+  [ -n "$tail" ] || tail=$(tail -n 12 "$log" 2>/dev/null) || true
+  echo "$tail" | sed 's/^/  /' >&2
   exit 1
 }
 
@@ -124,7 +135,7 @@ start_mariadb() {   # a private MariaDB on 127.0.0.1:PORT+3; the user slurmdbd l
   launch mariadbd mariadbd --no-defaults --datadir="$DIR/mysql/data" --user=root --socket="$DIR/mysql/mysqld.sock" \
     --bind-address=127.0.0.1 --port=$((PORT + 3)) --skip-name-resolve --innodb-lock-wait-timeout=900 \
     --pid-file="$DIR/state/mariadbd.pid" --log-error="$DIR/log/mariadbd.log"
-  wait_for mariadbd "answering" mariadb-admin --no-defaults --socket="$DIR/mysql/mysqld.sock" ping
+  wait_for mariadbd "answering" sql "SELECT 1"
   sql "CREATE OR REPLACE USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$DB_PASS';
        GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';" >>"$DIR/log/mariadbd.log" 2>&1 \
     || fail mariadbd "refused to create the slurm user"
@@ -137,8 +148,8 @@ cluster_registered() { sacctmgr -n -P list cluster format=cluster 2>/dev/null | 
 
 start() {
   local d
-  for d in "${DAEMONS[@]}" mariadb-install-db sbatch sacct; do
-    command -v "$d" >/dev/null || { say "error: $d is not installed (apt-get install slurm-wlm slurmdbd munge mariadb-server)" >&2; exit 1; }
+  for d in "${DAEMONS[@]}" mariadb-install-db mariadb sbatch sacct; do
+    command -v "$d" >/dev/null || { say "error: $d is not installed (scripts/slurm/local_cluster.sh install: $PACKAGES)" >&2; exit 1; }
   done
   [ "$(id -u)" = 0 ] || { say "error: run as root (the daemons run as root here)" >&2; exit 1; }
   if status >/dev/null 2>&1; then echo "already running: export SLURM_CONF=$SLURM_CONF"; return 0; fi
@@ -192,11 +203,22 @@ status() {   # exit status 0: every daemon runs and the node runs jobs or waits 
   return "$ok"
 }
 
+install_packages() {   # no-op when installed; a policy-rc.d of its own keeps the packages' services from starting
+  if dpkg -s $PACKAGES >/dev/null 2>&1; then return 0; fi
+  local policy=/usr/sbin/policy-rc.d added=0 rc=0
+  if [ ! -e $policy ]; then printf '#!/bin/sh\nexit 101\n' > $policy; chmod +x $policy; added=1; fi
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get update -qq && apt-get install -y -qq --no-install-recommends $PACKAGES >/dev/null; } || rc=$?
+  if [ "$added" = 1 ]; then rm -f $policy; fi
+  return $rc
+}
+
 lock() { exec 9>"${DIR%/}.lock"; flock 9; }   # one start or stop at a time (pytest-xdist workers, two shells)
 
 case "${1:-}" in
   start) lock; start ;;
   stop) lock; stop ;;
   status) status ;;
+  install) install_packages ;;
   *) sed -n 2,9p "$0"; exit 2 ;;
 esac
