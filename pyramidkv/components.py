@@ -24,6 +24,7 @@ This module imports nothing of pyramidkv (floor 0 of the layering in docs/archit
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
@@ -128,6 +129,7 @@ def setting_text(value) -> str:
     return str(value)
 
 
+@functools.lru_cache(maxsize=None)   # read once per class: every run's parser asks for every method's
 def setting_help(cls: type) -> dict[str, str]:
     """Each field's documentation from the class docstrings, the most derived class first: in a docstring a
     line `name: text` (name a field of the class) starts the entry, lines indented deeper continue it."""

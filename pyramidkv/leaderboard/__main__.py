@@ -83,6 +83,13 @@ def grid_of(args) -> Grid:
     grid = Grid(args.model_path, methods, ratios, list(dict.fromkeys(args.tasks)), args.context_length,
                 args.num_samples, args.needle_depths, args.attn_implementation, args.dtype,
                 shlex.split(args.runner_args))
+    from pyramidkv.models.loading import check_model
+
+    config = check_model(args.model_path, args.attn_implementation, "auto", args.dtype)[1]
+    window = getattr(config, "max_position_embeddings", None)
+    if window and args.context_length > window:
+        raise ValueError(f"--context_length {args.context_length} is above the model's window: {args.model_path} has "
+                         f"max_position_embeddings = {window}")
     swept = [spec for spec in methods if any(e.ratio is not None for e in entries_of(spec, ratios, args.context_length))]
     if given_ratios and not swept:
         raise ValueError(f"--ratios given, but none of --methods {' '.join(methods)} takes a ratio (each runs once "

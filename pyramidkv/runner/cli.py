@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import typing
 from typing import Optional
 from pathlib import Path
@@ -61,6 +62,12 @@ ALIAS_HELP = {
 COMPRESSION_HELP = (f"kvpress's compression ratio: the fraction of each prompt's cache REMOVED, in [0, 1); it sets "
                     f"budget_ratio = 1 - it (--max_capacity_prompts_ratio is the fraction KEPT); not with a budget "
                     f"or budget_ratio")
+
+
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls) -> dict:
+    """A class's resolved annotations (a parser is built per run: the leaderboard builds hundreds)."""
+    return typing.get_type_hints(cls)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,9 +131,9 @@ def setting_flags(taken: set[str] = frozenset(), scope: HelpScope | None = None)
         if scope is not None and cls is not scope.cls:   # its fields get their flags below, hidden
             for f in dataclasses.fields(cls):
                 method_fields.setdefault(f.name, {})
-                annotations.setdefault(f.name, typing.get_type_hints(cls)[f.name])
+                annotations.setdefault(f.name, _type_hints(cls)[f.name])
             continue
-        hints = typing.get_type_hints(cls)
+        hints = _type_hints(cls)
         helps = setting_help(cls)
         for f in dataclasses.fields(cls):
             method_fields.setdefault(f.name, {})[name] = f.default
@@ -171,7 +178,7 @@ def setting_flags(taken: set[str] = frozenset(), scope: HelpScope | None = None)
                 text = "; ".join(f"{unit}: {h}" for unit, h in helps.items())
             unit_defaults = {unit: {f.name: f.default for f in dataclasses.fields(axis.registry[unit])}[setting]
                         for unit in units}
-            hints = typing.get_type_hints(axis.registry[units[0]])
+            hints = _type_hints(axis.registry[units[0]])
             out.append(SettingFlag(key, flags, hints[setting], f"{text} [{_defaults_text(unit_defaults)}]",
                                    shown=shown))
     return out
@@ -183,7 +190,7 @@ def _capability_flags(axis, taken: set[str], scope: HelpScope | None = None) -> 
     its method's values, every setting when the method has the capability on, else only the switch."""
     unit = axis.unit
     helps = setting_help(unit)
-    hints = typing.get_type_hints(unit)
+    hints = _type_hints(unit)
     methods = {scope.cls.name: scope.cls} if scope is not None else METHODS
     per_method = {name: flat_settings(unit, {f.name: f.default for f in dataclasses.fields(cls)}[axis.field])
                   for name, cls in methods.items()}

@@ -1,0 +1,191 @@
+"""The leaderboard end to end on the tiny model: the CSV, the figure and the page; a killed unit resumed; two
+shards merged equal to one run; a failed cell recorded, never dropped; bad input refused in one line before any
+weights load. The committed page and figure must be what the committed CSV gives."""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyramidkv.leaderboard.grid import Grid
+from pyramidkv.leaderboard.outputs import render
+from pyramidkv.leaderboard.table import read_csv
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMING = {"unit_seconds", "prefill_ms", "decode_ms_per_token"}
+
+
+def leaderboard(*args, check=True):
+    """python -m pyramidkv.leaderboard ARGS, in this process (the imports are paid once): (exit status, out, err)."""
+    import contextlib
+    import io
+    import types
+
+    from pyramidkv.leaderboard.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:
+            code = e.code
+    got = types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+    if check and code != 0:
+        raise AssertionError(got.stderr[-3000:])
+    return got
+
+
+def cells(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return [{k: v for k, v in row.items() if k not in TIMING} for row in csv.DictReader(f)]
+
+
+@pytest.fixture(scope="module")
+def grid_args(tiny_model_dir):
+    return ["--model_path", tiny_model_dir, "--methods", "snapkv", "streamingllm", "--ratios", "0.25", "0.5",
+            "--tasks", "niah_single_1", "--context_length", 512, "--num_samples", 2]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory, grid_args):
+    out = tmp_path_factory.mktemp("leaderboard")
+    leaderboard(*grid_args, "--save_dir", out)
+    return out
+
+
+def test_a_run_writes_every_cell_the_figure_and_the_page(whole):
+    rows = cells(whole / "leaderboard.csv")
+    assert [(r["spec"], r["task"]) for r in rows] == [
+        ("fullkv", "niah_single_1"), ("snapkv:budget_ratio=0.25", "niah_single_1"),
+        ("snapkv:budget_ratio=0.5", "niah_single_1"), ("streamingllm:budget_ratio=0.25", "niah_single_1"),
+        ("streamingllm:budget_ratio=0.5", "niah_single_1")]
+    assert {r["status"] for r in rows} == {"done"} and {r["samples"] for r in rows} == {"2"}
+    by_spec = {r["spec"]: r for r in rows}
+    assert float(by_spec["fullkv"]["kl"]) == 0.0 and float(by_spec["fullkv"]["agreement"]) == 1.0
+    assert float(by_spec["snapkv:budget_ratio=0.25"]["kl"]) > 0
+    # bytes held follow the fraction kept (a quarter of the prompt holds less than half of it)
+    assert float(by_spec["snapkv:budget_ratio=0.25"]["kv_bytes_x_fullkv"]) < \
+        float(by_spec["snapkv:budget_ratio=0.5"]["kv_bytes_x_fullkv"]) < 1.0
+    # the teacher-forced KL of each row is what the run folder's rows hold, averaged
+    folder = next((whole / "runs" / "ruler").glob("*_r0.25/snapkv"))
+    kls = [json.loads(line)["kl_vs_fullkv"] for line in (folder / "niah_single_1_512.jsonl").open()]
+    assert float(by_spec["snapkv:budget_ratio=0.25"]["kl"]) == pytest.approx(sum(kls) / 2, rel=1e-5)
+    page = (whole / "leaderboard.md").read_text()
+    assert "| snapkv @ 0.25 | 0.25 |" in page and "samples per cell: 2" in page
+    assert (whole / "leaderboard.svg").read_bytes().startswith(b"<?xml")
+    record = json.loads((whole / "leaderboard.json").read_text())
+    assert [u["state"] for u in record["units"]] == ["done"] * 5
+
+
+def test_a_killed_unit_resumes_to_the_same_csv(whole, grid_args, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(whole, copy)
+    before = cells(whole / "leaderboard.csv")
+    # kill -9 in the middle of snapkv@0.5: no status written, its second row torn mid-line
+    (copy / "status" / "ruler__snapkv@0.5.json").unlink()
+    rows = next((copy / "runs" / "ruler").glob("*_r0.5/snapkv")) / "niah_single_1_512.jsonl"
+    first, second = rows.read_text().splitlines(keepends=True)
+    rows.write_text(first + second[:25])
+    (copy / "leaderboard.csv").unlink()
+    got = leaderboard(*grid_args, "--save_dir", copy)
+    assert got.stdout.count("[leaderboard] unit") == 1        # only the killed unit ran again
+    assert "1 sample(s) in" in got.stdout and "1 already done" in got.stdout
+    assert cells(copy / "leaderboard.csv") == [{**r, "git_commit": r["git_commit"]} for r in before]
+    assert len(rows.read_text().splitlines()) == 2
+
+
+def test_two_shards_merged_equal_one_run(whole, grid_args, tmp_path):
+    out = tmp_path / "sharded"
+    counted = leaderboard(*grid_args, "--save_dir", out, "--count")
+    assert counted.stdout.strip() == "5 units"
+    for shard in ("0/2", "1/2"):
+        got = leaderboard(*grid_args, "--save_dir", out, "--shard", shard)
+        assert not (out / "leaderboard.csv").exists()            # a shard leaves the outputs to the summary
+    leaderboard("--save_dir", out, "--summarize")
+    assert cells(out / "leaderboard.csv") == cells(whole / "leaderboard.csv")
+
+
+def test_a_failed_cell_is_recorded_not_dropped(grid_args, tmp_path):
+    out = tmp_path / "failing"
+    folder = leaderboard(*grid_args[:2], "--tasks", "niah_single_1", "--context_length", 512,
+                         "--num_samples", 1, "--methods", "streamingllm", "--ratios", 0.5, "--save_dir", out,
+                         "--count")
+    assert folder.stdout.strip() == "2 units"
+    # a regular file where streamingllm's run folder must go: that unit's runner fails, fullkv's runs
+    blocked = out / "runs" / "ruler" / "tiny-llama0_r0.5" / "streamingllm"
+    got = subprocess.run([sys.executable, "run_ruler.py", *grid_args[:2], "--method", "streamingllm",
+                          "--max_capacity_prompts_ratio", "0.5", "--save_dir", out / "runs" / "ruler",
+                          "--print_run_dir"], cwd=ROOT, capture_output=True, text=True)
+    blocked = Path(got.stdout.strip().splitlines()[-1])
+    blocked.parent.mkdir(parents=True)
+    blocked.write_text("in the way")
+    got = leaderboard(*grid_args[:2], "--tasks", "niah_single_1", "--context_length", 512, "--num_samples", 1,
+                      "--methods", "streamingllm", "--ratios", 0.5, "--save_dir", out, check=False)
+    assert got.returncode == 1 and "1 cell(s) failed" in got.stderr
+    rows = {r["spec"]: r for r in cells(out / "leaderboard.csv")}
+    assert rows["fullkv"]["status"] == "done"
+    assert rows["streamingllm:budget_ratio=0.5"]["status"] == "failed"
+    assert str(blocked) in rows["streamingllm:budget_ratio=0.5"]["error"]
+    assert "| failed: " in (out / "leaderboard.md").read_text()
+    assert b"#ff0000" in (out / "leaderboard.svg").read_bytes()     # the red cross of a failed cell
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ratios", "0"], "ratio 0 is outside (0, 1]"),
+    (["--ratios", "1.5"], "ratio 1.5 is outside (0, 1]"),
+    (["--compression_ratios", "1"], "--compression_ratios 1 is outside [0, 1)"),
+    (["--methods", "snapkvv"], "unknown method 'snapkvv'"),
+    (["--methods", "snapkv:budget=64"], "the grid sets the budget (budget given)"),
+    (["--methods", "fullkv", "minicache", "--ratios", "0.5"], "none of --methods fullkv minicache takes a ratio"),
+    (["--shard", "3/2"], "--shard 3/2: needs 0 <= i < n"),
+    (["--shard", "0/0"], "--shard 0/0: needs 0 <= i < n"),
+    (["--shard", "a/b"], "--shard 'a/b': give i/n"),
+    (["--tasks", "niah_single_9"], "unknown leaderboard task 'niah_single_9'"),
+    (["--context_length", "99999"], "above the model's window"),
+])
+def test_bad_input_is_refused_in_one_line_before_any_weights_load(tiny_model_dir, tmp_path, args, message, capsys,
+                                                                  monkeypatch):
+    from pyramidkv.leaderboard.__main__ import main
+    from pyramidkv.models import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    methods = [] if "--methods" in args else ["--methods", "snapkv"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model_path", tiny_model_dir, "--save_dir", str(tmp_path / "out"), *methods, *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and err.count("\n") <= 2, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_holding_another_grid_is_refused(whole, grid_args, capsys):
+    from pyramidkv.leaderboard.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*map(str, grid_args[:-1]), "3", "--save_dir", str(whole)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert "holds another grid's cells" in err and "num_samples 2 here, 3 asked" in err
+
+
+def test_kvpress_compression_ratios_name_the_same_grid(tiny_model_dir):
+    from pyramidkv.leaderboard.__main__ import build_parser, grid_of
+
+    parse = build_parser().parse_args
+    kept = grid_of(parse(["--model_path", tiny_model_dir, "--methods", "snapkv", "--ratios", "0.25", "0.5"]))
+    removed = grid_of(parse(["--model_path", tiny_model_dir, "--methods", "snapkv", "--compression_ratios", "0.75",
+                             "0.5"]))
+    assert kept == removed and [e.spec for e in kept.entries()] == \
+        ["fullkv", "snapkv:budget_ratio=0.25", "snapkv:budget_ratio=0.5"]
+
+
+def test_the_committed_page_and_figure_are_what_the_committed_csv_gives(tmp_path):
+    docs = ROOT / "docs"
+    grid = Grid(**json.loads((docs / "leaderboard" / "grid.json").read_text()))
+    rendered = render(read_csv(docs / "leaderboard" / "leaderboard.csv"), grid, tmp_path, links="leaderboard/")
+    assert rendered["leaderboard.md"].decode() == (docs / "leaderboard.md").read_text()
+    assert rendered["leaderboard.svg"] == (docs / "leaderboard" / "leaderboard.svg").read_bytes()
