@@ -36,7 +36,7 @@ launch() {   # launch NAME COMMAND...: the daemon in the foreground of its own s
   done
 }
 
-fail() {   # fail DAEMON WHAT: one line naming the daemon and its log, then the log's tail
+fail() {   # fail DAEMON WHAT: one line naming the daemon and its log, then the log's tail; stops the others
   local log=$DIR/log/$1.log tail
   say "error: $1 $2 (log $log)" >&2
   # A Slurm daemon in the foreground writes its messages twice, to its log file and ("$1: ...") to stderr: once
@@ -44,6 +44,7 @@ fail() {   # fail DAEMON WHAT: one line naming the daemon and its log, then the 
   tail=$(grep -v "^$1: " "$log" 2>/dev/null | tail -n 12) || true
   [ -n "$tail" ] || tail=$(tail -n 12 "$log" 2>/dev/null) || true
   echo "$tail" | sed 's/^/  /' >&2
+  stop >/dev/null 2>&1 || true
   exit 1
 }
 
