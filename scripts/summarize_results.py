@@ -11,8 +11,11 @@ summary_<benchmark>_<model>.png (average score vs budget, one line per method fo
 with other method settings get their own line; ratio budgets in a second panel; the true full cache
 (fullkv with no variant: not `fullkv --cross_layer_merge`, which is MiniCache) as a dashed black reference
 line, other methods that keep a full-size cache (minicache, minference) as dotted lines of their own;
-runs without a score are named under the plot). A needle run's average is one metric (its
-"average_metric", recall), never a mean across metrics. Prints the Markdown tables.
+runs without a score are named under the plot). A run a sweep listed in its sweep_runs.txt
+(scripts/sweep_tasks.sh) that has no results.json (it failed, was killed or never started) gets a row
+with no scores, its run cell saying so, and a warning on stderr: never left out. A needle run's
+average is one metric (its "average_metric", recall), never a mean across metrics. Prints the
+Markdown tables.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import csv
 import io
 import json
 import math
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -33,6 +37,8 @@ from pyramidkv.runner.results import (
 )
 
 REQUIRED = ("benchmark", "model", "method", "budget", "scores", "average")
+SWEEP_RUNS = "sweep_runs.txt"   # "<benchmark> <run folder relative to this file's folder>" lines: record_sweep_runs
+NO_RESULTS = "no results.json: failed or not run"
 
 
 def _check_predictions(run_folder: Path) -> None:
@@ -118,10 +124,30 @@ def load_results(root: Path) -> list[dict]:
         data["_path"] = str(path)
         data["_run"] = path.parent.relative_to(root).as_posix() or "."
         results.append(data)
+    results += missing_runs(root)
     if not results:
         raise FileNotFoundError(f"no results.json under {root}")
     _name_series(results)
     return results
+
+
+def missing_runs(root: Path) -> list[dict]:
+    """The runs listed in a sweep_runs.txt under `root` that have no results.json, as results without scores
+    (`_missing`); model and budget read from the runners' {model}_{budget}/{method}/ layout."""
+    missing = {}
+    for listing in sorted(root.rglob(SWEEP_RUNS)):
+        for line in listing.read_text(encoding="utf-8").splitlines():
+            benchmark, _, run = line.strip().partition(" ")
+            folder = listing.parent / run
+            if not run or (folder / "results.json").is_file():
+                continue
+            model, _, label = folder.parent.name.rpartition("_")
+            name = Path(os.path.relpath(folder, root)).as_posix()
+            missing[name] = {"benchmark": benchmark, "model": model, "method": folder.name, "scores": {},
+                             "budget": None if label == "full" else int(label) if label.isdigit() else label,
+                             "average": None, "num_samples": {}, "_path": str(folder / "results.json"),
+                             "_run": name, "_missing": True}
+    return list(missing.values())
 
 
 def _name_series(results: list[dict]) -> None:
@@ -184,8 +210,8 @@ def table(results: list[dict]) -> tuple[list[str], list[list]]:
     rows = []
     for r in sorted(results, key=_row_order):
         budget = "full" if r["budget"] is None else r["budget"]
-        rows.append([r["method"], budget, *(r["scores"].get(t) for t in tasks), r["average"],
-                     _sample_count(r), r["_run"]])
+        run = f"{r['_run']} ({NO_RESULTS})" if r.get("_missing") else r["_run"]
+        rows.append([r["method"], budget, *(r["scores"].get(t) for t in tasks), r["average"], _sample_count(r), run])
     return header, rows
 
 
@@ -290,6 +316,10 @@ def main(argv=None) -> None:
         results = load_results(args.results_dir)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
+    missing = [r["_run"] for r in results if r.get("_missing")]
+    if missing:
+        print(f"warning: {len(missing)} run(s) listed in {SWEEP_RUNS} have no results.json (failed or not run): "
+              f"{', '.join(missing)}", file=sys.stderr)
     out = args.out or args.results_dir
     out.mkdir(parents=True, exist_ok=True)
     groups = defaultdict(list)

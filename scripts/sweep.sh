@@ -13,6 +13,7 @@ SWEEP_ROOT=$(cd "$(dirname "$0")/.." && pwd)   # the runners run from here by th
 PYTHON=${PYTHON:-$( [ -x "$SWEEP_ROOT/.venv/bin/python" ] && echo "$SWEEP_ROOT/.venv/bin/python" || echo python )}
 source "$SWEEP_ROOT/scripts/sweep_tasks.sh"
 check_sweep_tasks "$benchmark" --save_dir "$save_dir" "$@"
+record_sweep_runs "$benchmark" "$save_dir"
 for task in "${SWEEP_TASKS[@]}"; do
   run_sweep_task "$benchmark" "$task" --save_dir "$save_dir" "$@"
 done

@@ -42,20 +42,37 @@ source "$(dirname "${BASH_SOURCE[0]}")/public_harness_settings.sh"
 
 # check_sweep_tasks BENCHMARK [extra runner args...]: every run of the grid has valid arguments (each runner
 # checks its flags and method with --print_run_dir, loading nothing), so one bad variant stops the sweep
-# before its first run, with a summary of every bad one.
+# before its first run, with a summary of every bad one. Sets SWEEP_RUN_DIRS: the runs' folders, in task order.
 check_sweep_tasks() {
   local benchmark=$1; shift
-  local task bad=0 out
+  local task bad=0 dir err
+  err=$(mktemp)
+  SWEEP_RUN_DIRS=()
   for task in "${SWEEP_TASKS[@]}"; do
-    if ! out=$(SWEEP_QUIET=1 run_sweep_task "$benchmark" "$task" "$@" --print_run_dir 2>&1 >/dev/null); then
+    if dir=$(SWEEP_QUIET=1 run_sweep_task "$benchmark" "$task" "$@" --print_run_dir 2>"$err"); then
+      SWEEP_RUN_DIRS+=("$dir")
+    else
       bad=$((bad + 1))
-      echo "invalid run '$task': ${out##*$'\n'}" >&2
+      echo "invalid run '$task': $(tail -n 1 "$err")" >&2
     fi
   done
+  rm -f "$err"
   if [ "$bad" -gt 0 ]; then
     echo "error: $bad of ${#SWEEP_TASKS[@]} runs of the sweep have invalid arguments; nothing was run" >&2
     return 2
   fi
+}
+
+# record_sweep_runs BENCHMARK SAVE_DIR: adds the folders check_sweep_tasks found to SAVE_DIR/sweep_runs.txt,
+# one "<benchmark> <folder relative to SAVE_DIR>" line each, once. summarize_results.py lists every run there
+# that has no results.json (it failed, was killed or never started) instead of leaving it out.
+record_sweep_runs() {
+  local benchmark=$1 save_dir=$2 dir line
+  mkdir -p "$save_dir"
+  for dir in "${SWEEP_RUN_DIRS[@]}"; do
+    line="$benchmark $(realpath -m --relative-to="$save_dir" "$dir")"
+    grep -qxF -- "$line" "$save_dir/sweep_runs.txt" 2>/dev/null || echo "$line" >> "$save_dir/sweep_runs.txt"
+  done
 }
 
 # run_sweep_task BENCHMARK "method budget|variant" [extra runner args...]: one run, results in the usual layout.

@@ -44,19 +44,35 @@ def test_sweep_variants_run_each_method_and_budget_with_each_flag_set():
         "run_ruler.py --method snapkv --max_capacity_prompts 64 --merge pivot --save_dir out"]
 
 
-def test_slurm_array_index_runs_its_own_task():
+def test_slurm_array_index_runs_its_own_task(tmp_path):
     env = dict(METHODS="snapkv h2o", BUDGETS="64 128", PYTHON="echo")
-    assert "5 tasks: --array=0-4" in bash("bash scripts/slurm/sweep.sbatch --count ruler out", **env).stdout
-    got = bash("bash scripts/slurm/sweep.sbatch ruler out --context_lengths 2048", SLURM_ARRAY_TASK_ID="3", **env)
+    out = str(tmp_path / "out")
+    assert "5 tasks: --array=0-4" in bash(f"bash scripts/slurm/sweep.sbatch --count ruler {out}", **env).stdout
+    assert not (tmp_path / "out").exists()                                  # counting writes nothing
+    got = bash(f"bash scripts/slurm/sweep.sbatch ruler {out} --context_lengths 2048", SLURM_ARRAY_TASK_ID="3", **env)
     assert got.returncode == 0, got.stderr
     assert got.stdout.split() == ["run_ruler.py", "--method", "h2o", "--max_capacity_prompts", "64",
-                                  "--save_dir", "out", "--context_lengths", "2048"]
-    got = bash("bash scripts/slurm/sweep.sbatch ruler out", SLURM_ARRAY_TASK_ID="0", **env)
-    assert got.stdout.split() == ["run_ruler.py", "--method", "fullkv", "--save_dir", "out"]
-    got = bash("bash scripts/slurm/sweep.sbatch ruler out", SLURM_ARRAY_TASK_ID="9", **env)
+                                  "--save_dir", out, "--context_lengths", "2048"]
+    got = bash(f"bash scripts/slurm/sweep.sbatch ruler {out}", SLURM_ARRAY_TASK_ID="0", **env)
+    assert got.stdout.split() == ["run_ruler.py", "--method", "fullkv", "--save_dir", out]
+    got = bash(f"bash scripts/slurm/sweep.sbatch ruler {out}", SLURM_ARRAY_TASK_ID="9", **env)
     assert got.returncode == 2 and "past the 5 tasks" in got.stderr
-    got = bash("bash scripts/sweep.sh bogus out", PYTHON="echo", METHODS="snapkv", BUDGETS="64", FULLKV="0")
+    got = bash(f"bash scripts/sweep.sh bogus {out}", PYTHON="echo", METHODS="snapkv", BUDGETS="64", FULLKV="0")
     assert got.returncode != 0 and "unknown benchmark 'bogus'" in got.stderr
+
+
+def test_sweep_lists_its_runs_once_for_the_summary(tmp_path):
+    """Each array task adds the grid's run folders (the runners' --print_run_dir) to sweep_runs.txt, each once."""
+    python = tmp_path / "python"
+    python.write_text('#!/bin/sh\nfor a; do [ "$a" = --method ] && m=next && continue; '
+                      '[ "$m" = next ] && m=$a; done\necho "$SAVE/m_x/$m"\n')
+    python.chmod(0o755)
+    out = tmp_path / "out"
+    for index in ("0", "1", "0"):
+        got = bash(f"bash scripts/slurm/sweep.sbatch ruler {out}", SLURM_ARRAY_TASK_ID=index, PYTHON=str(python),
+                   SAVE=str(out), METHODS="snapkv", BUDGETS="64")
+        assert got.returncode == 0, got.stderr
+    assert (out / "sweep_runs.txt").read_text().splitlines() == ["ruler m_x/fullkv", "ruler m_x/snapkv"]
 
 
 def write_result(root: Path, method: str, budget, scores: dict, folder_name: str | None = None, average="mean"):
@@ -93,6 +109,23 @@ def test_summary_table_and_plot(tmp_path):
     import matplotlib.image
 
     assert matplotlib.image.imread(tmp_path / "summary_ruler_m.png").shape[2] in (3, 4)
+
+
+def test_summary_lists_a_swept_run_without_results(tmp_path):
+    """A run of the sweep's list with no results.json (failed, killed, never started) is a row saying so, never
+    dropped; an empty line or a run that has its results.json adds nothing."""
+    write_result(tmp_path, "snapkv", 64, {"a": 40.0})
+    (tmp_path / "m_128").mkdir()
+    (tmp_path / "m_128" / "h2o").write_text("a file where the run folder goes")
+    (tmp_path / "sweep_runs.txt").write_text("ruler m_64/snapkv\nruler m_128/h2o\n\nruler m_full/fullkv\n")
+    out = summarize(tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "2 run(s) listed in sweep_runs.txt have no results.json (failed or not run): m_128/h2o, m_full/fullkv" \
+        in out.stderr
+    assert (tmp_path / "summary_ruler_m.md").read_text().splitlines()[2:] == [
+        "| fullkv | full |  |  |  | m_full/fullkv (no results.json: failed or not run) |",
+        "| h2o | 128 |  |  |  | m_128/h2o (no results.json: failed or not run) |",
+        "| snapkv | 64 | 40.00 | 40.00 | 5 | m_64/snapkv |"]
 
 
 def test_summary_errors(tmp_path):
