@@ -127,7 +127,7 @@ def attention_with_column_sums(
     bsz, num_q_heads, n, dim = queries.shape
     num_kv_heads = keys.shape[1]
     group = num_q_heads // num_kv_heads
-    chunk = max(1, max_chunk_elements // max(1, bsz * num_q_heads * n))
+    chunk = max(1, min(n, max_chunk_elements // max(1, bsz * num_q_heads * n)))   # the [chunk, chunk] mask: n at most
     scaled = (queries.float() / dim**0.5).reshape(bsz, num_kv_heads, group, n, dim)
     keys_t, values = keys.float().transpose(-1, -2), values.float()   # [B, Hkv, D, n], [B, Hkv, n, D]
     padding = ~real

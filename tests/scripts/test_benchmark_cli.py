@@ -8,18 +8,27 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, load_script
+
+
+def run_measure(script: str, argv: list[str]) -> None:
+    """measure/SCRIPT's main(argv) in this process, torch's thread count put back after; each script started as
+    a process from measure/: test_every_measuring_script_runs_from_measure."""
+    threads = torch.get_num_threads()
+    try:
+        load_script(f"measure_{script[:-3]}", ROOT / "measure" / script).main(argv)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_benchmark_writes_plain_row_and_ratios(tiny_model_dir, tmp_path):
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, str(ROOT / "measure" / "benchmark_latency_memory.py"), "--model_path", tiny_model_dir,
-                    "--device", "cpu", "--context_length", "96", "--max_capacity_prompts", "40", "--new_tokens", "2",
-                    "--repeats", "1", "--threads", "1", "--methods", "fullkv", "snapkv", "snapkv:merge=mergingpress,merge_fraction=0.5",
-                    "--out", str(out)],
-                   check=True, cwd=ROOT, capture_output=True, text=True,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})  # this checkout's pyramidkv, not an installed one
+    run_measure("benchmark_latency_memory.py", [
+        "--model_path", tiny_model_dir, "--device", "cpu", "--context_length", "96", "--max_capacity_prompts", "40",
+        "--new_tokens", "2", "--repeats", "1", "--threads", "1", "--methods", "fullkv", "snapkv",
+        "snapkv:merge=mergingpress,merge_fraction=0.5", "--out", str(out)])
     results = json.loads(out.read_text())["results"]
     assert list(results) == ["plain", "fullkv", "snapkv", "snapkv:merge=mergingpress,merge_fraction=0.5"]
     assert results["snapkv:merge=mergingpress,merge_fraction=0.5"]["kv_bytes_after_prefill"] == \
@@ -43,11 +52,10 @@ def test_benchmark_peak_over_the_run_with_decode_compression(tiny_model_dir, tmp
     decode_budget 48 / interval 8 a head never holds more than 56 tokens (the peak just before a
     re-selection); snapkv without it ends at 40 + 40."""
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, str(ROOT / "measure" / "benchmark_latency_memory.py"), "--model_path", tiny_model_dir,
-                    "--device", "cpu", "--context_length", "96", "--max_capacity_prompts", "40", "--new_tokens", "40",
-                    "--repeats", "1", "--threads", "1", "--methods", "fullkv", "snapkv",
-                    "snapkv:decode_budget=48,decode_interval=8,window_size=16", "--out", str(out)],
-                   check=True, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    run_measure("benchmark_latency_memory.py", [
+        "--model_path", tiny_model_dir, "--device", "cpu", "--context_length", "96", "--max_capacity_prompts", "40",
+        "--new_tokens", "40", "--repeats", "1", "--threads", "1", "--methods", "fullkv", "snapkv",
+        "snapkv:decode_budget=48,decode_interval=8,window_size=16", "--out", str(out)])
     results = json.loads(out.read_text())["results"]
     per_token = 2 * 2 * 16 * 2 * 4  # layers x KV heads x head_dim x (K + V) x float32
     assert results["fullkv"]["peak_kv_bytes"] == results["plain"]["peak_kv_bytes"] == (96 + 40) * per_token
@@ -58,11 +66,10 @@ def test_benchmark_peak_over_the_run_with_decode_compression(tiny_model_dir, tmp
     assert decoded["kv_bytes_final"] <= 56 * per_token
 
 
-def test_benchmark_refuses_a_bad_method_spec(tiny_model_dir):
-    got = subprocess.run([sys.executable, str(ROOT / "measure" / "benchmark_latency_memory.py"), "--model_path",
-                          tiny_model_dir, "--methods", "snapkv:merge"], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert got.returncode == 2 and "expected NAME:setting=value" in got.stderr
+def test_benchmark_refuses_a_bad_method_spec(tiny_model_dir, capsys):
+    with pytest.raises(SystemExit) as done:
+        run_measure("benchmark_latency_memory.py", ["--model_path", tiny_model_dir, "--methods", "snapkv:merge"])
+    assert done.value.code == 2 and "expected NAME:setting=value" in capsys.readouterr().err
 
 
 def test_merge_overhead_script_times_every_rule(tiny_model_dir):
@@ -79,12 +86,10 @@ def test_teacher_forced_nll_script_reports_ratios_to_fullkv(tiny_model_dir, tmp_
     from tests.helpers import longbench_data_dir
 
     out = tmp_path / "nll.json"
-    got = subprocess.run([sys.executable, str(ROOT / "measure" / "teacher_forced_nll.py"), "--model_path", tiny_model_dir,
-                          "--context_length", "96", "--continuation", "4", "--max_capacity_prompts", "40",
-                          "--methods", "snapkv", "fullkv:quant_method=kivi,nbits=8,group_size=16,residual_length=32",
-                          "--data_file", str(longbench_data_dir() / "multi_news.jsonl"), "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert got.returncode == 0, got.stderr
+    run_measure("teacher_forced_nll.py", [
+        "--model_path", tiny_model_dir, "--context_length", "96", "--continuation", "4", "--max_capacity_prompts", "40",
+        "--methods", "snapkv", "fullkv:quant_method=kivi,nbits=8,group_size=16,residual_length=32",
+        "--data_file", str(longbench_data_dir() / "multi_news.jsonl"), "--out", str(out)])
     rows = json.loads(out.read_text())["results"]
     assert list(rows) == ["fullkv", "snapkv", "fullkv:quant_method=kivi,nbits=8,group_size=16,residual_length=32"]
     assert rows["fullkv"]["ratio_to_fullkv"] == 1.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -86,8 +88,20 @@ def write_result(root: Path, method: str, budget, scores: dict, folder_name: str
 
 
 def summarize(root: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/summarize_results.py", str(root)], cwd=ROOT,
-                          capture_output=True, text=True)
+    """scripts/summarize_results.py's main run in this process, ended as the process would end: its exit status,
+    and an exit message on stderr. Any other exception propagates (the process would print a Traceback). The
+    script started as a process: test_summary_table_and_plot."""
+    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            _load_summary_module().main([str(root)])
+        except SystemExit as done:
+            code = done.code
+    if isinstance(code, str):
+        stderr.write(code + "\n")
+        code = 1
+    return subprocess.CompletedProcess(["scripts/summarize_results.py", str(root)], code or 0, stdout.getvalue(),
+                                       stderr.getvalue())
 
 
 def test_summary_table_and_plot(tmp_path):
@@ -129,13 +143,11 @@ def test_summary_lists_a_swept_run_without_results(tmp_path):
 
 
 def test_summary_errors(tmp_path):
-    run = lambda p: subprocess.run([sys.executable, "scripts/summarize_results.py", str(p)], cwd=ROOT,  # noqa: E731
-                                   capture_output=True, text=True)
-    assert "does not exist" in run(tmp_path / "nope").stderr
-    assert "no results.json under" in run(tmp_path).stderr
+    assert "does not exist" in summarize(tmp_path / "nope").stderr
+    assert "no results.json under" in summarize(tmp_path).stderr
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "results.json").write_text(json.dumps({"scores": {}}))
-    assert "missing benchmark" in run(tmp_path).stderr
+    assert "missing benchmark" in summarize(tmp_path).stderr
 
 
 def _load_summary_module():
