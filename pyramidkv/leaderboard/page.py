@@ -10,9 +10,6 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-SINGLE = "single"      # the cells an entry's average covers: every part but the shared-context protocol
-
-
 def entries(rows: list[dict]) -> list[dict]:
     """One summary per entry (spec), in the CSV's order."""
     out: dict[str, dict] = {}
@@ -92,7 +89,7 @@ def figure(rows: list[dict], path) -> None:
     left.plot([], [], marker="x", color="red", linestyle="none", label="failed cell")
     left.set(xlabel="fraction of the prompt kept (compression_ratio = 1 - it)", ylabel="mean score (0-100)",
              title="score vs fraction kept")
-    right.set(xlabel="fraction of the prompt kept", ylabel="mean KL from fullkv (nats / token)", yscale="symlog",
+    right.set(xlabel="fraction of the prompt kept", ylabel="mean KL from fullkv (nats / token)",
               title="KL divergence from fullkv (teacher forced)")
     right.set_yscale("symlog", linthresh=1e-4)
     left.set_ylim(-3, 103)
