@@ -5,7 +5,6 @@ leaderboard.svg}."""
 
 from __future__ import annotations
 
-import os
 import shlex
 from pathlib import Path
 from typing import Optional
@@ -42,54 +41,35 @@ def command(grid: Grid) -> str:
     return shlex.join(words)
 
 
-def render(rows: list[dict], grid: Grid, folder: Path, links: str = "") -> dict[str, bytes]:
-    """{file name: bytes} of the figure and the page made from the CSV rows (`links`: the page's path to them)."""
-    import tempfile
-
+def render(rows: list[dict], grid: Grid, links: str = "") -> dict[str, str]:
+    """{file name: text} of the figure and the page made from the CSV rows (`links`: the page's path to them)."""
     from pyramidkv.leaderboard.page import figure, page
 
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        figure(rows, Path(tmp) / NAMES["figure"])
-        svg = (Path(tmp) / NAMES["figure"]).read_bytes()
-    text = page(rows, links + NAMES["csv"], links + NAMES["figure"], command(grid))
-    return {NAMES["figure"]: svg, NAMES["page"]: text.encode()}
+    return {NAMES["figure"]: figure(rows),
+            NAMES["page"]: page(rows, links + NAMES["csv"], links + NAMES["figure"], command(grid))}
 
 
 def write(grid: Grid, save_dir: Path, folders: dict, publish: Optional[str] = None) -> tuple[list[Path], int]:
     """Every output from the cells as they stand; (paths written, failed cells)."""
-    import json
-
     from pyramidkv.leaderboard.cells import read_status
     from pyramidkv.leaderboard.table import collect, read_csv, to_csv
+    from pyramidkv.runner.results import atomic_write_json, atomic_write_text
 
     save_dir = Path(save_dir)
-    rows = collect(grid, save_dir, folders)
-    csv_text = to_csv(rows)
-    _write(save_dir / NAMES["csv"], csv_text.encode())
+    csv_text = to_csv(collect(grid, save_dir, folders))
+    atomic_write_text(save_dir / NAMES["csv"], csv_text)
     rows = read_csv(save_dir / NAMES["csv"])             # the page and figure come from the CSV alone
     record = {"grid": grid.record(), "command": command(grid), "cells": rows,
               "units": [read_status(save_dir, u) or {"unit": u.name, "state": "pending"} for u in grid.units()]}
-    _write(save_dir / NAMES["json"], json.dumps(record, indent=1).encode())
-    written = [save_dir / NAMES["csv"], save_dir / NAMES["json"]]
-    for name, data in render(rows, grid, save_dir).items():
-        _write(save_dir / name, data)
-        written.append(save_dir / name)
+    outputs = {save_dir / NAMES["csv"]: csv_text, save_dir / NAMES["json"]: record,
+               **{save_dir / name: text for name, text in render(rows, grid).items()}}
     if publish is not None:
         docs = Path(publish)
         folder = docs / "leaderboard"
-        folder.mkdir(parents=True, exist_ok=True)
-        _write(folder / NAMES["grid"], json.dumps(grid.record(), indent=1).encode())
-        _write(folder / NAMES["csv"], csv_text.encode())
-        _write(folder / NAMES["json"], json.dumps(record, indent=1).encode())
-        rendered = render(rows, grid, folder, links="leaderboard/")
-        _write(folder / NAMES["figure"], rendered[NAMES["figure"]])
-        _write(docs / NAMES["page"], rendered[NAMES["page"]])
-        written += [folder / NAMES[k] for k in ("grid", "csv", "json", "figure")] + [docs / NAMES["page"]]
-    return written, sum(1 for r in rows if r["status"] == "failed")
-
-
-def _write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_bytes(data)
-    os.replace(partial, path)
+        rendered = render(rows, grid, links="leaderboard/")
+        outputs.update({folder / NAMES["grid"]: grid.record(), folder / NAMES["csv"]: csv_text,
+                        folder / NAMES["json"]: record, folder / NAMES["figure"]: rendered[NAMES["figure"]],
+                        docs / NAMES["page"]: rendered[NAMES["page"]]})
+    for path, content in outputs.items():
+        (atomic_write_text if isinstance(content, str) else atomic_write_json)(path, content)
+    return list(outputs), sum(1 for r in rows if r["status"] == "failed")

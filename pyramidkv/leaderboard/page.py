@@ -51,10 +51,12 @@ def _kl(value) -> str:
     return "-" if value is None else f"{value:.2e}"
 
 
-def figure(rows: list[dict], path) -> None:
+def figure(rows: list[dict]) -> str:
     """Score vs fraction kept (left) and KL from fullkv vs fraction kept (right): a line per method swept over
     ratios, a point per method placed at its measured share, fullkv's score as the ceiling; failed entries as red
-    crosses on the axis. Written as SVG with fixed metadata, so the same CSV gives the same bytes."""
+    crosses on the axis. The SVG's text, with fixed metadata, so the same CSV gives the same bytes."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -98,8 +100,10 @@ def figure(rows: list[dict], path) -> None:
         axis.grid(alpha=0.3)
     fig.legend(*left.get_legend_handles_labels(), loc="center right", fontsize=7, frameon=False)
     fig.subplots_adjust(right=0.8, wspace=0.25)
-    fig.savefig(path, format="svg", metadata={"Date": None, "Creator": None})
+    out = io.StringIO()
+    fig.savefig(out, format="svg", metadata={"Date": None, "Creator": None})
     plt.close(fig)
+    return out.getvalue()
 
 
 def page(rows: list[dict], csv_name: str, figure_name: str, command: str) -> str:

@@ -373,6 +373,7 @@ def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], 
     if args.shared_context or any(s.questions for f in files for s in f.samples):
         return decode_questions(args, method, benchmark, files, out_dir)
     total = sum(len(f.samples) for f in files)
+    references = reference_store(args) if args.kl_vs_fullkv else None
     model = tokenizer = None
     started, done_now = time.perf_counter(), 0
     with tqdm(total=total, unit="sample", dynamic_ncols=True, desc=benchmark.name) as bar:
@@ -388,8 +389,8 @@ def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], 
                 for batch in batches(pending, args.eval_batch_size, benchmark.batch_by_length):
                     if args.kl_vs_fullkv:
                         for sample in batch:
-                            output, fields = decode_scored(model, tokenizer, method, sample, sample_file,
-                                                           reference_store(args), args.decode_threads)
+                            output, fields = decode_scored(model, tokenizer, method, sample, sample_file, references,
+                                                           args.decode_threads)
                             writer.append({**benchmark.prediction_row(sample, output), **fields})
                         bar.update(len(batch))
                         done_now += len(batch)
