@@ -1,7 +1,8 @@
 """One budget across the whole model (head_allocation=global): the kept sets are the top scores over every layer
-and stored head (a hand-worked case; a z-scored scorer against a float64 computation), the total is exact, a
-model with one layer splits as AdaKV without its floor, the bytes follow, and the peak of the waiting layers is
-reported. Refusals."""
+and stored head (hand-worked cases, ties at the cut included; a z-scored scorer against a float64 computation), the
+total is exact, and capped at the candidates there are on a model whose sliding-window layers see fewer than the
+budget (worked by hand), a model with one layer splits as AdaKV without its floor, the bytes follow, and the peak
+of the waiting layers is reported. Refusals."""
 
 from __future__ import annotations
 
@@ -25,6 +26,18 @@ def test_hand_worked_counts_follow_the_best_scores_over_layers_and_heads():
     assert global_counts([layer0, layer1], 6) == [[1, 1], [3, 1]]
     assert global_counts([layer0, layer1], 4) == [[1, 1], [2, 0]]
     assert GlobalHeads(score_scale="raw").selected_over_layers([layer0, layer1], 1) == [[1, 1], [2, 0]]
+
+
+def test_hand_worked_ties_at_the_cut_go_to_the_more_recent_position():
+    """Three equal 7s: layer 0 head 0 at position 0, layer 0 head 1 at position 2, layer 1 head 0 at position 0.
+    Worked by hand from the rule (the lower layer, then the more recent position, then the lower head): layer 0's
+    two come first, and of them position 2 (head 1, though head 0 is the lower head); then layer 1's; then the 6."""
+    layer0 = torch.tensor([[7., 2., 4.], [1., 3., 7.]])
+    layer1 = torch.tensor([[7., 0., 5.], [6., 0., 0.]])
+    assert global_counts([layer0, layer1], 1) == [[0, 1], [0, 0]]
+    assert global_counts([layer0, layer1], 2) == [[1, 1], [0, 0]]
+    assert global_counts([layer0, layer1], 3) == [[1, 1], [1, 0]]
+    assert global_counts([layer0, layer1], 4) == [[1, 1], [1, 1]]
 
 
 def tiny(layers: int) -> LlamaForCausalLM:
@@ -80,6 +93,32 @@ def test_total_is_exact_and_sets_are_the_best_over_the_model(scorer, scale):
         for h, positions in enumerate(cache.kept_positions(layer)):
             chosen = {int(p) for p in positions if p < PROMPT - window}
             assert chosen == set(np.flatnonzero(scores[layer][h] >= cut).tolist()), (layer, h)
+
+
+def test_sliding_layers_with_a_budget_above_their_window_cap_the_total_at_the_candidates():
+    """Gemma2 (4 layers, window W = 16 on layers 0 and 2), a 40-token prompt, budget 36, window 4: the uniform total
+    4 x 2 x 32 = 256 exceeds the candidates there are (a sliding layer has W - 1 - 4 = 11 per head, a global one
+    40 - 4 = 36: 2 x 2 x 11 + 2 x 2 x 36 = 188), so every candidate is kept: worked by hand, a global layer holds
+    all 40 positions, a sliding one the last W - 1 = 15."""
+    from transformers import Gemma2Config
+
+    from pyramidkv.models.patch import MODEL_GLUE, model_shape
+
+    window, prompt = 16, 40
+    config = Gemma2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
+                          sliding_window=window, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = MODEL_GLUE["gemma2"].causal_lm(config).eval()
+    assert model_shape(model.config).layer_windows == (window, None, window, None)
+    ids = torch.randint(1, 96, (1, prompt), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), compress(model, make_method("snapkv", budget=36, window_size=4,
+                                                      head_allocation="global")) as patch:
+        cache = patch.new_cache()
+        model(ids, past_key_values=cache, use_cache=True)
+    for layer in range(4):
+        first = prompt - window + 1 if layer % 2 == 0 else 0
+        assert [p.tolist() for p in cache.kept_positions(layer)] == [list(range(first, prompt))] * 2, layer
 
 
 @pytest.mark.parametrize("name, settings, message", [
