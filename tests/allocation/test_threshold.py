@@ -1,7 +1,8 @@
 """Threshold eviction (head_allocation threshold, the DMS rule): the held set of every layer and KV head after the
 prefill and after each of 64 decode steps against a float64 simulation of the rule on a tiny random Llama (its
-own forward, per-head masks); bytes equal the held count formula; a threshold below every score is fullkv; the
-prefill-only variant keeps the window and every generated token; refusals, one line each."""
+own forward, per-head masks); bytes equal the held count formula; a score exactly at the threshold stays, at prefill
+and while decoding (scores by position, the held sets worked out from positions); a threshold below every score is
+fullkv; the prefill-only variant keeps the window and every generated token; refusals, one line each."""
 
 from __future__ import annotations
 
@@ -34,6 +35,19 @@ class KeyAndInput(Method):
     def score(self, ctx):
         keys = ctx.keys[..., 0].float()                                   # [B, Hkv, n]
         return keys + ctx.hidden[..., :keys.shape[1]].float().transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class ByPosition(Method):
+    """A per-token scorer for the test: KV head h scores the token at position p ((p + h) mod 3) - 0.5, so that
+    every third token of a head scores exactly 0.5 (a tie with a threshold of 0.5, by construction)."""
+
+    name = "by_position_test"
+    token_scores = True
+
+    def score(self, ctx):
+        heads = torch.arange(ctx.keys.shape[1], device=ctx.keys.device)
+        return ((ctx.positions[:, None, :] + heads[None, :, None]) % 3).float() - 0.5   # [B, Hkv, n]
 
 
 class TokenIds:
@@ -151,6 +165,27 @@ def test_held_sets_follow_the_rule_at_prefill_and_every_decode_step(tiny):
     assert any(not {p for p in range(PROMPT - WINDOW, PROMPT)} <= s for layer in final for s in layer)
     generated = range(PROMPT, PROMPT + STEPS - WINDOW)
     assert any(0 < len(set(generated) & s) < len(generated) for layer in final for s in layer)
+    assert sum(cache.decoding.evicted) > 0
+
+
+def test_a_score_exactly_at_the_threshold_stays_at_prefill_and_while_decoding(tiny):
+    """Scores -0.5, 0.5, 1.5 by position (ByPosition) and a threshold of 0.5: after the prefill and after each of
+    16 decode steps, KV head h of every layer holds, of positions 0..newest, the sinks, the last WINDOW and every
+    other position p with ((p + h) mod 3) - 0.5 >= 0.5, i.e. (p + h) mod 3 != 0, worked out here from positions
+    alone: a token scored exactly at the threshold stays (evicted only strictly below)."""
+    model, prompt = tiny
+    method = ByPosition(window_size=WINDOW, head_allocation=ThresholdHeads(threshold=0.5),
+                        selection=Selection(num_sinks=SINKS))
+    held, _, _, cache = run(model, prompt, method, steps=16)
+    for step, snapshot in enumerate(held):
+        newest = PROMPT - 1 + step
+        for layer in range(2):
+            for head in range(2):
+                expected = {p for p in range(newest + 1) if p < SINKS or p > newest - WINDOW or (p + head) % 3 != 0}
+                assert snapshot[layer][head] == expected, \
+                    f"step {step}, layer {layer}, head {head}: {sorted(snapshot[layer][head] ^ expected)} differ"
+    # not vacuous: some position scored exactly at the threshold left the window while decoding
+    assert any((p + head) % 3 == 1 for p in range(PROMPT - WINDOW, PROMPT + 16 - WINDOW) for head in range(2))
     assert sum(cache.decoding.evicted) > 0
 
 
