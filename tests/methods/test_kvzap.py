@@ -1,8 +1,9 @@
-"""KVzap: the calibration targets against a float64 reference written from the paper's definition, the calibration's
-determinism and fit, the shipped SmolLM2 predictor against targets on text it never saw (and against a random
-predictor), the score against a plain matmul of the predictor, and the refusal of a predictor made on another model.
-The registry matrix and the batch-independence matrix run kvzap with an artifact written for their random models
-(tests/helpers.py kvzap_artifact)."""
+"""KVzap: the calibration targets against a float64 reference written from the paper's definition (also with input
+norms of non-unit weights, where each query row's own norm matters), the calibration's determinism and fit, the
+shipped SmolLM2 predictor against targets on text it never saw (and against a random predictor), the score against
+a plain matmul of the predictor, and the refusal of a predictor made on another model. The registry matrix and the
+batch-independence matrix run kvzap with an artifact written for their random models (tests/helpers.py
+kvzap_artifact)."""
 
 from __future__ import annotations
 
@@ -92,6 +93,30 @@ def test_targets_match_a_float64_reference(tiny_eager, calibrate):
         out = model(torch.tensor([ids]), output_hidden_states=True)
         h = model.model.layers[1].input_layernorm(out.hidden_states[1][0])
     torch.testing.assert_close(x[1], h[user[0]:user[1]], rtol=1e-5, atol=1e-5)
+
+
+def test_targets_divide_by_the_assistant_rows_norms(tiny_eager, calibrate):
+    """The model's input norms given non-unit weights (seeded, 0.25..4 per channel), so that the attention inputs'
+    norms ||h_i|| differ from token to token (with weights all 1 every RMSNorm output has norm ~sqrt(E)), and in
+    layer 1 a token of the assistant copy from the same token of the user copy: every target of both layers still
+    matches the float64 reference, which divides row i of the assistant copy by that row's own norm."""
+    model, tokenizer = tiny_eager
+    model = copy_module(model)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for block in model.model.layers:
+            block.input_layernorm.weight.copy_(4.0 ** (2 * torch.rand(64, generator=generator) - 1))
+    text = "The lighthouse keeper counted ships. Each ship had a flag, and each flag a colour."
+    ids, user, copy = calibrate.repeat_layout(tokenizer, text)
+    with torch.no_grad():   # not vacuous: in layer 1 the user rows' norms are not the assistant copy's
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+        norms = model.model.layers[1].input_layernorm(out.hidden_states[1][0]).norm(dim=-1)
+    assert user[1] - user[0] == copy[1] - copy[0]
+    assert (norms[user[0]:user[1]].log() - norms[copy[0]:copy[1]].log()).abs().max() > 0.01   # 50 x the tolerance
+    _, y = calibrate.targets(model, ids, user, copy)
+    entries = [(layer, kv_head, j) for layer in range(2) for kv_head in range(2) for j in range(user[1] - user[0])]
+    expected = reference_targets(model, ids, user, copy, [(l, k, user[0] + j) for l, k, j in entries])
+    assert [float(y[l, j, k]) for l, k, j in entries] == pytest.approx(expected, abs=2e-4)
 
 
 def test_calibration_is_seeded_deterministic_and_fits_ridge(tiny_eager, calibrate):
