@@ -1,7 +1,7 @@
 """Compressed caches on disk (pyramidkv/generation/cache_file.py): a saved and loaded cache is the cache it was, bit for
 bit (every tensor's storage bytes, unused capacity included, shared storages shared again, every object referenced as
 often as before), and continues greedy decoding with exactly the logits and tokens of the original; bad files and
-paths are refused with one line.
+paths, another model, method or dtype are refused with one line.
 
 Against the original cache itself, walked here attribute by attribute (not through the file format's own walk)."""
 
@@ -214,6 +214,23 @@ def test_another_model_or_method_is_refused(saved, random_llama):
     with pytest.raises(ValueError, match="holds a cache of 'snapkv:.*not of 'snapkv:budget=41"):
         pyramidkv.load_cache(path, model, method=make_method("snapkv", budget=41))
     assert pyramidkv.load_cache(path, model, method=method).method == method
+
+
+def test_another_dtype_of_the_same_width_is_refused_naming_both(sharp_llama, tmp_path):
+    """A cache made on the model in bfloat16, loaded on the same weights in float16 (2 bytes each, so the shape
+    check's dtype_bytes agrees): refused by the dtype check, in one line naming both dtypes; the bfloat16 model
+    itself loads it."""
+    import copy
+
+    model, _, tables = sharp_llama
+    made_on = copy.deepcopy(model).to(torch.bfloat16)
+    ids, mask = _batch()
+    path = pyramidkv.save_cache(_generate(made_on, _method("full_precision", tables), ids, mask, 2).past_key_values,
+                                tmp_path / "c.safetensors", made_on)
+    with pytest.raises(ValueError, match="dtype bfloat16.*this model has dtype float16") as refusal:
+        pyramidkv.load_cache(path, copy.deepcopy(model).to(torch.float16))
+    assert "\n" not in str(refusal.value)
+    pyramidkv.load_cache(path, made_on)
 
 
 def test_another_checkpoint_is_refused_by_its_content(tiny_model_dir, sharp_model_dir, tmp_path):
