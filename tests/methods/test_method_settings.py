@@ -1,9 +1,10 @@
-"""Method settings: checked by type and range at construction, immutable afterwards; PyramidKV's
-budgets on short prompts; the CLI flags for the new settings."""
+"""Method settings: checked by type and range at construction, immutable afterwards; a spec giving one setting
+twice refused; PyramidKV's budgets on short prompts; the CLI flags for the new settings."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -34,6 +35,20 @@ def test_range_errors_for_new_settings():
         make_method("snapkv", budget=128, gqa_pooling="first")
     with pytest.raises(ValueError, match="skip_layers must be an integer >= 0"):
         make_method("l2norm", budget=128, skip_layers=-1)
+
+
+@pytest.mark.parametrize("spec, named", [
+    ("snapkv:budget=64,budget=32", "budget"),                                                 # two values
+    ("snapkv:budget=64,window_size=8,window_size=8", "window_size"),                          # the same value
+    ("snapkv:budget=64,head_allocation=global,score_scale=raw,score_scale=zscore", "score_scale"),   # a unit's
+])
+def test_a_spec_giving_one_setting_twice_is_refused(spec, named):
+    """A spec is one value per setting: one written twice is refused in one line naming it, not read as the last."""
+    from pyramidkv.methods import parse_method_spec
+
+    with pytest.raises(ValueError, match=re.escape(f"method spec '{spec}': {named} is given twice")) as error:
+        parse_method_spec(spec)
+    assert "\n" not in str(error.value)
 
 
 def test_methods_are_immutable_and_replace_revalidates():
