@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: setup quickstart test benchmark leaderboard clean
+.PHONY: setup quickstart test test-fast test-all benchmark leaderboard clean
 
 setup: $(VENV)/.installed
 
@@ -20,8 +20,18 @@ $(VENV)/.installed: requirements.txt
 quickstart: setup
 	$(PY) scripts/quickstart.py
 
+# Tiers (assigned in tests/conftest.py): test = all but `exhaustive` (README, CI); test-fast = none of
+# integration, real_model, exhaustive (the edit loop); test-all = everything. PYTEST_ARGS adds options.
+PYTEST := $(PY) -m pytest -q -n auto --durations=25 $(PYTEST_ARGS) tests
+
 test: setup
-	$(PY) -m pytest -q -n auto tests
+	$(PYTEST) -m "not exhaustive"
+
+test-fast: setup
+	$(PYTEST) -m "not integration and not real_model and not exhaustive"
+
+test-all: setup
+	$(PYTEST)
 
 benchmark: setup
 	$(PY) measure/benchmark_latency_memory.py

@@ -18,6 +18,87 @@ def pytest_configure(config):
         os.environ["OMP_NUM_THREADS"] = "1"
 
 
+# ---------------------------------------------------------------------------------------------------- tiers
+# The one place where tests get their tier (pyproject.toml registers the markers, --strict-markers refuses any
+# other; tests/test_structure.py checks that no test file marks a tier itself and that every entry here names a
+# test that exists). A test in no tier is in the fast one.
+#   integration  starts processes: runners and scripts end to end, pip install, the SLURM cluster, notebooks
+#   real_model   computes with SmolLM2's weights (its tokenizer alone does not count)
+#   exhaustive   a full product where a pairwise cover runs in the other tiers
+# make test-fast: none of the three (the edit loop); make test (README, CI): all but exhaustive; make test-all.
+TIERS: dict[str, tuple[str, ...]] = {
+    "integration": (),
+    "real_model": (),
+    "exhaustive": (),
+}
+# Fixtures that load SmolLM2's weights: a test using one (directly or through another fixture) is real_model.
+REAL_MODEL_FIXTURES = {"smollm2", "eager_setup"}
+# The commands a test outside `integration` may start (the runners record the git commit).
+ALLOWED_COMMANDS = {"git"}
+
+
+def tier_markers(nodeid: str, fixturenames) -> set[str]:
+    """The tiers of the test `nodeid` (path::name[params]) using these fixtures."""
+    tiers = {tier for tier, prefixes in TIERS.items()
+             if any(nodeid == p or nodeid.startswith(p + "[") or nodeid.startswith(p + "::") for p in prefixes)}
+    if REAL_MODEL_FIXTURES & set(fixturenames):
+        tiers.add("real_model")
+    return tiers
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for tier in tier_markers(item.nodeid, item.fixturenames):
+            item.add_marker(getattr(pytest.mark, tier))
+
+
+@pytest.fixture(autouse=True)
+def _tier_guard(request, monkeypatch):
+    """A test outside `integration` that starts a process, or outside `real_model` that loads SmolLM2's weights,
+    fails with a line saying where to list it (so the fast tier stays fast and its tests stay in it)."""
+    marks = {m.name for m in request.node.iter_markers()}
+
+    def where(tier: str) -> str:
+        return f"{request.node.nodeid}: list it under {tier!r} in tests/conftest.py's TIERS"
+    if "integration" not in marks:
+        import subprocess
+
+        popen_init = subprocess.Popen.__init__
+
+        def refuse_processes(self, args, *rest, **kwargs):
+            command = args if isinstance(args, str) else args[0]
+            if os.path.basename(str(command).split()[0]) not in ALLOWED_COMMANDS:
+                raise AssertionError(f"started {command!r}: " + where("integration"))
+            popen_init(self, args, *rest, **kwargs)
+
+        monkeypatch.setattr(subprocess.Popen, "__init__", refuse_processes)
+    if "real_model" not in marks:
+        from transformers import PreTrainedModel
+
+        from pyramidkv.models.default_model import default_model_cache_dir
+
+        from_pretrained = PreTrainedModel.from_pretrained.__func__
+        real = default_model_cache_dir().resolve()
+
+        def refuse_real_weights(cls, path, *args, **kwargs):
+            if os.path.isdir(str(path)) and os.path.realpath(path) == str(real):
+                raise AssertionError("loaded SmolLM2's weights: " + where("real_model"))
+            return from_pretrained(cls, path, *args, **kwargs)
+
+        monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(refuse_real_weights))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Near-ties (tests/near_ties.py): selections that rounding decided, counted, not failed."""
+    ties = [(report.nodeid, text) for reports in terminalreporter.stats.values() for report in reports
+            if getattr(report, "when", None) == "call" for name, text in getattr(report, "user_properties", [])
+            if name == "near_tie"]
+    if ties:
+        terminalreporter.section(f"near-ties: {len(ties)} selections decided by float rounding (not disagreements)")
+        for nodeid, text in ties:
+            terminalreporter.line(f"{nodeid}: {text}")
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """The converted SmolLM2-135M-Instruct checkpoint (first use converts the GGUF, ~30 s)."""

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -128,13 +127,11 @@ def test_reasoning_rule_by_hand():
 # The script on the default model, reduced setting
 # --------------------------------------------------------------------------------------------
 
-def run_script(out: Path, *extra: str, probes: int = 2) -> float:
-    started = time.time()
+def run_script(out: Path, *extra: str, probes: int = 2) -> None:
     subprocess.run([sys.executable, str(ROOT / "scripts" / "head_scores.py"), "--model_path", "smollm2-135m",
                     "--num_probes", str(probes), "--context_lengths", "300", "--out", str(out), *extra],
                    check=True, cwd=out.parent, capture_output=True, text=True,
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return time.time() - started
 
 
 def top_heads(table: np.ndarray, k: int = 5) -> list[tuple[int, int]]:
@@ -144,8 +141,7 @@ def top_heads(table: np.ndarray, k: int = 5) -> list[tuple[int, int]]:
 
 def test_script_on_default_model_reduced(tmp_path, smollm2_path):
     first, second = tmp_path / "a.json", tmp_path / "b.json"
-    seconds = run_script(first, "--kind", "reasoning", "--keep_unanswered", "--seed", "1")
-    assert seconds < 60, f"reduced run took {seconds:.0f} s"
+    run_script(first, "--kind", "reasoning", "--keep_unanswered", "--seed", "1")
     run_script(second, "--kind", "reasoning", "--keep_unanswered", "--seed", "1")
     table_a, table_b = load_head_scores(first), load_head_scores(second)
     assert table_a.shape == table_b.shape == (30, 9)

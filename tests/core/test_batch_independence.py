@@ -302,10 +302,10 @@ def test_the_cases_cover_every_pair(random_llama, monkeypatch):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[label(c) for c in CASES])
-def test_batch_of_three_equals_each_prompt_alone(random_llama, three_prompts, case):
+def test_batch_of_three_equals_each_prompt_alone(random_llama, three_prompts, case, request):
     model, tokenizer, tables = random_llama
     method = build(case, tables)
-    assert_batch_equals_alone(model, tokenizer, method, three_prompts, NEW_TOKENS)
+    assert_batch_equals_alone(model, tokenizer, method, three_prompts, NEW_TOKENS, request)
 
 
 if __name__ == "__main__":

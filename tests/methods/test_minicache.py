@@ -188,12 +188,12 @@ def test_bytes_equal_the_formula(smollm2):
 
 @pytest.mark.parametrize("name,settings", [("minicache", {}), ("snapkv", {"budget": 96, "window_size": 16,
                                                                            "cross_layer_merge": True})])
-def test_batch_of_three_equals_single_runs(random_llama, name, settings):
+def test_batch_of_three_equals_single_runs(random_llama, name, settings, request):
     model, tokenizer, _ = random_llama  # a batch computes each prompt alone whatever the weights
     prompts = [tokenizer(p, add_special_tokens=False).input_ids
                for p in (passkey_prompt(52817, 12), STORY, "<|im_start|>user\nName a colour.<|im_end|>\n")]
     method = make_method(name, cross_layer_start=2, **settings)  # layers 2-3 of 4 merged
-    assert_batch_equals_alone(model, tokenizer, method, prompts, 10)
+    assert_batch_equals_alone(model, tokenizer, method, prompts, 10, request)
 
 
 @pytest.mark.parametrize("settings,message", [

@@ -117,12 +117,12 @@ def test_the_sampler_matches_sequential_sampling_without_replacement():
     assert counts.sum() == 3 * draws
 
 
-def test_a_batch_of_three_equals_single_runs(smollm2, tokenizer):
+def test_a_batch_of_three_equals_single_runs(smollm2, tokenizer, request):
     model, _ = smollm2
     prompts = [tokenizer(STORY * 2, add_special_tokens=False).input_ids, tokenizer(STORY, add_special_tokens=False).input_ids,
                tokenizer(STORY[:250], add_special_tokens=False).input_ids]
     method = nacl()
-    assert_batch_equals_alone(model, tokenizer, method, prompts, 6)
+    assert_batch_equals_alone(model, tokenizer, method, prompts, 6, request)
 
 
 @pytest.mark.parametrize("settings, message", [

@@ -28,11 +28,20 @@ def greedy(model, ids, new_tokens=12):
     return out.sequences, torch.cat(out.logits)
 
 
+# Families whose own generate() preallocates its cache: the unpatched prompt attention runs over max_length key
+# slots (Gemma2's HybridCache: 52 for this test's 40 + 12, the rest masked) where ours runs over the prompt's 40;
+# the same values reduced over another length round otherwise, by an amount that depends on the CPU's kernels
+# (seen: 1.5e-7 on AVX-512, 0 on AVX2).
+PREALLOCATED_KEYS = {"gemma2"}
+PROMPT_LOGITS_ATOL = 1e-6
+
+
 @pytest.mark.parametrize("model_type, attn", family_implementation_pairs())
 def test_fullkv_generates_as_unpatched_and_snapkv_holds_its_budget(model_type, attn):
-    """fullkv: the unpatched greedy tokens; the prompt's logits bit-identical (the model's own kernel over the
-    same q, k, v), each decode step's to float rounding (attention over the cache's own buffers). snapkv with
-    budget 16, window 4: 16 tokens per prompt and KV head on every layer."""
+    """fullkv: the unpatched greedy tokens; the prompt's logits bit-identical where the model's own kernel runs
+    over the same q, k, v (to PROMPT_LOGITS_ATOL where the unpatched model attends over preallocated key slots),
+    each decode step's to float rounding (attention over the cache's own buffers). snapkv with budget 16,
+    window 4: 16 tokens per prompt and KV head on every layer."""
     model = tiny_family(model_type, attn)
     ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
@@ -40,7 +49,10 @@ def test_fullkv_generates_as_unpatched_and_snapkv_holds_its_budget(model_type, a
         with compress(model, make_method("fullkv")):
             got_tokens, got_logits = greedy(model, ids)
     assert torch.equal(got_tokens, tokens)
-    assert torch.equal(got_logits[0], logits[0])
+    if model_type in PREALLOCATED_KEYS:
+        torch.testing.assert_close(got_logits[0], logits[0], rtol=0, atol=PROMPT_LOGITS_ATOL)
+    else:
+        assert torch.equal(got_logits[0], logits[0])
     torch.testing.assert_close(got_logits, logits, rtol=1e-5, atol=1e-5)
 
     with compress(model, make_method("snapkv", budget=16, window_size=4)) as patch, torch.no_grad():

@@ -246,13 +246,13 @@ def test_scorers_read_the_weights_of_the_sparse_attention(eager_setup, tmp_path)
             assert_same_selection({int(p) for p in kept if p < n - 16}, scores, 64 - 16)
 
 
-def test_batch_of_three_equals_single_runs(smollm2, tmp_path):
+def test_batch_of_three_equals_single_runs(smollm2, tmp_path, request):
     model, tokenizer = smollm2
     table = mixed_table(tmp_path / "mixed.json")
     prompts = [tokenizer(p, add_special_tokens=False).input_ids for p in (STORY * 2, STORY, "<|im_start|>user\nHi")]
     method = make_method("snapkv", budget=96, window_size=16, prefill_attention="minference", pattern_table=table,
                          block_size=16, block_top_k=4)
-    assert_batch_equals_alone(model, tokenizer, method, prompts, 8)
+    assert_batch_equals_alone(model, tokenizer, method, prompts, 8, request)
 
 
 def test_the_packaged_table_fits_the_default_model(smollm2_path):

