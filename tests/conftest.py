@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 
 import pytest
@@ -136,18 +138,11 @@ def tiny_model_dir(tmp_path_factory, smollm2_path) -> str:
     For end-to-end runner tests that must take seconds: the outputs are
     meaningless but every code path (tokenizer, template, cache, patch) is real.
     """
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     out = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, rope_theta=100000.0,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(out, safe_serialization=True)
+    save_copy(tiny_llama(vocab=len(tokenizer), **FOR_SMOLLM2_TOKENIZER), out)
     tokenizer.save_pretrained(out)
     return str(out)
 
@@ -182,16 +177,9 @@ def random_llama(tokenizer, tmp_path_factory):
     """
     import json
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     layers, heads = 4, 4
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=8192, rope_theta=100000.0,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2, attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_llama(layers=layers, heads=heads, vocab=len(tokenizer), **FOR_SMOLLM2_TOKENIZER)
+    config = model.config
     folder = tmp_path_factory.mktemp("random-llama-tables")
     generator = torch.Generator().manual_seed(1)
     head_scores = folder / "head_scores.json"
@@ -218,27 +206,58 @@ def sharp_llama(random_llama):
     """(model, tokenizer, tables): random_llama re-drawn with weights of std SHARP_STD, for properties checked by
     comparing outputs (the same logits, the same text) that must not hold vacuously: here a budget one token
     short of the prompt moves a decode step's logits by 0.2 or more, and greedy text depends on the prompt."""
-    import copy
-
-    from transformers import LlamaForCausalLM
-
     model, tokenizer, tables = random_llama
-    config = copy.deepcopy(model.config)
-    config.initializer_range = SHARP_STD
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval(), tokenizer, tables
+    config = model.config
+    return tiny_llama(layers=config.num_hidden_layers, heads=config.num_attention_heads, vocab=config.vocab_size,
+                      std=SHARP_STD, **FOR_SMOLLM2_TOKENIZER), tokenizer, tables
 
 
 @pytest.fixture(scope="session")
 def sharp_model_dir(tmp_path_factory, tiny_model_dir) -> str:
     """tiny_model_dir's Llama re-drawn with weights of std SHARP_STD, saved as an HF directory: for runner tests
     that compare predictions, which then depend on the prompt."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     out = tmp_path_factory.mktemp("sharp-llama")
-    config = LlamaConfig.from_pretrained(tiny_model_dir)
-    config.initializer_range = SHARP_STD
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    save_copy(tiny_llama(vocab=len(tokenizer), std=SHARP_STD, **FOR_SMOLLM2_TOKENIZER), out)
+    tokenizer.save_pretrained(out)
     return str(out)
+
+
+# ---- tiny random models: one cached factory ---------------------------------------------------------------------
+# Not a fixture, so that module-level code and helpers reach it too: `from tests.conftest import tiny_llama`.
+
+@functools.lru_cache(maxsize=None)
+def tiny_llama(layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 96, std: float = 0.02,
+               attn: str | None = "sdpa", seed: int = 0, family: str = "llama", **config):
+    """A random eval model, hidden 64 (head_dim 16 with 4 heads), MLP 128, 512 positions: `layers` layers of
+    `heads` query and `kv_heads` KV heads, `vocab` tokens, weights of std `std` drawn after torch.manual_seed(seed)
+    (torch's global generator is left as it was), attention `attn` (None: transformers' choice). `family`: a
+    model_type of MODEL_GLUE, built in its config class; `config`: any other config setting, over these.
+
+    Cached by its settings (they must be hashable) and shared by every test that asks for the same: never change
+    its weights or its config; copy it first (copy.deepcopy; save_copy to save it, as save_pretrained writes into
+    the config). `tiny_llama.__wrapped__(...)` builds a fresh one."""
+    from pyramidkv.models.patch import MODEL_GLUE
+
+    glue = MODEL_GLUE[family]
+    settings = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                    num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                    initializer_range=std)
+    model_config = glue.config_class(**{**settings, **config}, attn_implementation=attn)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return glue.causal_lm(model_config).eval()
+
+
+def save_copy(model, folder) -> None:
+    """Save a copy of `model` as an HF directory (save_pretrained sets config.architectures and torch_dtype:
+    a cached tiny_llama stays as it was)."""
+    copy.deepcopy(model).save_pretrained(folder, safe_serialization=True)
+
+
+# The tiny Llamas that run with SmolLM2's tokenizer (random_llama, tiny_model_dir): its special token ids, its
+# rope_theta, tied embeddings (vocab=len(tokenizer) is given with them).
+FOR_SMOLLM2_TOKENIZER = dict(max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
+                             bos_token_id=1, eos_token_id=2, pad_token_id=2)

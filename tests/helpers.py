@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import typing
 from pathlib import Path
 
 import torch
@@ -23,6 +25,13 @@ def longbench_data_dir() -> Path:
             return folder
     raise FileNotFoundError(f"LongBench test data not found in any of: "
                             f"{', '.join(str(r / 'longbench' / 'data') for r in _SHARED_CANDIDATES)}")
+
+
+def cached_type_hints():
+    """typing.get_type_hints with a cache, for the matrices that build every combination. Every construction of a
+    method or unit checks its settings against the type hints of its class, re-read each time (about 1 ms per
+    make_method); a class's hints never change, so the cache changes no decision, only the time."""
+    return functools.cache(typing.get_type_hints)
 
 
 def prefill(model, ids, method, attention_mask=None, position_ids=None, tokenizer=None):

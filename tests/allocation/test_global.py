@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from pyramidkv import compress, make_method
 from pyramidkv.allocation.global_ import GlobalHeads, global_counts
+from tests.conftest import tiny_llama
 
 PROMPT = 48
 
@@ -40,12 +40,9 @@ def test_hand_worked_ties_at_the_cut_go_to_the_more_recent_position():
     assert global_counts([layer0, layer1], 4) == [[1, 1], [1, 1]]
 
 
-def tiny(layers: int) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         attn_implementation="sdpa")
-    torch.manual_seed(layers)
-    return LlamaForCausalLM(config).eval()
+def tiny(layers: int):
+    """A random Llama of `layers` layers (GQA 4 / 2), seeded by its layer count: shared, never changed."""
+    return tiny_llama(layers=layers, vocab=128, seed=layers, max_position_embeddings=256)
 
 
 def prefilled(model, method):

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pyramidkv import make_method
@@ -19,6 +18,7 @@ from pyramidkv.allocation.threshold import ThresholdHeads
 from pyramidkv.capabilities import Selection
 from pyramidkv.generation import generate
 from pyramidkv.methods.base import Method
+from tests.conftest import tiny_llama
 
 PROMPT, WINDOW, SINKS, STEPS, THRESHOLD = 40, 8, 2, 64, 0.1
 
@@ -62,11 +62,7 @@ class TokenIds:
 def tiny():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.2, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_llama(layers=2, vocab=96, std=0.2)
     prompt = torch.randint(3, 96, (PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
     yield model, prompt
     torch.set_num_threads(threads)

@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from pyramidkv.generation import end_of_turn_token, end_token_ids
 from pyramidkv.models.loading import generation_config
 from tests.chat_families import FAMILIES, family_tokenizer_dir
+from tests.conftest import save_copy, tiny_llama
 from tests.helpers import longbench_data_dir
 
 TURN_ENDS = {"llama3": "<|eot_id|>", "qwen2": "<|im_end|>", "gemma2": "<end_of_turn>", "phi3": "<|end|>",
@@ -62,12 +62,10 @@ def test_the_run_passes_the_families_stops_to_generate_and_records_them(tmp_path
     <|eot_id|> (from the model's files, not from its name), run_meta.json records them."""
     import pyramidkv.generation as G
     from pyramidkv.benchmarks.longbench import run as R
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     model_dir = tmp_path / "model"
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(model_dir)
+    save_copy(tiny_llama(vocab=96, max_position_embeddings=2048), model_dir)
     family_tokenizer_dir(model_dir, "llama3")        # its generation_config.json over the one the model saved
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     data = tmp_path / "data"

@@ -18,7 +18,6 @@ compared.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import random
 import typing
@@ -27,6 +26,7 @@ import pytest
 
 from pyramidkv import make_method
 from tests.engine_snapshot import assert_batch_equals_alone
+from tests.helpers import cached_type_hints
 
 AXES = {
     "scorer": ["streamingllm", "h2o", "snapkv", "l2norm", "nacl", "scissorhands", "expected_attention", "keydiff",
@@ -138,13 +138,6 @@ def pairwise_cases(tables: dict) -> list[dict]:
         chosen.append(best)
         uncovered -= pairs(best)
     return chosen
-
-
-def cached_type_hints():
-    """typing.get_type_hints with a cache. Every construction of a method or unit checks its settings
-    against the type hints of its class, re-read each time (about 1 ms per make_method, 90 s for the
-    115,200 combinations); a class's hints never change, so the cache changes no decision, only the time."""
-    return functools.cache(typing.get_type_hints)
 
 
 # pairwise_cases() as of the merge of issue 18, in the order of AXES.

@@ -15,6 +15,7 @@ import torch
 from pyramidkv.allocation.base import ModelShape
 from pyramidkv.methods.duo_attention import (NOISE_SEED, model_pattern, read_pattern, removed_share,
                                              streaming_heads)
+from tests.conftest import tiny_llama
 from tests.helpers import ROOT, load_script
 
 CALIBRATE = load_script("calibrate_duo", ROOT / "scripts/calibrate_duo.py")
@@ -167,15 +168,9 @@ class TokenIds:
 def tiny(tmp_path_factory):
     """(model, prompt, pattern folder): 2 layers x 2 KV heads (4 query heads), weights of std 0.2 (a masked key
     moves the logits), torch on one thread; the pattern streams heads (0, 1) and (1, 0) at share 0.5."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.2, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_llama(layers=2, vocab=96, std=0.2)
     prompt = torch.randint(3, 96, (PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
     folder = tmp_path_factory.mktemp("duo-pattern")
     write_tsv(folder / "full_attention_heads.tsv", [[0.93, 0.08], [-0.01, 1.2]])

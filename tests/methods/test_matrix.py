@@ -6,9 +6,20 @@ Llama holding exactly the tokens its budget gives, after the prefill and after e
 model's shape) and check_prompt (the prompt's length). A combination that passes them must run: any
 exception from generate() fails, and so does a refusal of another type or over several lines.
 
-The registries drive the axes (METHODS, HEAD_ALLOCATIONS, LAYER_ALLOCATIONS, MERGE_RULES, QUANTIZERS), so a
-new method or unit is in the matrix with no edit here. What a layer and head must hold is written below from
-the documented rules (Method's docstring, docs/decoding.md), not read from the code under test:
+The registries drive the axes (METHODS, HEAD_ALLOCATIONS, LAYER_ALLOCATIONS, MERGE_RULES, QUANTIZERS). Building a
+combination takes a millisecond, running one a tenth of a second: every combination is built (the `product`
+fixture: each refusal must be one line), and the ones that build run pairwise: every pair of values of two axes
+that some valid combination has appears in at least one case of CASES (126 cases today). REFUSED holds, for each
+refusal (its message less the units it names, `refusal_group`), the first combination refused with it (48). A
+decode_budget case also runs the same combination without it, whose counts decode_problems compares with. Both
+tables are written out, so that collecting this file costs nothing; a new method or unit, or a changed rule, fails
+test_the_cases_cover_every_pair or test_every_refusal_is_one_line_and_some_case_meets_it until
+`python -m tests.methods.test_matrix` prints new ones.
+test_full_product_runs_within_its_budget_or_is_refused_in_one_line runs every combination (15,600, 3,175 of them
+valid: minutes).
+
+What a layer and head must hold is written below from the documented rules (Method's docstring,
+docs/decoding.md), not read from the code under test:
 
 * a method that keeps every prompt token holds the prompt length n in every head;
 * otherwise every head holds at least the window and sinks and at most n; a layer kept whole (l2norm's
@@ -22,19 +33,22 @@ the documented rules (Method's docstring, docs/decoding.md), not read from the c
 * a method whose defaults bound decoding (tova: decode_budget = budget, decode_interval 1) follows that rule
   with its own D and I when no decode_budget is given.
 
-`python -m tests.methods.test_matrix` prints how many combinations run and the refusals grouped by message.
+`python -m tests.methods.test_matrix` prints how many combinations run, the refusals grouped by message, and the
+tables CASES and REFUSED.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
+import re
+import typing
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from pyramidkv.allocation import HEAD_ALLOCATIONS, LAYER_ALLOCATIONS
 from pyramidkv.components import setting_help
@@ -44,7 +58,8 @@ from pyramidkv.methods import METHODS, make_method
 from pyramidkv.models.patch import model_shape
 from pyramidkv.quantization import QUANTIZERS
 from pyramidkv.sparse_prefill import SPARSE_PREFILLS
-from tests.helpers import kvzap_artifact, write_calibrations
+from tests.conftest import tiny_llama
+from tests.helpers import cached_type_hints, kvzap_artifact, write_calibrations
 
 LAYERS, QUERY_HEADS, KV_HEADS = 3, 4, 2     # 3 layers: Quest attends densely in its first 2
 PROMPT_LEN = 64
@@ -63,6 +78,15 @@ QUANTIZER_SETTINGS = {
 KEEPS_THE_PROMPT = {"quest"}
 CALIBRATED = ("qfilter_path", "kvzip_head_path")   # calibrated methods' files written for the tiny model
 
+AXES = {
+    "method": list(METHODS),
+    "head": list(HEAD_ALLOCATIONS),
+    "layer": list(LAYER_ALLOCATIONS),
+    "merge": [None, *MERGE_RULES],
+    "quant": [None, *QUANTIZERS],
+    "decode": [None, DECODE_BUDGET],   # last: in the product a combination comes just before its decode twin
+}
+
 
 class TokenIds:
     """The tokenizer generate() needs for prompts given as token ids: a pad id and decode(); and for KVzip's repeat
@@ -79,10 +103,9 @@ class TokenIds:
         return " ".join(str(i) for i in ids)
 
 
-def tiny_config() -> LlamaConfig:
-    return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                       num_attention_heads=QUERY_HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
-                       attn_implementation="sdpa")
+def tiny_model():
+    """The tiny random Llama (GQA 4 / 2, head_dim 16, 256 tokens), shared (tests/conftest.py): never changed."""
+    return tiny_llama(layers=LAYERS, heads=QUERY_HEADS, kv_heads=KV_HEADS, vocab=256)
 
 
 def write_tables(folder: Path) -> dict:
@@ -97,16 +120,17 @@ def write_tables(folder: Path) -> dict:
     kinds = [["vertical_and_slash", 8, 16, 0.9], ["stream_llm", 4, 16, 0.9], ["block_sparse", 0, 0, 1.0]]
     patterns.write_text(json.dumps([{str(head): kinds[(layer + head) % 3] for head in range(QUERY_HEADS)}
                                     for layer in range(LAYERS)]))
-    torch.manual_seed(0)
-    kvzap = kvzap_artifact(LlamaForCausalLM(tiny_config()).eval(), folder / "kvzap-linear.safetensors")
+    kvzap = kvzap_artifact(tiny_model(), folder / "kvzap-linear.safetensors")
     duo = folder / "full_attention_heads.tsv"   # DuoAttention's gates, 3 layers x 2 KV heads: 3 heads stream
     duo.write_text("0.9\t0.1\n0.2\t0.8\n0.6\t0.3\n")
     return {"head_scores": str(head_scores), "pattern_table": str(patterns), "kvzap_path": kvzap,
             "duo_attention": dict(duo_pattern=str(duo), threshold=0.5, window_size=8, num_sinks=2),
-            **write_calibrations(folder, tiny_config())}
+            **write_calibrations(folder, tiny_model().config)}
 
 
-SHAPE = model_shape(tiny_config(), dtype_bytes=4)
+@functools.cache
+def shape():
+    return model_shape(tiny_model().config, dtype_bytes=4)
 
 
 @pytest.fixture(scope="module")
@@ -114,21 +138,19 @@ def tiny(tmp_path_factory):
     """(model, prompt, tables), torch on one thread: on these sizes more threads only wait for each other."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_config()).eval()
     prompt = torch.randint(3, 256, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
-    yield model, prompt, write_tables(tmp_path_factory.mktemp("matrix"))
+    yield tiny_model(), prompt, write_tables(tmp_path_factory.mktemp("matrix"))
     torch.set_num_threads(threads)
 
 
-def combinations(name: str, head: str):
-    """(layer, merge, quant, decode) for one method and head allocation, decode None before decode_budget."""
-    for layer, merge, quant in itertools.product(LAYER_ALLOCATIONS, [None, *MERGE_RULES], [None, *QUANTIZERS]):
-        for decode in (None, DECODE_BUDGET):
-            yield layer, merge, quant, decode
+def every_combination(**fixed) -> list[dict]:
+    """The product of AXES in their order (the axes in `fixed` at the value given)."""
+    values = [[fixed[axis]] if axis in fixed else AXES[axis] for axis in AXES]
+    return [dict(zip(AXES, row)) for row in itertools.product(*values)]
 
 
-def settings(cls, head: str, layer: str, merge, quant, decode, tables: dict) -> dict:
+def settings(cls, case: dict, tables: dict) -> dict:
+    head, layer, merge, quant, decode = (case[axis] for axis in ("head", "layer", "merge", "quant", "decode"))
     chosen = {"head_allocation": head, "layer_allocation": layer}
     if head == "threshold":   # no budget: each head keeps what passes; decided while decoding where it can be
         chosen.update(threshold=THRESHOLD, threshold_decoding=cls.token_scores)
@@ -154,12 +176,34 @@ def settings(cls, head: str, layer: str, merge, quant, decode, tables: dict) -> 
     return chosen
 
 
-def build(name: str, head: str, layer: str, merge, quant, decode, tables: dict):
+def build(case: dict, tables: dict):
     """The method, through make_method and the checks the runners make before the weights are used."""
-    method = make_method(name, **settings(METHODS[name], head, layer, merge, quant, decode, tables))
-    method.check_model(SHAPE)
+    method = make_method(case["method"], **settings(METHODS[case["method"]], case, tables))
+    method.check_model(shape())
     method.check_prompt(PROMPT_LEN)
     return method
+
+
+def refusal_group(message: str) -> str:
+    """A refusal's rule: its message, the units and values it quotes written <unit>."""
+    return re.sub(r"'[^'\s]*'|\b[A-Z][A-Za-z]+\(.*?\)", "<unit>", message)
+
+
+def outcomes(tables: dict) -> dict[tuple, Exception | None]:
+    """Every combination's values (in the order of AXES) -> None when it builds, else what building it raised."""
+    result = {}
+    for case in every_combination():
+        try:
+            build(case, tables)
+            result[tuple(case.values())] = None
+        except Exception as error:  # noqa: BLE001 - a refusal, or the failure test_every_refusal_... reports
+            result[tuple(case.values())] = error
+    return result
+
+
+def label(case: dict) -> str:
+    return (f"{case['method']} head={case['head']} layer={case['layer']} merge={case['merge']} quant={case['quant']} "
+            f"decode_budget={case['decode']}")
 
 
 def held_after_each_forward(model, prompt, method) -> tuple[list, list[int]]:
@@ -243,67 +287,349 @@ def decode_problems(held_states: list, prefill: list[list[int]] | None, D: int =
     return problems
 
 
+def one_line_refusal(error: Exception) -> bool:
+    return isinstance(error, ValueError) and bool(str(error).strip()) and "\n" not in str(error)
+
+
+def check(tiny, case: dict, prefill: list[list[int]] | None) -> tuple[list[str], list[list[int]] | None]:
+    """(what is wrong with the combination, the counts [layer][head] it holds after the prefill when it runs without
+    decode_budget). `prefill`: with decode_budget, the counts of the same combination without it (None when that
+    one is refused)."""
+    model, prompt, tables = tiny
+    name, layer = case["method"], case["layer"]
+    try:
+        method = build(case, tables)
+    except ValueError as refusal:
+        return ([] if one_line_refusal(refusal) else [f"{label(case)}: refused, but not in one line: {str(refusal)!r}"],
+                None)
+    except Exception as error:  # noqa: BLE001 - any other exception is the failure reported
+        return [f"{label(case)}: {type(error).__name__} while building: {error}"], None
+    try:
+        states, budgets = held_after_each_forward(model, prompt, method)
+    except Exception as error:  # noqa: BLE001
+        return [f"{label(case)}: passed the checks, then {type(error).__name__} while generating: {error}"], None
+    if len(states) != NEW_TOKENS:
+        return [f"{label(case)}: {len(states)} forwards, expected {NEW_TOKENS}"], None
+    if case["decode"] is None:
+        problems = prefill_problems(name, method, layer, states[0], budgets)
+        if method.decode is not None:   # its defaults bound decoding
+            problems += decode_problems(states, None, method.decode.decode_budget, method.decode.decode_interval)
+        elif getattr(method.head_allocation, "threshold_decoding", False):   # evicts as tokens leave the window
+            problems += [f"step {t}: holds {state} after {states[t - 1]}: a head gains the new token and loses at "
+                         f"most the one leaving the window" for t, state in enumerate(states)
+                         if t and any(not 0 <= c - p <= 1 for row, prev in zip(state, states[t - 1])
+                                      for c, p in zip(row, prev))]
+        else:
+            problems += [f"step {t}: holds {state}, expected the prefill counts + {t}"
+                         for t, state in enumerate(states) if state != [[c + t for c in row] for row in states[0]]]
+        return [f"{label(case)}: {problem}" for problem in problems], states[0]
+    return [f"{label(case)}: {problem}" for problem in decode_problems(states, prefill)], None
+
+
+# ---- the cases: pairwise over the combinations that run, and one per refusal ---------------------------------
+def pairs(case: dict) -> set:
+    return {((a, case[a]), (b, case[b])) for a, b in itertools.combinations(AXES, 2)}
+
+
+def twin(values: tuple) -> tuple:
+    """The same combination without decode_budget."""
+    return values[:-1] + (None,)
+
+
+def witness(pair: tuple, product: dict) -> dict | None:
+    """The first combination of the product holding `pair` that builds, or None."""
+    return next((dict(zip(AXES, values)) for values, error in product.items()
+                 if error is None and all(dict(zip(AXES, values))[axis] == value for axis, value in pair)), None)
+
+
+def pairwise_cases(product: dict) -> list[dict]:
+    """A small set of combinations that build, covering every pair of axis values that such a combination has
+    (greedy: each step takes the combination covering the most pairs not yet covered, one whose no-decode twin
+    builds when it can, so that decode_problems has its counts)."""
+    combos = [dict(zip(AXES, values)) for values, error in product.items() if error is None]
+    twin_builds = {tuple(c.values()): product[twin(tuple(c.values()))] is None for c in combos}
+    uncovered = set().union(*(pairs(c) for c in combos))
+    chosen = []
+    while uncovered:
+        best = max(combos, key=lambda c: (len(pairs(c) & uncovered), twin_builds[tuple(c.values())]))
+        chosen.append(best)
+        uncovered -= pairs(best)
+    return chosen
+
+
+def outcome(product: dict, case: dict) -> Exception | None:
+    """The case's outcome in the product (a case of a unit no registry holds any more: a KeyError)."""
+    return product.get(tuple(case.values()), KeyError(f"{label(case)} is not a combination of AXES"))
+
+
+def refused_cases(product: dict) -> list[dict]:
+    """For each refusal group, the first combination of the product refused with it."""
+    first = {}
+    for values, error in product.items():
+        if isinstance(error, ValueError):
+            first.setdefault(refusal_group(str(error)), dict(zip(AXES, values)))
+    return list(first.values())
+
+
+# pairwise_cases(product) and refused_cases(product) as printed by `python -m tests.methods.test_matrix`, in the
+# order of AXES.
+CASES = [dict(zip(AXES, row)) for row in [
+    ('fullkv', 'uniform', 'uniform', None, None, None),
+    ('streamingllm', 'adakv', 'pyramid', 'pivot', None, 36),
+    ('h2o', 'adakv', 'zigzag', 'weighted', 'kivi', None),
+    ('streamingllm', 'headkv', 'uniform', 'mergingpress', 'kvquant', None),
+    ('snapkv', 'uniform', 'pyramid', 'cam', 'gear', None),
+    ('h2o', 'global', 'uniform', 'cam', None, 36),
+    ('pyramidkv', 'uniform', 'zigzag', 'mergingpress', None, 36),
+    ('pyramidkv', 'global', 'uniform', 'pivot', 'kivi', None),
+    ('snapkv', 'headkv', 'uniform', 'weighted', None, 36),
+    ('l2norm', 'threshold', 'uniform', None, 'gear', None),
+    ('adakv', 'uniform', 'pyramid', 'weighted', 'kvquant', None),
+    ('ada_pyramidkv', 'adakv', 'zigzag', None, 'kvquant', None),
+    ('headkv', 'uniform', 'pyramid', None, 'kivi', None),
+    ('zigzagkv', 'uniform', 'zigzag', 'pivot', 'gear', None),
+    ('think', 'adakv', 'uniform', 'mergingpress', 'gear', None),
+    ('adakv', 'threshold', 'uniform', None, None, 36),
+    ('cam', 'adakv', 'zigzag', 'cam', 'kivi', None),
+    ('nacl', 'global', 'uniform', 'weighted', 'gear', None),
+    ('kvzip', 'headkv', 'uniform', None, 'kivi', None),
+    ('expected_attention', 'uniform', 'pyramid', 'mergingpress', 'kivi', None),
+    ('ada_expected_attention', 'headkv', 'uniform', 'pivot', 'kvquant', None),
+    ('keydiff', 'global', 'uniform', None, 'kvquant', None),
+    ('kvzap', 'headkv', 'uniform', 'cam', 'kvquant', None),
+    ('ada_pyramidkv', 'global', 'uniform', 'mergingpress', None, 36),
+    ('qfilter', 'headkv', 'uniform', None, 'gear', None),
+    ('l2norm', 'uniform', 'pyramid', 'pivot', None, 36),
+    ('headkv', 'adakv', 'uniform', 'pivot', None, 36),
+    ('zigzagkv', 'adakv', 'uniform', None, None, 36),
+    ('cam', 'uniform', 'uniform', None, None, 36),
+    ('nacl', 'uniform', 'pyramid', None, None, 36),
+    ('quest', 'uniform', 'uniform', None, None, None),
+    ('minicache', 'uniform', 'uniform', None, None, None),
+    ('minference', 'uniform', 'uniform', None, None, None),
+    ('expected_attention', 'adakv', 'uniform', None, None, 36),
+    ('ada_expected_attention', 'uniform', 'pyramid', None, None, 36),
+    ('keydiff', 'uniform', 'pyramid', 'pivot', None, 36),
+    ('tova', 'uniform', 'uniform', None, None, None),
+    ('duo_attention', 'threshold', 'uniform', None, None, None),
+    ('qfilter', 'uniform', 'pyramid', 'pivot', None, 36),
+    ('kvzip_head', 'uniform', 'uniform', None, None, None),
+    ('scissorhands', 'uniform', 'uniform', None, None, 36),
+    ('streamingllm', 'uniform', 'zigzag', None, 'kivi', None),
+    ('h2o', 'uniform', 'pyramid', None, 'kvquant', None),
+    ('snapkv', 'adakv', 'zigzag', None, 'kivi', None),
+    ('pyramidkv', 'adakv', 'pyramid', None, 'kvquant', None),
+    ('l2norm', 'adakv', 'zigzag', 'weighted', 'kivi', None),
+    ('adakv', 'adakv', 'zigzag', 'pivot', 'kivi', None),
+    ('ada_pyramidkv', 'uniform', 'pyramid', 'pivot', 'kivi', None),
+    ('think', 'uniform', 'pyramid', None, None, None),
+    ('nacl', 'adakv', 'zigzag', 'pivot', 'kivi', None),
+    ('ada_expected_attention', 'adakv', 'zigzag', 'weighted', 'kivi', None),
+    ('keydiff', 'adakv', 'zigzag', 'weighted', 'kivi', None),
+    ('kvzap', 'uniform', 'pyramid', None, None, None),
+    ('kvzap', 'adakv', 'zigzag', 'pivot', 'kivi', None),
+    ('qfilter', 'adakv', 'zigzag', 'weighted', 'kivi', None),
+    ('streamingllm', 'global', 'uniform', 'weighted', 'gear', None),
+    ('h2o', 'headkv', 'uniform', 'pivot', 'gear', None),
+    ('snapkv', 'global', 'uniform', 'pivot', 'kvquant', None),
+    ('pyramidkv', 'headkv', 'uniform', 'weighted', 'gear', None),
+    ('l2norm', 'headkv', 'uniform', 'mergingpress', 'kvquant', None),
+    ('adakv', 'headkv', 'uniform', 'mergingpress', 'gear', None),
+    ('ada_pyramidkv', 'headkv', 'uniform', 'weighted', 'gear', None),
+    ('headkv', 'uniform', 'zigzag', 'weighted', 'kvquant', None),
+    ('headkv', 'headkv', 'uniform', 'mergingpress', 'gear', None),
+    ('zigzagkv', 'uniform', 'pyramid', 'weighted', 'kivi', None),
+    ('zigzagkv', 'headkv', 'uniform', 'mergingpress', 'kvquant', None),
+    ('think', 'uniform', 'zigzag', 'pivot', 'kivi', None),
+    ('nacl', 'headkv', 'uniform', 'mergingpress', 'kvquant', None),
+    ('kvzip', 'uniform', 'pyramid', None, None, None),
+    ('kvzip', 'adakv', 'zigzag', None, 'kvquant', None),
+    ('expected_attention', 'uniform', 'zigzag', 'pivot', 'kvquant', None),
+    ('expected_attention', 'headkv', 'uniform', 'weighted', 'gear', None),
+    ('ada_expected_attention', 'global', 'uniform', 'mergingpress', 'gear', None),
+    ('keydiff', 'headkv', 'uniform', 'mergingpress', 'gear', None),
+    ('tova', 'uniform', 'pyramid', 'pivot', None, 36),
+    ('kvzap', 'global', 'uniform', 'weighted', 'gear', None),
+    ('qfilter', 'global', 'uniform', 'mergingpress', 'kvquant', None),
+    ('kvzip_head', 'adakv', 'pyramid', None, None, 36),
+    ('scissorhands', 'adakv', 'pyramid', 'pivot', None, 36),
+    ('streamingllm', 'threshold', 'uniform', None, 'kivi', None),
+    ('h2o', 'threshold', 'uniform', None, 'kvquant', None),
+    ('adakv', 'global', 'uniform', 'cam', None, None),
+    ('headkv', 'global', 'uniform', 'cam', None, None),
+    ('zigzagkv', 'global', 'uniform', 'cam', None, None),
+    ('cam', 'uniform', 'pyramid', None, 'kvquant', None),
+    ('cam', 'headkv', 'uniform', None, 'gear', None),
+    ('think', 'headkv', 'uniform', 'weighted', None, None),
+    ('think', 'global', 'uniform', 'cam', None, None),
+    ('kvzip', 'global', 'uniform', None, 'gear', None),
+    ('tova', 'uniform', 'zigzag', 'weighted', None, None),
+    ('kvzip_head', 'uniform', 'zigzag', None, 'kivi', None),
+    ('kvzip_head', 'headkv', 'uniform', None, 'kvquant', None),
+    ('kvzip_head', 'global', 'uniform', None, 'gear', None),
+    ('scissorhands', 'uniform', 'zigzag', 'weighted', None, 36),
+    ('scissorhands', 'headkv', 'uniform', 'mergingpress', None, 36),
+    ('scissorhands', 'global', 'uniform', 'cam', None, 36),
+    ('fullkv', 'uniform', 'uniform', None, 'kivi', None),
+    ('fullkv', 'uniform', 'uniform', None, 'kvquant', None),
+    ('fullkv', 'uniform', 'uniform', None, 'gear', None),
+    ('h2o', 'uniform', 'uniform', 'mergingpress', None, None),
+    ('snapkv', 'uniform', 'uniform', 'mergingpress', None, None),
+    ('snapkv', 'threshold', 'uniform', None, None, None),
+    ('pyramidkv', 'uniform', 'uniform', 'cam', None, None),
+    ('pyramidkv', 'threshold', 'uniform', None, None, None),
+    ('l2norm', 'global', 'uniform', None, None, None),
+    ('ada_pyramidkv', 'uniform', 'uniform', 'cam', None, None),
+    ('ada_pyramidkv', 'threshold', 'uniform', None, None, None),
+    ('headkv', 'threshold', 'uniform', None, None, None),
+    ('zigzagkv', 'threshold', 'uniform', None, None, None),
+    ('cam', 'global', 'uniform', None, None, None),
+    ('nacl', 'uniform', 'uniform', 'cam', None, None),
+    ('minference', 'uniform', 'uniform', None, 'kivi', None),
+    ('minference', 'uniform', 'uniform', None, 'kvquant', None),
+    ('minference', 'uniform', 'uniform', None, 'gear', None),
+    ('kvzip', 'threshold', 'uniform', None, None, None),
+    ('expected_attention', 'global', 'uniform', None, None, None),
+    ('expected_attention', 'threshold', 'uniform', None, None, None),
+    ('ada_expected_attention', 'threshold', 'uniform', None, None, None),
+    ('keydiff', 'threshold', 'uniform', None, None, None),
+    ('tova', 'uniform', 'uniform', 'mergingpress', None, None),
+    ('kvzap', 'uniform', 'uniform', 'mergingpress', None, None),
+    ('kvzap', 'threshold', 'uniform', None, None, None),
+    ('qfilter', 'uniform', 'uniform', 'cam', None, None),
+    ('qfilter', 'threshold', 'uniform', None, None, None),
+    ('kvzip_head', 'threshold', 'uniform', None, None, None),
+    ('scissorhands', 'threshold', 'uniform', None, None, 36),
+]]
+
+REFUSED = [dict(zip(AXES, row)) for row in [
+    ('fullkv', 'uniform', 'uniform', None, None, 36),
+    ('fullkv', 'uniform', 'uniform', 'pivot', None, None),
+    ('fullkv', 'uniform', 'pyramid', None, None, None),
+    ('fullkv', 'headkv', 'pyramid', None, None, None),
+    ('fullkv', 'threshold', 'uniform', None, None, None),
+    ('streamingllm', 'uniform', 'uniform', None, 'kivi', 36),
+    ('streamingllm', 'uniform', 'uniform', 'cam', None, None),
+    ('streamingllm', 'threshold', 'uniform', 'pivot', None, None),
+    ('l2norm', 'uniform', 'uniform', 'cam', None, None),
+    ('cam', 'uniform', 'uniform', 'pivot', None, None),
+    ('think', 'uniform', 'uniform', None, None, 36),
+    ('think', 'uniform', 'uniform', None, 'kvquant', None),
+    ('think', 'threshold', 'uniform', None, None, None),
+    ('nacl', 'threshold', 'uniform', None, None, None),
+    ('scissorhands', 'uniform', 'uniform', None, None, None),
+    ('quest', 'uniform', 'uniform', None, None, 36),
+    ('quest', 'uniform', 'uniform', None, 'kivi', None),
+    ('quest', 'uniform', 'uniform', 'pivot', None, None),
+    ('quest', 'uniform', 'uniform', 'cam', None, None),
+    ('quest', 'uniform', 'pyramid', None, None, None),
+    ('quest', 'adakv', 'uniform', None, None, None),
+    ('quest', 'threshold', 'uniform', None, None, None),
+    ('minicache', 'uniform', 'uniform', None, None, 36),
+    ('minicache', 'uniform', 'uniform', None, 'kivi', None),
+    ('minicache', 'uniform', 'uniform', 'pivot', None, None),
+    ('minicache', 'uniform', 'pyramid', None, None, None),
+    ('minicache', 'adakv', 'uniform', None, None, None),
+    ('minicache', 'headkv', 'uniform', None, None, None),
+    ('minicache', 'threshold', 'uniform', None, None, None),
+    ('minference', 'uniform', 'uniform', None, None, 36),
+    ('minference', 'uniform', 'uniform', 'pivot', None, None),
+    ('minference', 'uniform', 'pyramid', None, None, None),
+    ('minference', 'threshold', 'uniform', None, None, None),
+    ('kvzip', 'uniform', 'uniform', None, None, 36),
+    ('kvzip', 'uniform', 'uniform', 'pivot', None, None),
+    ('kvzip', 'uniform', 'uniform', 'cam', None, None),
+    ('expected_attention', 'uniform', 'uniform', 'cam', None, None),
+    ('ada_expected_attention', 'uniform', 'uniform', 'cam', None, None),
+    ('keydiff', 'uniform', 'uniform', 'cam', None, None),
+    ('tova', 'uniform', 'uniform', 'cam', None, None),
+    ('tova', 'adakv', 'uniform', None, None, None),
+    ('tova', 'threshold', 'uniform', None, None, None),
+    ('kvzap', 'uniform', 'uniform', None, None, 36),
+    ('kvzap', 'threshold', 'uniform', None, 'kivi', None),
+    ('duo_attention', 'uniform', 'uniform', None, None, None),
+    ('duo_attention', 'threshold', 'uniform', None, None, 36),
+    ('kvzip_head', 'uniform', 'uniform', 'pivot', None, None),
+    ('kvzip_head', 'uniform', 'uniform', 'cam', None, None),
+]]
+
+
+@pytest.fixture(scope="module")
+def product(tiny):
+    """outcomes() of every combination (typing's hints cached while building: 15,600 builds in seconds)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(typing, "get_type_hints", cached_type_hints())
+        return outcomes(tiny[2])
+
+
+@pytest.mark.parametrize("case", CASES + REFUSED, ids=["-".join(str(v) for v in c.values()) for c in CASES + REFUSED])
+def test_every_case_runs_within_its_budget_or_is_refused_in_one_line(tiny, case):
+    """A case of CASES or REFUSED, checked as in the full product; a decode_budget case after the same combination
+    without it (checked too), whose counts decode_problems compares with."""
+    failures, prefill = [], None
+    if case["decode"] is not None:
+        try:
+            build(case, tiny[2])
+        except ValueError as refusal:
+            assert one_line_refusal(refusal), f"{label(case)}: refused, but not in one line: {str(refusal)!r}"
+            return
+        failures, prefill = check(tiny, {**case, "decode": None}, None)
+    failures += check(tiny, case, prefill)[0]
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures)
+
+
+def test_the_cases_cover_every_pair(product):
+    """Every pair of values of two axes that a combination that builds has is in a case of CASES; each case builds;
+    a method with a decode_budget combination whose twin without it builds has such a case in CASES (decode_problems
+    compares the two)."""
+    stale = [label(c) for c in CASES if outcome(product, c) is not None]
+    assert not stale, f"cases that no longer build: {stale[:4]}; print a new table: python -m tests.methods.test_matrix"
+    covered = set().union(*(pairs(c) for c in CASES))
+    wanted = set().union(*(pairs(dict(zip(AXES, values))) for values, error in product.items() if error is None))
+    missing = sorted(wanted - covered, key=str)
+    assert not missing, (f"{len(missing)} pairs of a valid combination are in no case, e.g. "
+                         f"{[witness(p, product) for p in missing[:2]]}; print a new table: "
+                         f"python -m tests.methods.test_matrix")
+    comparable = {values[0] for values, error in product.items()
+                  if error is None and values[-1] is not None and product[twin(values)] is None}
+    compared = {c["method"] for c in CASES
+                if c["decode"] is not None and outcome(product, {**c, "decode": None}) is None}
+    assert compared == comparable, f"no decode case compared with its twin: {sorted(comparable - compared)}"
+
+
+def test_every_method_and_unit_runs_in_some_combination(product):
+    """Else the matrix would test nothing of it: a method or unit that every combination refuses."""
+    runs = [values for values, error in product.items() if error is None]
+    refused = [(axis, value) for i, (axis, values) in enumerate(AXES.items()) for value in values
+               if not any(row[i] == value for row in runs)]
+    assert not refused, f"refused in every combination: {refused}"
+
+
+def test_every_refusal_is_one_line_and_some_case_meets_it(product):
+    """Building every combination: any exception but a ValueError of one line fails; each refusal group
+    (refusal_group) of the product is met by a case of REFUSED."""
+    failures = [f"{label(dict(zip(AXES, values)))}: {type(error).__name__} while building: {error!r}"
+                for values, error in product.items() if error is not None and not one_line_refusal(error)]
+    assert not failures, f"{len(failures)} failures, e.g.:\n" + "\n".join(failures[:12])
+    groups = {refusal_group(str(error)) for error in product.values() if error is not None}
+    met = {refusal_group(str(outcome(product, c))) for c in REFUSED}
+    built = [label(c) for c in REFUSED if outcome(product, c) is None]
+    assert not built and groups <= met, (f"refused cases that build: {built}; refusals no case meets: "
+                                         f"{sorted(groups - met)}; print a new table: "
+                                         f"python -m tests.methods.test_matrix")
+
+
 @pytest.mark.parametrize("head", list(HEAD_ALLOCATIONS))
 @pytest.mark.parametrize("name", list(METHODS))
-def test_every_combination_runs_within_its_budget_or_is_refused_in_one_line(tiny, name, head):
-    model, prompt, tables = tiny
+def test_full_product_runs_within_its_budget_or_is_refused_in_one_line(tiny, name, head):
+    """Every combination of the method and head allocation, as the cases are checked."""
     failures, prefill = [], {}
-    for layer, merge, quant, decode in combinations(name, head):
-        label = f"{name} head={head} layer={layer} merge={merge} quant={quant} decode_budget={decode}"
-        try:
-            method = build(name, head, layer, merge, quant, decode, tables)
-        except ValueError as refusal:
-            if not str(refusal).strip() or "\n" in str(refusal):
-                failures.append(f"{label}: refused, but not in one line: {str(refusal)!r}")
-            continue
-        except Exception as error:  # noqa: BLE001 - any other exception is the failure reported
-            failures.append(f"{label}: {type(error).__name__} while building: {error}")
-            continue
-        try:
-            states, budgets = held_after_each_forward(model, prompt, method)
-        except Exception as error:  # noqa: BLE001
-            failures.append(f"{label}: passed the checks, then {type(error).__name__} while generating: {error}")
-            continue
-        if len(states) != NEW_TOKENS:
-            failures.append(f"{label}: {len(states)} forwards, expected {NEW_TOKENS}")
-            continue
-        if decode is None:
-            prefill[layer, merge, quant] = states[0]
-            problems = prefill_problems(name, method, layer, states[0], budgets)
-            if method.decode is not None:   # its defaults bound decoding
-                problems += decode_problems(states, None, method.decode.decode_budget, method.decode.decode_interval)
-            elif getattr(method.head_allocation, "threshold_decoding", False):   # evicts as tokens leave the window
-                problems += [f"step {t}: holds {state} after {states[t - 1]}: a head gains the new token and loses at "
-                             f"most the one leaving the window" for t, state in enumerate(states)
-                             if t and any(not 0 <= c - p <= 1 for row, prev in zip(state, states[t - 1])
-                                          for c, p in zip(row, prev))]
-            else:
-                problems += [f"step {t}: holds {state}, expected the prefill counts + {t}"
-                             for t, state in enumerate(states) if state != [[c + t for c in row] for row in states[0]]]
-        else:
-            problems = decode_problems(states, prefill.get((layer, merge, quant)))
-        failures.extend(f"{label}: {problem}" for problem in problems)
+    for case in every_combination(method=name, head=head):   # decode None just before its decode twin
+        problems, held = check(tiny, case, prefill.get(twin(tuple(case.values()))))
+        if held is not None:
+            prefill[tuple(case.values())] = held
+        failures.extend(problems)
     assert not failures, f"{len(failures)} failures, e.g.:\n" + "\n".join(failures[:12])
-
-
-def test_every_method_and_unit_runs_in_some_combination(tmp_path):
-    """Else the matrix would test nothing of it: a method or unit that every combination refuses."""
-    tables = write_tables(tmp_path)
-    wanted = {("method", name) for name in METHODS} | {("head", h) for h in HEAD_ALLOCATIONS} | {
-        ("layer", l) for l in LAYER_ALLOCATIONS} | {("merge", m) for m in [None, *MERGE_RULES]} | {
-        ("quant", q) for q in [None, *QUANTIZERS]} | {("decode", d) for d in (None, DECODE_BUDGET)}
-    for name, head in itertools.product(METHODS, HEAD_ALLOCATIONS):
-        for layer, merge, quant, decode in combinations(name, head):
-            values = {("method", name), ("head", head), ("layer", layer), ("merge", merge), ("quant", quant),
-                      ("decode", decode)}
-            if not values & wanted:
-                continue
-            try:
-                build(name, head, layer, merge, quant, decode, tables)
-            except ValueError:
-                continue
-            wanted -= values
-    assert not wanted, f"refused in every combination: {sorted(wanted, key=str)}"
 
 
 @pytest.mark.parametrize("registry", ["METHODS", "HEAD_ALLOCATIONS", "LAYER_ALLOCATIONS", "MERGE_RULES", "QUANTIZERS",
@@ -318,21 +644,19 @@ def test_every_setting_has_its_help_entry(registry):
 
 
 if __name__ == "__main__":
-    # How many combinations run and how many are refused, the refusals grouped by message.
+    # How many combinations run and how many are refused, the refusals grouped by message; then CASES and REFUSED.
     import collections
-    import re
     import tempfile
 
+    typing.get_type_hints = cached_type_hints()
     with tempfile.TemporaryDirectory() as folder:
-        tables = write_tables(Path(folder))
-        runs, refusals = 0, collections.Counter()
-        for name, head in itertools.product(METHODS, HEAD_ALLOCATIONS):
-            for layer, merge, quant, decode in combinations(name, head):
-                try:
-                    build(name, head, layer, merge, quant, decode, tables)
-                    runs += 1
-                except ValueError as refusal:
-                    refusals[re.sub(r"'[a-z_]+'|\b[A-Z][A-Za-z]+\(.*?\)", "<unit>", str(refusal))] += 1
-    print(f"{runs} run, {sum(refusals.values())} refused")
+        product = outcomes(write_tables(Path(folder)))
+    refusals = collections.Counter(refusal_group(str(e)) for e in product.values() if e is not None)
+    print(f"{sum(e is None for e in product.values())} run, {sum(refusals.values())} refused")
     for message, count in refusals.most_common():
         print(f"{count:5d}  {message}")
+    for name, cases in (("CASES", pairwise_cases(product)), ("REFUSED", refused_cases(product))):
+        print(f"\n{name} = [dict(zip(AXES, row)) for row in [")
+        for case in cases:
+            print(f"    {tuple(case.values())!r},")
+        print("]]")

@@ -11,28 +11,27 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
 from pyramidkv import compress, make_method
 from pyramidkv.methods.calibrated import model_record, save_artifact
 from pyramidkv.models.patch import model_shape
+from tests.conftest import tiny_llama
 from tests.helpers import ROOT, load_script
 
 CALIBRATE = load_script("calibrate_qfilter", ROOT / "scripts" / "calibrate_qfilter.py")
 TEXTS, LENGTH = 2, 24
 
 
-def tiny_config() -> LlamaConfig:
-    return LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa",
-                       initializer_range=0.2)
+def tiny_model(layers: int = 2):
+    """A random Llama of `layers` layers (GQA 4 / 2, head_dim 16), weights of std 0.2: shared, never changed."""
+    return tiny_llama(layers=layers, vocab=96, std=0.2, max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")
 def tiny():
     """(model, texts): a 2-layer random Llama (GQA 4 / 2, head_dim 16) and two texts of LENGTH tokens."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_config()).eval()
+    model = tiny_model()
     texts = torch.randint(3, 96, (TEXTS, LENGTH), generator=torch.Generator().manual_seed(1)).tolist()
     return model, texts
 
@@ -141,8 +140,7 @@ def test_a_file_of_another_model_is_refused_in_one_line(tiny, tmp_path, tiny_mod
     model, texts = tiny
     path = filters_file(tmp_path, model, texts)
     refusals = []
-    for setting, config in ((None, tiny_config()), (path, LlamaConfig(**{**tiny_config().to_dict(),
-                                                                        "num_hidden_layers": 3}))):
+    for setting, config in ((None, model.config), (path, tiny_model(layers=3).config)):
         with pytest.raises(ValueError) as refused:
             make_method("qfilter", budget=80, qfilter_path=setting).check_model(model_shape(config))
         refusals.append(str(refused.value))

@@ -10,12 +10,12 @@ import copy
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pyramidkv import make_method
 from pyramidkv.core.context import ScoreContext
 from pyramidkv.generation import generate
+from tests.conftest import tiny_llama
 from tests.helpers import prefill
 from tests.reference import assert_same_selection, prompt_queries_and_keys, top_positions
 
@@ -118,11 +118,7 @@ def tiny():
     """(model, prompt), torch on one thread: on these sizes more threads only wait for each other."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.2, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_llama(layers=2, vocab=96, std=0.2)
     prompt = torch.randint(3, 96, (PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
     yield model, prompt
     torch.set_num_threads(threads)

@@ -7,9 +7,8 @@ experts, Phi-3's special token ids inside the vocabulary) adds them here, nowher
 
 from __future__ import annotations
 
-import torch
-
 from pyramidkv.models.patch import MODEL_GLUE, family_implementations
+from tests.conftest import tiny_llama
 
 SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=8192, rope_theta=10000.0)
@@ -38,11 +37,13 @@ def family_config(model_type: str, attn_implementation: str = "eager", **overrid
     return glue.config_class(**{**FAMILY_CONFIGS[model_type], **overrides}, attn_implementation=attn_implementation)
 
 
-def tiny_family(model_type: str, attn_implementation: str = "eager", **overrides):
-    """A random eval model of the family (seed 0) from FAMILY_CONFIGS, overrides on top."""
-    config = family_config(model_type, attn_implementation, **overrides)
-    torch.manual_seed(0)
-    return MODEL_GLUE[model_type].causal_lm(config).eval()
+def tiny_family(model_type: str, attn_implementation: str | None = "eager", cached: bool = False, **overrides):
+    """A random eval model of the family (seed 0) from FAMILY_CONFIGS, overrides on top (attn_implementation None:
+    transformers' choice), from tests/conftest.py's tiny_llama. `cached`: the shared one, never to be changed
+    (hashable overrides); else a fresh one, for a test that hands it settings such as rope_scaling or runs
+    transformers' generate (which keeps a cache on the model for Gemma2)."""
+    build = tiny_llama if cached else tiny_llama.__wrapped__
+    return build(family=model_type, attn=attn_implementation, **{**FAMILY_CONFIGS[model_type], **overrides})
 
 
 def implementations(model_type: str) -> list[str]:

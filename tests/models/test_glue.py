@@ -23,17 +23,15 @@ from pyramidkv.models.loading import check_model
 from pyramidkv.models.patch import MODEL_GLUE
 from pyramidkv.models.rope import RotateHalfGlue
 from pyramidkv.runner.cli import add_model_and_method_args
-from tests.models.families import FAMILY_CONFIGS, SIZES, family_implementation_pairs
+from tests.models.families import SIZES, family_implementation_pairs, tiny_family
 
 KVQUANT = dict(quant_method="kvquant", nbits=8, group_size=16, residual_length=16)
 
 
-def tiny(glue, **settings):
-    """A 2-layer random model of the glue's architecture (GQA 4 query / 2 KV heads, head_dim 16; its family's
-    own settings from tests/models/families.py)."""
-    torch.manual_seed(0)
-    family = FAMILY_CONFIGS.get(glue.config_class.model_type, SIZES)
-    return glue.causal_lm(glue.config_class(**{**family, **settings})).eval()
+def tiny(model_type: str, attn: str | None = None, **settings):
+    """A 2-layer random model of the family (GQA 4 query / 2 KV heads, head_dim 16; its own settings from
+    tests/models/families.py), attention as transformers picks it unless `attn`: shared, never changed."""
+    return tiny_family(model_type, attn, cached=True, **settings)
 
 
 def key_projection(attention):
@@ -85,7 +83,7 @@ def test_key_rotation_is_the_rope_of_the_models_own_forward(model_type):
     """The keys the unpatched model caches (rotated by its modeling file's apply_rotary_pos_emb) are the
     glue's rotation of k_proj's output at their positions, and un-rotating them gives that output back."""
     glue = MODEL_GLUE[model_type]
-    model = tiny(glue)
+    model = tiny(model_type)
     positions, layers = own_forward(glue, model)
     rotation = glue.key_rotation(model)
     at = positions[:, None].expand(-1, SIZES["num_key_value_heads"], -1)   # [2, Hkv, n]
@@ -97,7 +95,7 @@ def test_key_rotation_is_the_rope_of_the_models_own_forward(model_type):
 @pytest.mark.parametrize("model_type", list(MODEL_GLUE))
 def test_unrotating_undoes_rotating(model_type):
     glue = MODEL_GLUE[model_type]
-    rotation = glue.key_rotation(tiny(glue))
+    rotation = glue.key_rotation(tiny(model_type))
     generator = torch.Generator().manual_seed(2)
     x = torch.randn(2, 3, 11, 16, generator=generator)
     positions = torch.randint(0, 2000, (2, 3, 11), generator=generator)
@@ -112,7 +110,7 @@ def test_unrotating_undoes_rotating(model_type):
 def test_projection_gives_the_keys_and_values_the_model_caches(model_type):
     """project_qkv on each attention module's input: the keys and values of the unpatched forward, exactly."""
     glue = MODEL_GLUE[model_type]
-    _, layers = own_forward(glue, tiny(glue), n=200)
+    _, layers = own_forward(glue, tiny(model_type), n=200)
     for _, (_, keys, values), (cached_keys, cached_values) in layers:
         assert torch.equal(keys, cached_keys) and torch.equal(values, cached_values)
 
@@ -122,7 +120,7 @@ def test_without_a_cache_the_patched_model_runs_its_own_attention(model_type, at
     """use_cache=False inside compress(): each implementation's own forward, called with the arguments its
     decoder gives (Mistral's eager attention takes no position_embeddings)."""
     glue = MODEL_GLUE[model_type]
-    model = tiny(glue, attn_implementation=attn)
+    model = tiny(model_type, attn)
     assert model.config._attn_implementation == attn
     ids = torch.randint(0, SIZES["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
@@ -137,7 +135,7 @@ def test_patching_warns_for_each_setting_its_glue_does_not_apply(model_type, cap
     """No family declares an unapplied setting now (Mistral's window is applied): every row patches silently,
     and a row that declares one (Mistral's glue with its sliding_window declared unapplied) warns naming it."""
     glue = MODEL_GLUE[model_type]
-    model = tiny(glue)
+    model = tiny(model_type)
     with caplog.at_level(logging.WARNING, logger="pyramidkv.models.patch"):
         compress(model, make_method("fullkv")).remove()
     assert patch_warnings(caplog) == [] and glue.unapplied_settings == ()
@@ -145,7 +143,7 @@ def test_patching_warns_for_each_setting_its_glue_does_not_apply(model_type, cap
         return
     caplog.clear()
     monkeypatch.setitem(MODEL_GLUE, "mistral", dataclasses.replace(glue, unapplied_settings=("sliding_window",)))
-    model = tiny(glue, sliding_window=64)
+    model = tiny(model_type, sliding_window=64)
     with caplog.at_level(logging.WARNING, logger="pyramidkv.models.patch"):
         compress(model, make_method("fullkv")).remove()
     assert patch_warnings(caplog) == ["config.sliding_window=64 is not applied to the compressed cache during decoding"]
