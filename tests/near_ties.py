@@ -34,14 +34,30 @@ def ulp32(x: float) -> float:
 
 
 def to_mask(positions) -> str:
-    """A set of non-negative positions as a hex bit mask (bit p set: position p), compact in JSON."""
+    """A set of non-negative positions, compact in JSON: a hex bit mask (bit p set: position p), or where shorter
+    "r" and its runs ("r0-95,120,130-135")."""
+    ordered = sorted({int(p) for p in positions})
     mask = 0
-    for p in positions:
-        mask |= 1 << int(p)
-    return format(mask, "x")
+    for p in ordered:
+        mask |= 1 << p
+    runs: list[list[int]] = []
+    for p in ordered:
+        if runs and runs[-1][1] == p - 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    ranges = "r" + ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    hexadecimal = format(mask, "x")
+    return ranges if len(ranges) < len(hexadecimal) else hexadecimal
 
 
 def from_mask(mask: str) -> set[int]:
+    if mask.startswith("r"):
+        found: set[int] = set()
+        for run in filter(None, mask[1:].split(",")):
+            first, _, last = run.partition("-")
+            found.update(range(int(first), int(last or first) + 1))
+        return found
     bits = int(mask, 16)
     return {p for p in range(bits.bit_length()) if bits >> p & 1}
 

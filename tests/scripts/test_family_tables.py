@@ -13,7 +13,7 @@ import torch
 
 from pyramidkv.models.patch import MODEL_GLUE
 from tests.helpers import ROOT, load_script
-from tests.models.test_glue import tiny
+from tests.models.families import tiny_family
 
 HEAD_SCORES = load_script("head_scores", ROOT / "scripts" / "head_scores.py")
 PATTERNS = load_script("minference_patterns", ROOT / "scripts" / "minference_patterns.py")
@@ -40,8 +40,7 @@ def test_the_pattern_search_measures_the_models_own_attention(model_type):
     """dense_probs (scale, soft-cap, window from the glue) against the attention weights the unpatched eager model
     returns, on every row of MODEL_GLUE."""
     glue = MODEL_GLUE[model_type]
-    model = tiny(glue, attn_implementation="eager")
-    model.config._attn_implementation = "eager"
+    model = tiny_family(model_type, "eager")
     n, rows_from = 40, 25
     ids = torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(1))
     queries, keys = PATTERNS.layer_qk(model, ids)
