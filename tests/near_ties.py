@@ -8,10 +8,11 @@ so L2Norm ranks them by their rounding. Such a decision is not a disagreement; e
 
 `DecisionLog` records every top-k decision of the selection rule (core/selection.py's select_kept_positions,
 as prefill and decode-time re-selection call it) with the candidates' true positions and float64 scores. A
-decision is a near-tie when its cut (the lowest score kept by rank against the highest not kept) is within
-`RESOLUTION_ULPS` float32 units in the last place of the scores; its `fragile` positions are those within
-that distance of the cut. A kept set that differs from another run's is explained when every differing
-position is fragile in one of the two runs' decision for it.
+decision's `fragile` positions are the candidates on either side of its cut (kept by rank or not) that have a
+candidate on the other side within `RESOLUTION_ULPS` float32 units in the last place, but not bit-equal to it:
+bit-equal scores (SnapKV's pooled copies of one value) are ranked by the tie-break, which does not round. A kept
+set that differs from another run's is explained when every differing position is fragile in one of the two
+runs' decision for it.
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ def from_mask(mask: str) -> set[int]:
 @dataclass
 class Decision:
     """One head's top-k at one selection: kind "prefill" or "decode", layer, prompt (batch row), head;
-    positions [m] the candidates' true positions (0 = first real token), ascending; scores [m] float64 (None
-    for a decision read back from a record: nothing of it is fragile), k how many the rank keeps, kept the
-    true positions kept by rank (protected and randomly drawn ones excluded)."""
+    positions [m] the candidates' true positions (0 = first real token), ascending; scores [m] float64, k how
+    many the rank keeps, kept the true positions kept by rank (protected and randomly drawn ones excluded).
+    A decision read back from a record has no scores but its fragile positions as computed when recorded."""
 
     kind: str
     layer: int
@@ -77,18 +78,19 @@ class Decision:
     scores: Optional[np.ndarray]
     k: int
     kept: frozenset
+    recorded_fragile: frozenset = frozenset()
 
     def row(self) -> list:
-        """The decision as a JSON row (no scores): [kind, layer, prompt, head, k, candidates, kept], the position
-        sets as hex bit masks."""
+        """The decision as a JSON row (no scores): [kind, layer, prompt, head, k, candidates, kept, fragile], the
+        position sets as masks (to_mask)."""
         return [self.kind, self.layer, self.prompt, self.head, self.k, to_mask(self.positions.tolist()),
-                to_mask(self.kept)]
+                to_mask(self.kept), to_mask(self.fragile())]
 
     @classmethod
     def from_row(cls, row: list) -> "Decision":
-        kind, layer, prompt, head, k, candidates, kept = row
+        kind, layer, prompt, head, k, candidates, kept, fragile = row
         return cls(kind, layer, prompt, head, np.array(sorted(from_mask(candidates))), None, k,
-                   frozenset(from_mask(kept)))
+                   frozenset(from_mask(kept)), frozenset(from_mask(fragile)))
 
     def cut(self) -> tuple[float, float]:
         """(lowest score kept by rank, highest score not kept)."""
@@ -100,24 +102,32 @@ class Decision:
         return RESOLUTION_ULPS * ulp32(max(abs(low), abs(high)))
 
     def gap_ulps(self) -> float:
+        if self.scores is None:
+            return float("nan")
         low, high = self.cut()
         return (low - high) / ulp32(max(abs(low), abs(high), 1e-30))
 
-    def is_near_tie(self) -> bool:
-        if self.scores is None:
-            return False
-        low, high = self.cut()
-        return low - high <= self.tolerance()
-
     def fragile(self) -> frozenset:
-        """The candidates whose rank rounding can decide: within the tolerance of the cut (none when the cut is
-        wider than the tolerance)."""
-        if not self.is_near_tie():
-            return frozenset()
+        """The candidates whose rank rounding decides: those with a candidate on the other side of the cut whose
+        score is within the tolerance but not bit-equal (a bit-equal pair, such as two pooled copies of one
+        score, is decided by the tie-break, which does not round)."""
+        if self.scores is None:
+            return self.recorded_fragile
         low, high = self.cut()
         tol = self.tolerance()
+        if low - high > tol:
+            return frozenset()
+        kept = np.isin(self.positions, list(self.kept))
         near = (self.scores >= high - tol) & (self.scores <= low + tol)
-        return frozenset(self.positions[near].tolist())
+        inside, outside = self.scores[near & kept], self.scores[near & ~kept]
+        soft = set()
+        for side, others, members in ((inside, outside, self.positions[near & kept]),
+                                      (outside, inside, self.positions[near & ~kept])):
+            for score, position in zip(side, members):
+                apart = np.abs(others - score)
+                if np.any((apart > 0) & (apart <= tol)):
+                    soft.add(int(position))
+        return frozenset(soft)
 
     def same_candidates(self, other: "Decision") -> bool:
         return self.k == other.k and np.array_equal(self.positions, other.positions)

@@ -33,8 +33,16 @@ import torch
 from tests.engine_snapshot import CONFIGS, REFERENCE, differs_only_where, snapshot_entry
 from tests.near_ties import Decision, Disagreement, near_ties, report
 
-KV_SUM_RTOL = 1e-3     # relative, of a kept set's stored K/V sum and absolute sum (float64 over float32 values)
-LOGIT_ATOL = 2e-3      # of each of the top-3 logits of a step (recorded to 4 decimals)
+# Measured between the record (AVX-512, one thread) and ATEN_CPU_CAPABILITY=default / avx2 and MKL_CBWR=COMPATIBLE
+# runs on one machine, the largest difference over all configurations, then a margin:
+KV_SUM_RTOL = 1e-3             # a kept set's stored K/V sum and absolute sum, relative (seen: 6.8e-5)
+LOGIT_ATOL = 1e-3              # each top-3 logit of a step, recorded to 4 decimals (seen: 1e-4, the rounding)
+# With quantized storage a value on a level boundary rounds to the neighbouring level on another CPU; the sets are
+# then compared by _level_steps_close, and a decode step reads values a level apart (seen: 0.24 with KVQuant's
+# non-uniform levels, 0.08 with its uniform ones, 0.008 with KIVI):
+QUANTIZED_LOGIT_ATOL = 0.75
+QUANTIZED_ABS_SUM_RTOL = 2e-3  # a quantized set's absolute sum, relative (seen: 2.1e-4)
+QUANTIZED_SUM_SHARE = 2e-3     # its sum's change, as a share of its absolute sum (seen: 1.7e-4)
 
 
 @pytest.fixture(scope="module")
@@ -56,25 +64,24 @@ def _close(a: list[float], b: list[float]) -> bool:
 
 
 def _level_steps_close(a: list[float], b: list[float]) -> bool:
-    """[sum, sum of squares] of a quantized set. Where rounding moved a value across a level boundary the store
-    holds the next level: the sum moves by a level step or a few, a small fraction of the values' norm, and the
-    sum of squares hardly moves (measured between AVX2 and AVX-512 kernels, in the sets beyond KV_SUM_RTOL: at
-    most 0.0095 of the norm and 6.4e-5 relative); another token or block moves both."""
-    (sum_a, squares_a), (sum_b, squares_b) = a, b
-    return _close(a, b) or (math.isclose(squares_a, squares_b, rel_tol=KV_SUM_RTOL)
-                            and abs(sum_a - sum_b) <= 0.02 * math.sqrt(squares_b))
+    """[sum, absolute sum] of a quantized set. Where rounding moved values across a level boundary the store holds
+    the neighbouring level: the sum moves by a few level steps and the absolute sum hardly moves; another token or
+    block moves both."""
+    (sum_a, absolute_a), (sum_b, absolute_b) = a, b
+    return _close(a, b) or (math.isclose(absolute_a, absolute_b, rel_tol=QUANTIZED_ABS_SUM_RTOL)
+                            and abs(sum_a - sum_b) <= QUANTIZED_SUM_SHARE * absolute_b)
 
 
-def _compare_decoding(got: dict, expected: dict, b: int) -> str | None:
-    """Prompt b's tokens and top logits against the record: None if equal (within LOGIT_ATOL), a line naming the
+def _compare_decoding(got: dict, expected: dict, b: int, tolerance: float) -> str | None:
+    """Prompt b's tokens and top logits against the record: None if equal (within `tolerance`), a line naming the
     step where the top two logits tie if the tokens part there, else an AssertionError."""
     for step, (token, recorded) in enumerate(zip(got["tokens"][b], expected["tokens"][b])):
         ours, theirs = got["logits_top"][b][step], expected["logits_top"][b][step]
         if token != recorded:
-            assert min(ours[0] - ours[1], theirs[0] - theirs[1]) <= LOGIT_ATOL, \
+            assert min(ours[0] - ours[1], theirs[0] - theirs[1]) <= tolerance, \
                 f"prompt {b}, step {step}: token {token} instead of {recorded} (top logits {ours} vs {theirs})"
             return f"prompt {b}: the top two logits tie at step {step} ({ours[:2]} vs {theirs[:2]})"
-        assert all(abs(x - y) <= LOGIT_ATOL for x, y in zip(ours, theirs)), \
+        assert all(abs(x - y) <= tolerance for x, y in zip(ours, theirs)), \
             f"prompt {b}, step {step}: top logits {ours} vs the record's {theirs}"
     assert len(got["tokens"][b]) == len(expected["tokens"][b])
     return None
@@ -107,7 +114,7 @@ def test_engine_matches_the_record(smollm2, reference, name, request):
             report(request, f"{name}, prompt {b}: {tie}")
         if ties:
             continue
-        logit_tie = _compare_decoding(got, expected, b)
+        logit_tie = _compare_decoding(got, expected, b, QUANTIZED_LOGIT_ATOL if quantized else LOGIT_ATOL)
         if logit_tie is not None:
             report(request, f"{name}, {logit_tie}")
             continue

@@ -72,12 +72,16 @@ def test_after_a_near_tie_prefill_decisions_are_still_compared_and_decode_ones_a
         near_ties([decode_ours], [decode_theirs])
 
 
-def test_a_recorded_decision_has_no_scores_and_takes_its_fragility_from_the_live_one():
+def test_a_recorded_decision_keeps_the_fragile_positions_it_had_when_recorded():
     ulp = ulp32(0.5)
-    ours = decision([0.9, 0.1, 0.5, 0.5 + ulp, 0.3, 0.2], 2)
     recorded = Decision.from_row(decision([0.9, 0.1, 0.5 + ulp, 0.5, 0.3, 0.2], 2).row())
-    assert recorded.scores is None and recorded.fragile() == frozenset()
+    assert recorded.scores is None and recorded.fragile() == {12, 13}
+    ours = decision([0.9, 0.1, 0.5, 0.5 + ulp, 0.3, 0.2], 2)
     assert near_ties([ours], [recorded])[0].differing == {12, 13}
+    # fragile on neither side: the record's scores were bit-equal (the tie-break's), ours far apart
+    tie_broken = Decision.from_row(decision([0.9, 0.1, 0.5, 0.5, 0.3, 0.2], 2).row())
+    with pytest.raises(Disagreement):
+        near_ties([decision([0.9, 0.1, 0.6, 0.5, 0.3, 0.2], 2)], [tie_broken])
 
 
 def test_the_log_records_the_engines_kept_sets(sharp_llama):
@@ -96,3 +100,12 @@ def test_the_log_records_the_engines_kept_sets(sharp_llama):
         assert d.k == 16 and d.positions.tolist() == list(range(32))
         kept = cache.kept_kv(d.layer, 0)[d.head][0].tolist()
         assert sorted(d.kept | set(range(32, 40))) == kept
+
+
+def test_a_swap_of_bit_equal_scores_is_the_tie_breaks_and_must_agree():
+    """Two pooled copies of one score at the cut: the documented tie-break (the more recent wins) decides, which
+    does not round, so another outcome is a disagreement however close the scores."""
+    ours = decision([0.9, 0.1, 0.5, 0.5, 0.3, 0.2], 2)                 # keeps 13, the more recent of the two
+    theirs = Decision(ours.kind, 0, 0, 0, POSITIONS, ours.scores, 2, frozenset({10, 12}))   # the earlier one
+    with pytest.raises(Disagreement, match="keeps \\[13\\] instead of \\[12\\]"):
+        near_ties([ours], [theirs])
