@@ -24,7 +24,8 @@ def pytest_configure(config):
 # The one place where tests get their tier (pyproject.toml registers the markers, --strict-markers refuses any
 # other; tests/test_structure.py checks that no test file marks a tier itself and that every entry here names a
 # test that exists). A test in no tier is in the fast one.
-#   integration  starts processes: runners and scripts end to end, pip install, the SLURM cluster, notebooks
+#   integration  starts processes (scripts, pip install, the SLURM cluster, notebooks), or runs a runner or the
+#                leaderboard end to end several times over
 #   real_model   computes with SmolLM2's weights (its tokenizer alone does not count)
 #   exhaustive   a full product where a pairwise cover runs in the other tiers
 # make test-fast: none of the three (the edit loop); make test (README, CI): all but exhaustive; make test-all.
@@ -69,12 +70,38 @@ TIERS: dict[str, tuple[str, ...]] = {
         "tests/test_issue16_defects.py::test_latency_benchmark_refuses_zero_counts",
         "tests/test_issue16_defects.py::test_teacher_forced_nll_needs_its_data_file",
         "tests/viz/test_viz.py::test_batch_generate_example",
+        "tests/viz/test_viz.py::test_custom_method_example_matches_numpy_reference",
         "tests/viz/test_viz.py::test_notebook_runs_top_to_bottom_with_checked_figures",
         "tests/viz/test_viz.py::test_notebook_with_a_wrong_method_name_fails_with_the_notebooks_error",
         "tests/viz/test_viz.py::test_see_what_it_keeps_example_writes_the_readme_figures",
         "tests/viz/test_viz.py::test_sweep_and_plot_example",
+        # no process, but a runner or the leaderboard end to end, several runs each (seconds, not milliseconds)
+        "tests/benchmarks/test_needle_runner.py::test_resume_skips_finished_cells",
+        "tests/benchmarks/test_ruler_run.py::test_end_to_end_outputs_and_rescore",
+        "tests/leaderboard/test_leaderboard.py::test_a_run_writes_every_cell_the_figure_and_the_page",
+        "tests/leaderboard/test_leaderboard.py::test_two_shards_merged_equal_one_run",
+        "tests/runner/test_question_as_decode.py::test_fullkv_longbench_and_needle_predictions_do_not_change",
+        "tests/runner/test_question_as_decode.py::test_fullkv_ruler_predictions_do_not_change",
+        "tests/runner/test_shared_context_runner.py::test_a_later_run_answers_from_the_saved_compressed_contexts",
+        "tests/runner/test_shared_context_runner.py::test_one_question_per_context_equals_question_as_decode",
+        "tests/runner/test_shared_context_runner.py::test_three_questions_resume_per_question_after_a_kill",
     ),
-    "real_model": (),
+    "real_model": (
+        "tests/generation/test_generation.py::test_use_cache_false_runs_the_unpatched_attention",
+        "tests/models/test_equivalence.py::test_fullkv_logits_equal_unpatched",
+        "tests/models/test_equivalence.py::test_every_class_keeps_and_generates_what_llama_does",
+        "tests/models/test_equivalence.py::test_no_state_leaks_between_generate_calls",
+        "tests/models/test_equivalence.py::test_unpatch_restores_the_model",
+        "tests/models/test_equivalence.py::test_decode_after_compression_equals_attention_over_the_kept_tokens",
+        "tests/runner/test_run_integrity.py::test_a_second_run_into_a_locked_folder_fails_naming_the_holder",
+        "tests/runner/test_run_integrity.py::test_disk_full_mid_run_keeps_completed_rows_and_says_so",
+        "tests/runner/test_run_integrity.py::test_duplicate_prediction_rows_are_refused_not_scored_twice",
+        "tests/runner/test_run_integrity.py::test_ruler_rerun_with_other_settings_is_refused_or_gets_its_own_folder",
+        "tests/test_docs.py::test_readme_python_api_block_runs_as_written",
+        "tests/viz/test_viz.py::test_batch_generate_example",
+        "tests/viz/test_viz.py::test_see_what_it_keeps_example_writes_the_readme_figures",
+        "tests/viz/test_viz.py::test_sweep_and_plot_example",
+    ),
     "exhaustive": (
         "tests/methods/test_matrix.py::test_full_product_runs_within_its_budget_or_is_refused_in_one_line",
     ),

@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from pyramidkv import compress, make_method
 from pyramidkv.models import rope
 from pyramidkv.models.patch import MODEL_GLUE
-from tests.models.test_glue import SIZES, tiny
+from tests.models.families import SIZES, tiny_family
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
@@ -64,7 +64,7 @@ def rotate64(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -
 @pytest.fixture(scope="module")
 def scaled():
     """(model, ids [1, N], positions [1, N], per layer: k_proj's output, q_proj's output [1, H, N, D], cached keys)."""
-    model = tiny(MODEL_GLUE["llama"], rope_theta=THETA, rope_scaling=LLAMA3)
+    model = tiny_family("llama", None, rope_theta=THETA, rope_scaling=LLAMA3)
     ids = torch.randint(0, SIZES["vocab_size"], (1, N), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(START, START + N)[None]
     raw = {}
