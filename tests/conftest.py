@@ -122,9 +122,17 @@ def tier_markers(nodeid: str, fixturenames) -> set[str]:
 
 
 def pytest_collection_modifyitems(config, items):
+    """Marks each test's tiers, then runs the files holding integration tests first and those holding real_model
+    tests next (each file kept whole, for its module fixtures): under xdist the long tests then start while other
+    work remains to fill the other workers, instead of one of them running on alone at the end."""
+    rank: dict[str, int] = {}
     for item in items:
-        for tier in tier_markers(item.nodeid, item.fixturenames):
+        tiers = tier_markers(item.nodeid, item.fixturenames)
+        for tier in tiers:
             item.add_marker(getattr(pytest.mark, tier))
+        path = item.nodeid.split("::")[0]
+        rank[path] = min(rank.get(path, 2), 0 if "integration" in tiers else 1 if "real_model" in tiers else 2)
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
 
 
 @pytest.fixture(autouse=True)
