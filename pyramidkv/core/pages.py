@@ -54,6 +54,8 @@ class PageTable:
         self.maxs = first.new_zeros(len(segment_keys), capacity, first.shape[-1])
         for s, keys in enumerate(segment_keys):
             pages = -(-keys.shape[0] // size)
+            if pages == 0:   # a head that kept nothing (threshold eviction with no window): no page yet
+                continue
             padded = keys.new_empty(pages * size, keys.shape[-1])
             padded[:keys.shape[0]] = keys
             padded[keys.shape[0]:] = keys[-1]  # repeating a key of the last page leaves its min and max unchanged

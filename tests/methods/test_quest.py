@@ -73,6 +73,20 @@ def test_appending_a_token_updates_only_the_last_page():
         assert torch.equal(a[:, :3], b[:, :3])
 
 
+def test_a_segment_that_kept_nothing_has_no_page_until_its_first_token():
+    """Threshold eviction with no window can leave a head empty (found by the batch matrix: l2norm, threshold,
+    pages): it holds no page, and the next token opens its page 0 with min = max = that key."""
+    generator = torch.Generator().manual_seed(2)
+    keys = [torch.randn(10, 4, generator=generator), torch.zeros(0, 4)]
+    table = PageTable(8, keys)
+    assert table.pages().tolist() == [2, 0]
+    new = torch.randn(2, 4, generator=generator)
+    table.append(new)
+    assert table.pages().tolist() == [2, 1]
+    assert torch.equal(table.mins[1, 0], new[1]) and torch.equal(table.maxs[1, 0], new[1])
+    assert torch.equal(table.mins[0, 1], torch.minimum(keys[0][8:].amin(0), new[0]))
+
+
 def _store(kept_keys, kept_values, settings, budgets):
     kept = [KeptKV.from_heads([(k, v, torch.arange(len(k))) for k, v in zip(keys, values)])
             for keys, values in zip(kept_keys, kept_values)]
