@@ -12,8 +12,6 @@ names and digests are the packaged tables' (allocation/data/models.json).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -21,7 +19,7 @@ from typing import Optional
 import torch
 
 from pyramidkv.allocation.head_tables import PACKAGED_MODELS
-from pyramidkv.components import ModelShape, model_digest, packaged_table
+from pyramidkv.components import ModelShape, atomic_write, model_digest, packaged_table
 
 FORMAT = "pyramidkv-calibration"
 VERSION = 1
@@ -39,14 +37,8 @@ def save_artifact(path, tensors: dict[str, torch.Tensor], record: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {RECORD_KEY: json.dumps({"format": FORMAT, "version": VERSION, **record}, sort_keys=True)}
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(handle)
-    try:
-        save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, temporary, metadata=meta)
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+    atomic_write(path, lambda temporary: save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()},
+                                                   temporary, metadata=meta))
     return path
 
 
