@@ -108,8 +108,9 @@ TIERS: dict[str, tuple[str, ...]] = {
 }
 # Fixtures that load SmolLM2's weights: a test using one (directly or through another fixture) is real_model.
 REAL_MODEL_FIXTURES = {"smollm2", "eager_setup"}
-# The commands a test outside `integration` may start (the runners record the git commit).
-ALLOWED_COMMANDS = {"git"}
+# The commands a test outside `integration` may start: the runners record the git commit, and the platform
+# (platform.platform() asks `uname -p` for the processor once per process, so whichever test records first starts it).
+ALLOWED_COMMANDS = {"git", "uname"}
 
 
 def tier_markers(nodeid: str, fixturenames) -> set[str]:
