@@ -25,7 +25,7 @@ from pyramidkv.leaderboard.grid import (
 
 def build_parser():
     from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
-    from pyramidkv.runner.arguments import ArgumentParser
+    from pyramidkv.runner.arguments import ArgumentParser, flags_text
 
     parser = ArgumentParser(prog="python -m pyramidkv.leaderboard", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,7 +47,8 @@ def build_parser():
                    help="needle depths spread over 0..100%%")
     g.add_argument("--attn_implementation", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"))
     g.add_argument("--dtype", default="float32")
-    g.add_argument("--runner_args", default="", help="more flags for every run, one string (e.g. '--device cuda')")
+    g.add_argument("--runner_args", default="", type=flags_text,
+                   help="more flags for every run, one string (e.g. '--device cuda'; it may start with '-')")
     r = parser.add_argument_group("running")
     r.add_argument("--save_dir", default=DEFAULTS["save_dir"])
     r.add_argument("--shard", default=None, metavar="i/n", help="run units k with k mod n == i only (0 <= i < n)")

@@ -51,8 +51,8 @@ class Method(Component):
     everything.
 
     budget: tokens kept per layer per head of each prompt, observation window included.
-    budget_ratio: the budget as a fraction of each prompt's length, in (0, 1]; it must give at least
-        the window on every prompt.
+    budget_ratio: the budget as a fraction of each prompt's length, in (0, 1) (1 keeps every prompt token:
+        only with a decode budget); it must give at least the window on every prompt.
     window_size: the most recent prompt tokens, always kept (the observation window of the scorers
         that read attention).
     gqa_layout: kv_head keeps one set per KV head (scores reduced over the query group with

@@ -63,6 +63,10 @@ def check_budget(method) -> None:
                              f"window and the sinks, so it must be >= {method.protected_tokens}")
     elif not (0.0 < method.budget_ratio <= 1.0):
         raise ValueError(f"budget_ratio (max_capacity_prompts_ratio) must be in (0, 1], got {method.budget_ratio!r}")
+    elif method.budget_ratio == 1.0 and method.decode is None:
+        raise ValueError(f"budget_ratio (max_capacity_prompts_ratio) 1 keeps every prompt token: no prompt would be "
+                         f"compressed (that is fullkv); allowed: 0 < budget_ratio < 1 (1 only with a decode_budget, "
+                         f"which compresses while decoding)")
 
 
 def check_allocation(method) -> None:
