@@ -18,7 +18,9 @@ labels and describes them inline, as if they were its own fields: a flat unit th
 its `switch` at `switch_off` (`key_channel_ratio=0`, `cross_layer_merge=False`) and its other fields at
 their defaults.
 
-This module imports nothing of pyramidkv (floor 0 of the layering in docs/architecture.md).
+It also holds the two helpers every floor above uses on files: `model_digest` (a model folder by its content)
+and `atomic_write` (a file replaced whole, with the permissions open() gives). This module imports nothing of
+pyramidkv (floor 0 of the layering in docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ import hashlib
 import inspect
 import json
 import math
+import os
 import re
+import tempfile
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Optional
+from typing import Callable, ClassVar, Optional
 
 
 class SettingTypeError(TypeError, ValueError):
@@ -395,3 +399,35 @@ def packaged_table(model_name_or_path, tables: dict, models_file: Path, *, made_
     raise ValueError(f"{missing} for this model ({model_name_or_path!r}; packaged: {', '.join(sorted(tables)) or 'none'}); "
                      f"{make}")
 
+
+
+# --- files written whole -----------------------------------------------------------------------------
+
+def new_file_mode(folder: bool = False) -> int:
+    """The permissions open() gives a new file (0666) or mkdir() a new folder (0777) under this process's umask."""
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return (0o777 if folder else 0o666) & ~mask
+
+
+def atomic_write(path, write: Callable[[str], None]) -> Path:
+    """Replace `path` with what `write(temporary)` writes to a temporary file in the same folder, synced and then
+    renamed over it: a killed or failed write leaves the old file and no temporary. The file gets the permissions
+    open() gives a new one (`new_file_mode`), not the 0600 that mkstemp and safetensors' save_file give. The one
+    way pyramidkv writes a file whole: results, run records, calibration artifacts, cache files, references."""
+    path = Path(path)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    try:
+        write(temporary)
+        os.chmod(temporary, new_file_mode())
+        handle = os.open(temporary, os.O_RDONLY)
+        try:
+            os.fsync(handle)
+        finally:
+            os.close(handle)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path

@@ -275,12 +275,15 @@ def on_the_fly_scores(model, tokenizer, args, text: list[int]) -> np.ndarray:
 
 
 def write_pattern(out: Path, gates: np.ndarray, config: dict) -> None:
-    """The official layout: out/full_attention_heads.tsv (L rows of Hkv tab-separated) and out/config.json."""
+    """The official layout: out/full_attention_heads.tsv (L rows of Hkv tab-separated) and out/config.json, whose
+    pyramidkv record gets the sha256 of the pattern's text (`pattern_sha256`, checked when it is read)."""
+    from pyramidkv.methods.calibrated import RECORD_KEY, text_digest
     from pyramidkv.runner.results import atomic_write_text
 
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "full_attention_heads.tsv",
-                      "".join("\t".join(f"{x:.8g}" for x in row) + "\n" for row in gates))
+    text = "".join("\t".join(f"{x:.8g}" for x in row) + "\n" for row in gates)
+    config = {**config, RECORD_KEY: {**config[RECORD_KEY], "pattern_sha256": text_digest(text)}}
+    atomic_write_text(out / "full_attention_heads.tsv", text)
     atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
 
 

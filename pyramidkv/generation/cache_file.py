@@ -27,7 +27,6 @@ import importlib.metadata
 import json
 import os
 import struct
-import tempfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Optional
@@ -36,7 +35,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from pyramidkv.components import model_digest
+from pyramidkv.components import atomic_write, model_digest
 from pyramidkv.core.cache import CompressedCache
 from pyramidkv.core.snapshot import SHARED, shared_objects
 from pyramidkv.methods import Method, method_spec, parse_method_spec
@@ -338,18 +337,11 @@ def save_cache(cache: CompressedCache, path, model=None) -> Path:
     }
     text = json.dumps(record, separators=(",", ":"))
     metadata = {RECORD_KEY: text, RECORD_SHA_KEY: hashlib.sha256(text.encode()).hexdigest()}
-    tmp = None
     try:
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False) as f:
-            tmp = f.name
-        save_file({f"s{i}": t for i, t in enumerate(storages)}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException as e:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise CacheFileError(f"cannot save the cache to {path}: {e.strerror or e}") from None
-        raise
+        atomic_write(path, lambda temporary: save_file({f"s{i}": t for i, t in enumerate(storages)}, temporary,
+                                                       metadata=metadata))
+    except OSError as e:
+        raise CacheFileError(f"cannot save the cache to {path}: {e.strerror or e}") from None
     return path
 
 

@@ -3,17 +3,19 @@ gates, Q-Filters' directions, KVzip's head scores), and the record of how they w
 
 An artifact is one safetensors file whose metadata holds `RECORD_KEY`: JSON with the format version, the kind, the
 model it was made on (name, content digest `components.model_digest`, shape), the data (sources and their
-digests), the settings, the seed, the CPU time, versions and git commit. The model is known by content: a file is
-refused, in one line, for a model whose folder has another digest (a fine-tune in a folder named like the original
-included), or another shape. Packaged artifacts live in `data/calibrated/{model}_{kind}.safetensors`; the model
+digests), the settings, the seed, the CPU time, versions and git commit, and the sha256 of the tensors
+(`tensors_sha256`); the metadata's `RECORD_SHA_KEY` is the sha256 of the record's text. A file whose record or
+tensors do not match their digest (one flipped byte) is refused in one line naming it, as a cache file is; a
+DuoAttention pattern (a text file) records `pattern_sha256` of its text in its config.json's record. The model is
+known by content: a file is refused, in one line, for a model whose folder has another digest (a fine-tune in a
+folder named like the original included), or another shape. Packaged artifacts live in `data/calibrated/{model}_{kind}.safetensors`; the model
 names and digests are the packaged tables' (allocation/data/models.json).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -21,37 +23,63 @@ from typing import Optional
 import torch
 
 from pyramidkv.allocation.head_tables import PACKAGED_MODELS
-from pyramidkv.components import ModelShape, model_digest, packaged_table
+from pyramidkv.components import ModelShape, atomic_write, model_digest, packaged_table
 
 FORMAT = "pyramidkv-calibration"
-VERSION = 1
+VERSION = 2          # 2: the record holds the digest of what the file holds (tensors_sha256, pattern_sha256)
 RECORD_KEY = "pyramidkv_calibration"
+RECORD_SHA_KEY = "record_sha256"
 PACKAGED_DIR = Path(__file__).resolve().parent / "data" / "calibrated"
 SCRIPTS = {"kvzap-linear": "calibrate_kvzap.py --model_type linear", "kvzap-mlp": "calibrate_kvzap.py --model_type mlp",
            "duo": "calibrate_duo.py", "qfilter": "calibrate_qfilter.py", "kvzip-head": "kvzip_head_scores.py"}
 
 
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of an artifact's tensors: each name, dtype, shape and bytes, in the order of the names."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"\0{name}\0{str(t.dtype).removeprefix('torch.')}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def text_digest(text: str) -> str:
+    """sha256 of a text artifact's bytes as written (UTF-8): DuoAttention's pattern."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def save_artifact(path, tensors: dict[str, torch.Tensor], record: dict) -> Path:
     """Write tensors and the record (kind, model, data, settings, ...) to `path` atomically (a temporary file in
-    the same folder, then a rename: a killed run leaves no torn file)."""
+    the same folder, then a rename: a killed run leaves no torn file). The record gets the digest of the tensors
+    (`tensors_sha256`), the metadata the digest of the record (`RECORD_SHA_KEY`): a load checks both."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {RECORD_KEY: json.dumps({"format": FORMAT, "version": VERSION, **record}, sort_keys=True)}
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(handle)
-    try:
-        save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, temporary, metadata=meta)
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+    tensors = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
+    text = json.dumps({**record, "format": FORMAT, "version": VERSION, "tensors_sha256": tensors_digest(tensors)},
+                      sort_keys=True)
+    meta = {RECORD_KEY: text, RECORD_SHA_KEY: hashlib.sha256(text.encode()).hexdigest()}
+    atomic_write(path, lambda temporary: save_file(tensors, temporary, metadata=meta))
     return path
+
+
+def check_version(path, record: dict) -> None:
+    """ValueError (one line) unless the record is of this format and version (a version 1 file holds no digest of
+    what it holds: an edit could not be told)."""
+    if record.get("format") != FORMAT or record.get("version") != VERSION:
+        why = " (version 1 records no digest of its tensors: an edited byte could not be told)" \
+            if record.get("format") == FORMAT and record.get("version") == 1 else ""
+        raise ValueError(f"calibration file {path}: format {record.get('format')!r} version {record.get('version')!r}"
+                         f"{why}; this pyramidkv reads {FORMAT!r} version {VERSION}: re-make it with `python scripts/"
+                         f"{SCRIPTS.get(record.get('kind'), '...')}`")
 
 
 @lru_cache(maxsize=32)
 def _read(path: str, stamp: tuple) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, record) of a calibration file, checked: readable, of this format and version, its record and its
+    tensors what their digests say."""
     from safetensors import safe_open
 
     try:
@@ -68,17 +96,21 @@ def _read(path: str, stamp: tuple) -> tuple[dict[str, torch.Tensor], dict]:
     except (KeyError, ValueError):
         raise ValueError(f"calibration file {path}: no {RECORD_KEY} record in its metadata (not made by a pyramidkv "
                          f"calibration script)") from None
+    check_version(path, record)
+    if hashlib.sha256(meta[RECORD_KEY].encode()).hexdigest() != meta.get(RECORD_SHA_KEY):
+        raise ValueError(f"calibration file {path} was edited: its record does not match its sha256")
+    if tensors_digest(tensors) != record.get("tensors_sha256"):
+        raise ValueError(f"calibration file {path} was edited: its tensors do not match the sha256 its record holds "
+                         f"(re-make it with `python scripts/{SCRIPTS.get(record.get('kind'), '...')}`)")
     return tensors, record
 
 
 def load_artifact(path, kind: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, record) of a calibration file of `kind`; ValueError naming the file unless it is one."""
+    """(tensors, record) of a calibration file of `kind`; ValueError naming the file unless it is one, whole and
+    unedited."""
     path = Path(path)
     stat = path.stat() if path.is_file() else None
     tensors, record = _read(str(path), (stat.st_size, stat.st_mtime_ns) if stat else ())
-    if record.get("format") != FORMAT or record.get("version") != VERSION:
-        raise ValueError(f"calibration file {path}: format {record.get('format')!r} version {record.get('version')!r}; "
-                         f"this pyramidkv reads {FORMAT!r} version {VERSION}")
     if record.get("kind") != kind:
         raise ValueError(f"calibration file {path} holds {record.get('kind')!r}, not {kind!r}; make one with "
                          f"`python scripts/{SCRIPTS.get(kind, '...')}`")

@@ -59,12 +59,17 @@ def read_pattern(path) -> tuple[np.ndarray, Optional[dict], Path]:
     config = tsv.parent / CONFIG_FILE
     record = None
     if config.is_file():
-        from pyramidkv.methods.calibrated import RECORD_KEY
+        from pyramidkv.methods.calibrated import RECORD_KEY, check_version, text_digest
 
         try:
             record = json.loads(config.read_text(encoding="utf-8")).get(RECORD_KEY)
         except (ValueError, AttributeError):
             raise ValueError(f"duo_pattern {config}: not a JSON object") from None
+        if record is not None:   # ours (an official folder's config.json has no record): what it says it holds
+            check_version(config, record)
+            if text_digest(tsv.read_text(encoding="utf-8")) != record.get("pattern_sha256"):
+                raise ValueError(f"duo_pattern {tsv} was edited: it does not match the sha256 the record in "
+                                 f"{config} holds (re-make it with `python scripts/calibrate_duo.py`)")
     return np.clip(gates, 0.0, 1.0), record, tsv
 
 

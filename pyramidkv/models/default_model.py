@@ -24,7 +24,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from pyramidkv.components import MODEL_RECORD, model_digest
+from pyramidkv.components import MODEL_RECORD, model_digest, new_file_mode
 
 DEFAULT_MODEL_NAME = "smollm2-135m"
 CACHE_ENV_VAR = "PYRAMIDKV_MODEL_CACHE"
@@ -117,6 +117,9 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
         (work_dir / MODEL_RECORD).write_text(json.dumps({
             "converted_from": str(gguf_path), "gguf_file": GGUF_FILE_NAME, "model": DEFAULT_MODEL_NAME,
             "content_digest": model_digest(work_dir)}, indent=2))
+        for path in work_dir.iterdir():   # save_pretrained's weights and mkdtemp's folder are private otherwise
+            path.chmod(new_file_mode())
+        work_dir.chmod(new_file_mode(folder=True))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(work_dir, out_dir)

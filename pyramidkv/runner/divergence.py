@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
+
+from pyramidkv.components import atomic_write
 
 REFERENCE_FOLDER = "fullkv_reference"
 
@@ -66,9 +67,7 @@ class FullkvReference:
 
         path = self.path(prompt, reference)
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-        save_file({"logprobs": logprobs.contiguous()}, str(partial))
-        os.replace(partial, path)
+        atomic_write(path, lambda temporary: save_file({"logprobs": logprobs.contiguous()}, temporary))
 
     def get(self, model, tokenizer, prompt, reference):
         """fullkv's log-probabilities [n, vocab], computed and kept when missing."""

@@ -8,33 +8,18 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
-
-def _umask() -> int:
-    mask = os.umask(0o22)
-    os.umask(mask)
-    return mask
+from pyramidkv.components import atomic_write
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Replace `path` with `text` atomically (write a temp file in the same folder, then rename), with the
-    permissions open() gives a new file (0666 less the umask; mkstemp's own are 0600)."""
+    """Replace `path` with `text` atomically, its folder made if missing (components.atomic_write: the permissions
+    open() gives a new file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda temporary: Path(temporary).write_text(text, encoding="utf-8"))
 
 
 def atomic_write_json(path: Path, data: Any) -> None:

@@ -304,3 +304,19 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(saved, tmp_path, mo
         pyramidkv.save_cache(pyramidkv.load_cache(path, model), target)
     assert "\n" not in str(refusal.value)
     assert os.listdir(tmp_path) == ["cache.safetensors"] and target.read_bytes() == b"old"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_saved_cache_gets_the_permissions_open_gives(saved, tmp_path, umask):
+    """Written through a temporary file and safetensors (0600 both), the cache file still gets 0666 less the umask,
+    as a file open() makes (issue 40, item 11)."""
+    import stat
+
+    path, model, _ = saved
+    cache = pyramidkv.load_cache(path, model)
+    old = os.umask(umask)
+    try:
+        pyramidkv.save_cache(cache, tmp_path / "c.safetensors", model)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "c.safetensors").stat().st_mode) == 0o666 & ~umask

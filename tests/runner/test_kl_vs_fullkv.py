@@ -31,3 +31,25 @@ def test_the_reference_follows_the_prompt_as_an_answer_would(tiny_model_dir):
     assert reference_text(tokenizer, ends_in_word, "1234567") == " 1234567"
     assert reference_text(tokenizer, ends_in_newline, "The best thing") == "The best thing"
     assert reference_text(tokenizer, ends_in_word, " 42") == " 42"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_the_fullkv_reference_files_get_the_permissions_open_gives(tmp_path, umask):
+    """The leaderboard's fullkv reference (safetensors through a temporary name: 0600 both) gets 0666 less the
+    umask, as results do (issue 40, item 11)."""
+    import os
+    import stat
+
+    import torch
+
+    from pyramidkv.runner.divergence import FullkvReference
+
+    reference = FullkvReference(tmp_path / "fullkv_reference", {"model": "m"})
+    old = os.umask(umask)
+    try:
+        reference.write([1, 2, 3], [4, 5], torch.zeros(2, 7))
+    finally:
+        os.umask(old)
+    path = reference.path([1, 2, 3], [4, 5])
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+    assert reference.read([1, 2, 3], [4, 5]).shape == (2, 7) and os.listdir(path.parent) == [path.name]
