@@ -70,8 +70,10 @@ def grid_of(args) -> Grid:
         [round(1 - c, 10) for c in args.compression_ratios] if args.compression_ratios is not None else list(RATIOS)
     if args.compression_ratios is not None:
         for c in args.compression_ratios:
-            if not 0.0 <= c < 1.0:
-                raise ValueError(f"--compression_ratios {c:g} is outside [0, 1): the fraction removed")
+            if not 0.0 < c < 1.0 or round(1 - c, 10) >= 1:
+                raise ValueError(f"--compression_ratios {c!r} is outside (0, 1): the fraction removed (0, or one that "
+                                 f"rounds to 0 at 10 digits, removes nothing: that is fullkv); allowed: "
+                                 f"1e-10 <= compression ratio < 1")
     ratios = check_ratios(ratios)
     check_tasks(args.tasks)
     for flag in ("context_length", "num_samples", "needle_depths"):

@@ -150,8 +150,9 @@ def shard_units(units: list[Unit], shard: Optional[tuple[int, int]]) -> list[Uni
 
 def check_ratios(ratios) -> list[float]:
     for ratio in ratios:
-        if not 0.0 < ratio <= 1.0:
-            raise ValueError(f"ratio {ratio:g} is outside (0, 1]: a ratio is the fraction of the prompt kept")
+        if not 0.0 < ratio < 1.0:
+            raise ValueError(f"ratio {ratio!r} is outside (0, 1): a ratio is the fraction of the prompt kept (1 keeps "
+                             f"every token: that is fullkv, the grid's reference); allowed: 0 < ratio < 1")
     if len(set(ratios)) != len(ratios):
         raise ValueError(f"--ratios {' '.join(f'{r:g}' for r in ratios)} names a ratio twice")
     return sorted(ratios)

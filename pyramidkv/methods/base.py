@@ -94,6 +94,7 @@ class Method(Component):
     needs_rotation: ClassVar[bool] = False  # the scorer reads queries before RoPE or RoPE elsewhere (patch.py)
     needs_hidden: ClassVar[bool] = False    # the scorer reads the attention input (ScoreContext.hidden: KVzap)
     token_scores: ClassVar[bool] = False    # a token's score reads that token alone (threshold decoding needs it)
+    score_bounds: ClassVar[Optional[tuple[float, float]]] = None   # [low, high] every score lies in, if known
     flat_units = {axis: capability_class(axis) for axis in CAPABILITY_AXES}
     budget_aliases: ClassVar[dict[str, str]] = {}   # settings under another unit's name (Quest: page_budget)
 

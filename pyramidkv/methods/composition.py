@@ -69,6 +69,23 @@ def check_budget(method) -> None:
                          f"which compresses while decoding)")
 
 
+def check_threshold(method, threshold) -> None:
+    """ValueError (one line) unless a threshold is given on the method's scores and some score can fall below it:
+    no default fits every scorer, so only a method whose own default is calibrated for its score (kvzap's) runs
+    without one; a method that knows the range of its scores (`score_bounds`) refuses one outside it."""
+    if threshold is None:
+        raise ValueError(f"head_allocation='threshold' on {method.name} needs a threshold on {method.name}'s raw "
+                         f"scores (no default fits every scorer: a token stays iff its score >= threshold); give one "
+                         f"with threshold=X (--threshold X), a value inside the range of {method.name}'s scores")
+    if method.score_bounds is None:
+        return
+    low, high = method.score_bounds
+    if not low < threshold <= high:
+        keeps = "every token (that is fullkv)" if threshold <= low else "no token outside the window and sinks"
+        raise ValueError(f"threshold {threshold!r}: every score of {method.name} lies in [{low:g}, {high:g}], so it "
+                         f"would keep {keeps}; allowed: {low:g} < threshold <= {high:g}")
+
+
 def check_allocation(method) -> None:
     """ValueError (one line) if the head allocation cannot work with the method's other settings: one that spans
     every layer beside a layer allocation; threshold eviction (no budget) with a budget, a method keeping every
@@ -85,8 +102,8 @@ def check_allocation(method) -> None:
                          f"method (e.g. kvzap, snapkv) with it")
     for setting in ("budget", "budget_ratio"):
         if getattr(method, setting) is not None:
-            raise ValueError(f"head_allocation='threshold' keeps each token whose score passes threshold "
-                             f"{heads.threshold:g}, so the budget is an outcome: leave out "
+            raise ValueError(f"head_allocation='threshold' keeps each token whose score passes its threshold, so the "
+                             f"budget is an outcome: leave out "
                              f"{method.setting_labels.get(setting, setting)}, got {getattr(method, setting)!r}")
     if method.merge is not None:
         raise ValueError(f"head_allocation='threshold' drops what fails its threshold; it does not combine with "
@@ -97,6 +114,7 @@ def check_allocation(method) -> None:
     if method.layer_sharing is not None:
         raise ValueError("head_allocation='threshold' decides each layer by its own scores; it does not combine with "
                          "cross_layer_merge (a merged pair selects on the sum of two layers' scores)")
+    check_threshold(method, heads.threshold)
     if not heads.threshold_decoding:
         return
     if not method.token_scores:

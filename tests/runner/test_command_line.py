@@ -190,7 +190,6 @@ def test_longbench_seed_draws_the_rows_with_sample_method_random():
     (["--method", "snapkv", "--budget", "128", "--gqa_score_agg", "max"], ("gqa_reduce",), "max"),
     (["--method", "snapkv", "--compression_ratio", "0.75"], ("budget_ratio",), 0.25),
     (["--method", "snapkv", "--compression_ratio", "0.9"], ("budget_ratio",), 0.1),   # not 0.09999999999999998
-    (["--method", "snapkv", "--compression_ratio", "0"], ("budget_ratio",), 1.0),
     (["--method", "snapkv:compression_ratio=0.6"], ("budget_ratio",), 0.4),
 ])
 def test_public_harness_names_set_our_settings(argv, field, value):
@@ -206,7 +205,8 @@ def test_public_harness_names_set_our_settings(argv, field, value):
     (["--method", "snapkv", "--compression_ratio", "0.75", "--budget_ratio", "0.25"],
      ["--compression_ratio=0.75", "--budget_ratio=0.25", "both give the budget"]),
     (["--method", "snapkv:compression_ratio=0.5,budget=64"], ["compression_ratio=0.5", "budget=64", "both give"]),
-    (["--method", "snapkv", "--compression_ratio", "1"], ["--compression_ratio", "[0, 1)"]),
+    (["--method", "snapkv", "--compression_ratio", "1"], ["--compression_ratio", "(0, 1)"]),
+    (["--method", "snapkv", "--compression_ratio", "0"], ["--compression_ratio 0.0 removes nothing", "fullkv"]),
     (["--method", "snapkv", "--budget", "128", "--kv_cache_granularity", "head"], ["--kv_cache_granularity head"]),
     (["--method", "snapkv", "--budget", "128", "--gqa_score_agg", "median"], ["--gqa_score_agg median"]),
 ])
@@ -263,3 +263,25 @@ def test_help_for_one_method_shows_its_settings_and_values():
     assert entry(help_text(["--method", "streamingllm", "--help"]), "--num_sinks").endswith("[4]")
     cam = help_text(["--method", "snapkv:merge=cam", "--help"])
     assert " --merge_seed " in cam and " --merge_fraction " not in cam
+
+
+# --- issue 40, item 8: values that start with "-" -----------------------------------------------------------
+
+@pytest.mark.parametrize("value, threshold", [("-1e3", -1000.0), ("-.5", -0.5), ("-5", -5.0), ("-2.5E1", -25.0)])
+def test_a_negative_number_in_any_notation_is_a_value(value, threshold):
+    """kvzap's thresholds are log scores, negative by nature: argparse's own matcher took -1e3 for a flag."""
+    assert method(["--method", "kvzap", "--threshold", value]).head_allocation.threshold == threshold
+
+
+@pytest.mark.parametrize("value, says", [
+    ("-inf", "expected a finite number (ASCII, e.g. 0.5), got '-inf'"),
+    ("-1e308", "threshold -1e+308 is at or below every score a scorer can give"),
+])
+def test_a_negative_value_reaches_the_flags_own_check(value, says):
+    err = refused(["--method", "kvzap", "--threshold", value])
+    assert says in err and "expected one argument" not in err, err
+
+
+def test_a_flag_like_word_after_a_flag_says_how_to_give_it():
+    err = refused(["--method", "snapkv", "--budget", "128", "--save_dir", "-results"])
+    assert "--save_dir: expected one value, got the flag-like '-results'" in err and "--save_dir=-results" in err
