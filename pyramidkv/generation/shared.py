@@ -87,8 +87,9 @@ def answer_questions(model, tokenizer, contexts: Sequence, questions: Sequence[S
     context. on_compressed: called with the cache right after compression, before any question (save_cache).
     """
     check_mode(mode)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    for name, value, least in (("max_new_tokens", max_new_tokens, 1), ("min_new_tokens", min_new_tokens, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least} (a count of tokens), got {value!r}")
     vocab = _vocab_size(model)
     context_ids = _token_lists(tokenizer, contexts, "context", vocab)
     if isinstance(questions, (str, bytes)) or len(questions) != len(context_ids):
