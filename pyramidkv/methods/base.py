@@ -31,7 +31,8 @@ from pyramidkv.components import Component
 from pyramidkv.core.context import DecodeScoreContext, ScoreContext
 from pyramidkv.merging import make_merge_rule
 from pyramidkv.merging.base import MergeRule
-from pyramidkv.methods.composition import check_allocation, check_budget, check_nothing_evicted, check_units
+from pyramidkv.methods.composition import (check_allocation, check_budget, check_nothing_evicted, check_refused,
+                                           check_units)
 from pyramidkv.quantization import make_quantizer
 from pyramidkv.quantization.base import Quantizer
 from pyramidkv.sparse_prefill import make_sparse_prefill
@@ -59,21 +60,21 @@ class Method(Component):
         gqa_reduce); query_head repeats K/V to the query heads first, as the published baselines do
         (costs g x the memory).
     gqa_reduce: how a query group's scores become one KV head's: mean, max or sum.
-    head_allocation: how a layer's budget is split across its heads (pyramidkv.allocation): uniform,
-        adakv, headkv.
-    layer_allocation: how the budget is split across layers: uniform, pyramid, zigzag.
-    merge: what happens to evicted tokens: none drops them; a merge rule (pyramidkv.merging: pivot,
-        weighted, mergingpress, cam) folds them into the kept ones without changing which are kept.
+    head_allocation: how a layer's budget is split across its heads, or no budget at all (each head keeping
+        what its scores pass) (pyramidkv.allocation).
+    layer_allocation: how the budget is split across layers (pyramidkv.allocation).
+    merge: what happens to evicted tokens: none drops them; a merge rule (pyramidkv.merging) folds them
+        into the kept ones without changing which are kept.
     quant_method: how the kept tokens are stored: none in the model dtype; a quantizer
-        (pyramidkv.quantization: kivi, kvquant, gear) stores the kept prompt tokens and the generated
-        ones in packed low-bit codes outside a full-precision recent window.
+        (pyramidkv.quantization) stores the kept prompt tokens and the generated ones in packed low-bit
+        codes outside a full-precision recent window.
     decode: compression during decoding (pyramidkv.capabilities; on with decode_budget; none: off).
     selection: the knobs of the one selection rule (num_sinks, random_fraction, random_seed).
     channels: ThinK's key-channel pruning (on with key_channel_ratio; none: off).
     pages: Quest's decode-time page selection (on with page_budget; none: off).
     layer_sharing: MiniCache's cross-layer merging (on with cross_layer_merge=true; none: off).
     prefill_attention: how the prompt's attention is computed (none: the model's own dense attention); a
-        sparse prefill (pyramidkv.sparse_prefill: minference) computes only its pattern's entries, and the
+        sparse prefill (pyramidkv.sparse_prefill) computes only its pattern's entries, and the
         scorers' attention statistics count those entries only.
     """
 
@@ -95,6 +96,9 @@ class Method(Component):
     needs_hidden: ClassVar[bool] = False    # the scorer reads the attention input (ScoreContext.hidden: KVzap)
     token_scores: ClassVar[bool] = False    # a token's score reads that token alone (threshold decoding needs it)
     score_bounds: ClassVar[Optional[tuple[float, float]]] = None   # [low, high] every score lies in, if known
+    # Settings the method does not combine with, each with why: an axis field (merge) or a capability's switch
+    # (decode_budget). Refused when on (composition.check_refused); left out of `--method NAME --help`.
+    refuses: ClassVar[dict[str, str]] = {}
     flat_units = {axis: capability_class(axis) for axis in CAPABILITY_AXES}
     budget_aliases: ClassVar[dict[str, str]] = {}   # settings under another unit's name (Quest: page_budget)
 
@@ -244,6 +248,7 @@ class Method(Component):
             raise ValueError(f"gqa_reduce must be one of {'|'.join(GQA_REDUCTIONS)}, got {self.gqa_reduce!r}")
         if self.window_size < 0:
             raise ValueError(f"window_size must be an integer >= 0, got {self.window_size!r}")
+        check_refused(self)
         check_units(self)
         check_allocation(self)
         if self.prefill_attention is not None and self.history_window is not None:

@@ -13,6 +13,23 @@ from pyramidkv.core.store_kinds import STORES, store_abilities, store_kind
 ABILITY_TEXT = {"reselect": "re-select while decoding", "attention_statistics": "keep decode-time attention statistics"}
 
 
+def refused_unit(method, setting: str):
+    """The unit behind a setting of `Method.refuses`: an axis field's value, or the capability whose switch it is."""
+    if setting in {f.name for f in dataclasses.fields(method)}:
+        return getattr(method, setting)
+    axis = next((axis for axis, cls in method.flat_units.items() if cls.switch == setting), None)
+    if axis is None:
+        raise ValueError(f"{method.name}.refuses names {setting!r}, neither a method field nor a capability's switch")
+    return getattr(method, axis)
+
+
+def check_refused(method) -> None:
+    """ValueError (one line) if a setting the method declares it does not combine with (`refuses`) is on."""
+    for setting, why in method.refuses.items():
+        if refused_unit(method, setting) is not None:
+            raise ValueError(f"{method.name} does not combine with {setting} ({why}); leave {setting} out")
+
+
 def check_units(method) -> None:
     """ValueError (one line) if the method's units cannot compose."""
     for unit in method.capabilities:

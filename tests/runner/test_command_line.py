@@ -285,3 +285,43 @@ def test_a_negative_value_reaches_the_flags_own_check(value, says):
 def test_a_flag_like_word_after_a_flag_says_how_to_give_it():
     err = refused(["--method", "snapkv", "--budget", "128", "--save_dir", "-results"])
     assert "--save_dir: expected one value, got the flag-like '-results'" in err and "--save_dir=-results" in err
+
+
+# --- issue 40, item 9: help shows what the method accepts, choices from the registry, an unknown method refused -
+
+def test_help_for_a_method_leaves_out_the_settings_it_refuses():
+    """`--method kvzip --help` offered --merge, --decode_budget, ... which kvzip refuses: each setting in its
+    `refuses` table is refused when given and absent from its help; its own settings are there."""
+    from pyramidkv.methods import METHODS
+
+    text = help_text(["--method", "kvzip", "--help"])
+    refused_flags = {"merge": "--merge", "decode_budget": "--decode_budget", "page_budget": "--page_budget",
+                     "cross_layer_merge": "--cross_layer_merge", "prefill_attention": "--prefill_attention"}
+    assert set(METHODS["kvzip"].refuses) == set(refused_flags)
+    for setting, flag in refused_flags.items():
+        assert f" {flag} " not in text, flag
+        assert "kvzip does not combine with" in refused(["--method", "kvzip", "--max_capacity_prompts_ratio", "0.5",
+                                                         flag, "cam" if setting == "merge" else "minference"
+                                                         if setting == "prefill_attention" else "true"
+                                                         if setting == "cross_layer_merge" else "64"])
+    for flag in ("--chunk_size", "--chunk_overlap", "--head_allocation", "--max_capacity_prompts_ratio"):
+        assert f" {flag} " in text, flag
+    assert " --merge " in help_text(["--method", "snapkv", "--help"])
+
+
+@pytest.mark.parametrize("axis", [axis for axis in AXES if not axis.flat])
+def test_a_units_flag_lists_every_unit_of_its_registry(axis):
+    """--head_allocation's text listed uniform, adakv, headkv and not kvzip's default global: the text names every
+    registered unit (the metavar aside), and the field's documentation names none of them by hand."""
+    from pyramidkv.components import setting_help
+    from pyramidkv.methods.base import Method
+
+    text = re.search(rf" --{axis.field} {{[^}}]*}} (.*?) --[a-z_]+ [A-Z_{{\[]", help_text(["--help"]))[1]
+    assert all(re.search(rf"\b{name}\b", text) for name in axis.registry), text
+    assert not [name for name in axis.registry if re.search(rf"\b{name}\b", setting_help(Method)[axis.field])]
+
+
+def test_help_for_an_unknown_method_is_refused():
+    code, out, err = run(["--method", "bogus", "--help"])
+    assert code == 2 and not out, out[:200]
+    assert err.count("\n") == 1 and "unknown method 'bogus'; choose one of: fullkv," in err, err
