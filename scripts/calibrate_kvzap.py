@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from pyramidkv.runner.arguments import ArgumentParser
+from pyramidkv.runner.arguments import ArgumentParser, output_file
 
 REPEAT = "\n\nRepeat the previous context exactly."
 LONGBENCH_FILE = Path("/work/shared/longbench/data/multi_news.jsonl")
@@ -208,6 +208,9 @@ def sources(haystack_dir, longbench_file) -> tuple[list[tuple[str, str]], list[d
     """([(source name, text)], [{file, sha256}]): every essay (.txt) of the folder and every multi_news context."""
     texts, files = [], []
     folder = Path(haystack_dir)
+    if not folder.is_dir() or not any(folder.glob("*.txt")):   # else other sources alone would make the artifact
+        raise ValueError(f"--haystack_dir {folder}: {'no .txt files' if folder.is_dir() else 'no such folder'}; give "
+                         f"a folder of .txt files")
     for path in sorted(folder.glob("*.txt")):
         texts.append((path.name, path.read_text(encoding="utf-8")))
         files.append({"file": path.name, "sha256": digest(path)})
@@ -282,7 +285,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, ArgumentParser]:
     parser.add_argument("--model_class", choices=list(MODEL_GLUE), default=None,
                         help="load the weights as this architecture (as the runners' --model_class)")
     parser.add_argument("--model_type", choices=("linear", "mlp"), required=True)
-    parser.add_argument("--out", required=True, help="the .safetensors file written")
+    parser.add_argument("--out", required=True, type=output_file, help="the .safetensors file written")
     parser.add_argument("--texts", type=int, default=24, help="training passages (the authors: 4.5K)")
     parser.add_argument("--held_out", type=int, default=6, help="held-out passages, from other sources")
     parser.add_argument("--min_tokens", type=int, default=150, help="shortest passage (the authors: 750)")
@@ -317,19 +320,18 @@ def main(argv=None) -> Path:
     from pyramidkv.models.loading import check_model, load_model
     from pyramidkv.runner.results import _git_commit, _versions
 
-    try:   # every check before the weights load
+    from transformers import AutoTokenizer
+
+    try:   # every check before the weights load, the passages drawn included
         resolved, config, _, _ = check_model(args.model_path, "eager", args.device, "float32", args.model_class)
         named, files = sources(args.haystack_dir or essay_dir(), args.longbench_file)
+        train, held = passages(AutoTokenizer.from_pretrained(resolved), named, args.texts, args.held_out,
+                               args.min_tokens, args.max_tokens, args.seed)
     except (ValueError, OSError, ImportError) as e:
         parser.error(str(e))
     started, cpu = time.time(), time.process_time()
     model, tokenizer = load_model(args.model_path, attn_implementation="eager", device=args.device, dtype="float32",
                                   model_class=args.model_class)
-    try:
-        train, held = passages(tokenizer, named, args.texts, args.held_out, args.min_tokens, args.max_tokens,
-                               args.seed)
-    except ValueError as e:
-        parser.error(str(e))
     tensors, info = calibrate(model, tokenizer, train, held, args.model_type, args.tokens_per_text, args.seed,
                               args.alpha, args.epochs)
     made_on = {**model_record(str(resolved), config), "name": args.model_path}   # digest of the resolved folder

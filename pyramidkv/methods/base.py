@@ -31,8 +31,7 @@ from pyramidkv.components import Component
 from pyramidkv.core.context import DecodeScoreContext, ScoreContext
 from pyramidkv.merging import make_merge_rule
 from pyramidkv.merging.base import MergeRule
-from pyramidkv.methods.composition import (check_allocation, check_budget, check_nothing_evicted, check_refused,
-                                           check_units)
+from pyramidkv.methods.composition import check_allocation, check_budget, check_nothing_evicted, check_units
 from pyramidkv.quantization import make_quantizer
 from pyramidkv.quantization.base import Quantizer
 from pyramidkv.sparse_prefill import make_sparse_prefill
@@ -52,16 +51,15 @@ class Method(Component):
     everything.
 
     budget: tokens kept per layer per head of each prompt, observation window included.
-    budget_ratio: the budget as a fraction of each prompt's length, in (0, 1) (1 keeps every prompt token:
-        only with a decode budget); it must give at least the window on every prompt.
+    budget_ratio: the budget as a fraction of each prompt's length, in (0, 1) (1 only with a decode budget); it must
+        give at least the window on every prompt.
     window_size: the most recent prompt tokens, always kept (the observation window of the scorers
         that read attention).
     gqa_layout: kv_head keeps one set per KV head (scores reduced over the query group with
         gqa_reduce); query_head repeats K/V to the query heads first, as the published baselines do
         (costs g x the memory).
     gqa_reduce: how a query group's scores become one KV head's: mean, max or sum.
-    head_allocation: how a layer's budget is split across its heads, or no budget at all (each head keeping
-        what its scores pass) (pyramidkv.allocation).
+    head_allocation: how a layer's budget is split across its heads, or none kept by score (pyramidkv.allocation).
     layer_allocation: how the budget is split across layers (pyramidkv.allocation).
     merge: what happens to evicted tokens: none drops them; a merge rule (pyramidkv.merging) folds them
         into the kept ones without changing which are kept.
@@ -81,8 +79,7 @@ class Method(Component):
     kind_key = "method"
     label_separator = "_"
     unlabelled = ("budget", "budget_ratio")
-    setting_labels = {"budget": "budget (max_capacity_prompts)",
-                      "budget_ratio": "budget_ratio (max_capacity_prompts_ratio)"}
+    setting_labels = {"budget": "budget (max_capacity_prompts)", "budget_ratio": "budget_ratio (max_capacity_prompts_ratio)"}
     needs_budget: ClassVar[bool] = True
     # What the scorer reads besides q/k/v (core/context.py): the attention each held token accumulates while
     # decoding (H2O), the column sums of the prompt's attention from the prefill pass itself (H2O), each held
@@ -96,9 +93,7 @@ class Method(Component):
     needs_hidden: ClassVar[bool] = False    # the scorer reads the attention input (ScoreContext.hidden: KVzap)
     token_scores: ClassVar[bool] = False    # a token's score reads that token alone (threshold decoding needs it)
     score_bounds: ClassVar[Optional[tuple[float, float]]] = None   # [low, high] every score lies in, if known
-    # Settings the method does not combine with, each with why: an axis field (merge) or a capability's switch
-    # (decode_budget). Refused when on (composition.check_refused); left out of `--method NAME --help`.
-    refuses: ClassVar[dict[str, str]] = {}
+    refuses: ClassVar[dict[str, str]] = {}  # setting -> why it is refused (composition.check_refused; not in --help)
     flat_units = {axis: capability_class(axis) for axis in CAPABILITY_AXES}
     budget_aliases: ClassVar[dict[str, str]] = {}   # settings under another unit's name (Quest: page_budget)
 
@@ -248,7 +243,6 @@ class Method(Component):
             raise ValueError(f"gqa_reduce must be one of {'|'.join(GQA_REDUCTIONS)}, got {self.gqa_reduce!r}")
         if self.window_size < 0:
             raise ValueError(f"window_size must be an integer >= 0, got {self.window_size!r}")
-        check_refused(self)
         check_units(self)
         check_allocation(self)
         if self.prefill_attention is not None and self.history_window is not None:

@@ -32,6 +32,7 @@ def check_refused(method) -> None:
 
 def check_units(method) -> None:
     """ValueError (one line) if the method's units cannot compose."""
+    check_refused(method)
     for unit in method.capabilities:
         unit.check_with(method)
         for conflict in unit.conflicts:

@@ -21,13 +21,12 @@ The flags a user typed, by dest, are in `parser.given` after parsing ({"budget":
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shlex
 import sys
 from pathlib import Path
 
-from pyramidkv.components import read_float, read_int
+from pyramidkv.components import check_output, read_float, read_int
 
 
 def integer(text: str) -> int:
@@ -70,8 +69,20 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file path")
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: its folder {str(folder)!r} does not exist")
-    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"{text!r} cannot be written (permissions)")
+    try:
+        check_output(path)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def output_folder(text: str) -> str:
+    """An argparse type for a folder the script writes its files into when it is done (made if missing): refused at
+    once when it is a file or cannot be made or written, not after the work."""
+    try:
+        check_output(text, folder=True)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 
