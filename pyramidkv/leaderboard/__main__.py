@@ -23,6 +23,11 @@ from pyramidkv.leaderboard.grid import (
     DEFAULTS, RATIOS, TASKS, Grid, check_ratios, check_tasks, claim_folder, parse_shard, shard_units,
 )
 
+# The units are checked one by one (their runners generate and tokenize every sample, ~35 s each on SmolLM2): a bar
+# with the time left shows once the check has run this many seconds.
+PROGRESS_DELAY = 2.0
+
+
 def build_parser():
     from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
     from pyramidkv.runner.arguments import ArgumentParser, flags_text
@@ -116,7 +121,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not args.summarize:
             claim_folder(save_dir, grid, write=False)       # another grid's folder: refused before anything
         units = grid.units()
-        folders = {u.name: cells.run_dir_of(grid, u, save_dir) for u in units}   # every unit checked, no weights
+        from tqdm import tqdm
+
+        with tqdm(units, desc="checking every unit (no weights)", unit="unit", dynamic_ncols=True, leave=False,
+                  delay=PROGRESS_DELAY) as bar:   # each unit's runner prepares its samples: seconds to a minute each
+            folders = {u.name: cells.run_dir_of(grid, u, save_dir) for u in bar}
     except ValueError as e:
         parser.error(" ".join(str(e).split()))
     if args.count:

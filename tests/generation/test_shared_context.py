@@ -219,6 +219,19 @@ def test_pipeline_refuses_a_value_of_the_wrong_type_in_one_line(sharp_llama, con
         pyramidkv.pipeline(model, tokenizer)(context, **call)
     assert "\n" not in str(info.value)
 
+
+def test_a_question_fed_token_by_token_shows_its_progress(sharp_llama, capsys, monkeypatch):
+    """Issue 40, item 10: a question is one decode step per token (a 3,000-token one ran 8 minutes silently): a bar
+    counts the steps, with the rate and the time left, once the call has run PROGRESS_DELAY seconds (0 here)."""
+    model, tokenizer, _ = sharp_llama
+    monkeypatch.setattr(shared, "PROGRESS_DELAY", 0.0)
+    question = CONTEXTS[1][:40]
+    answer_questions(model, tokenizer, [CONTEXTS[0]], [[question]], make_method("snapkv", budget=64, window_size=8),
+                     NEW)
+    err = capsys.readouterr().err
+    steps = len(question) - 1 + NEW                     # its first token goes with the context's last
+    assert "question (40 tokens) + answer" in err and f"/{steps} [" in err and "<" in err, err[-300:]
+
 def test_snapshot_restore_shares_no_tensor_with_the_cache(sharp_llama):
     """A restore hands the cache fresh copies: decoding after it cannot write into the snapshot."""
     model, tokenizer, _ = sharp_llama

@@ -202,6 +202,19 @@ def test_runner_args_that_start_with_a_flag_are_a_value(tiny_model_dir):
         assert grid.extra == ["--device", "cpu", "--answer_prefix", "a b"]
         assert "--runner_args '--device cpu --answer_prefix '\"'\"'a b'\"'\"''" in command(grid)
 
+
+def test_count_shows_its_progress_while_it_checks_every_unit(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """Issue 40, item 10: `--count` prepares every unit (about 35 s each on SmolLM2) silently: a bar counts the
+    units, with the time left, once the check has run PROGRESS_DELAY seconds (0 here)."""
+    from pyramidkv.leaderboard import __main__ as cli
+
+    monkeypatch.setattr(cli, "PROGRESS_DELAY", 0.0)
+    assert cli.main(["--model_path", tiny_model_dir, "--methods", "streamingllm", "--ratios", "0.5", "--tasks",
+                     "niah_single_1", "--context_length", "512", "--num_samples", "1", "--save_dir",
+                     str(tmp_path / "out"), "--count"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "2 units" and "checking every unit (no weights)" in err and "/2 [" in err, err[-300:]
+
 def test_the_committed_page_and_figure_are_what_the_committed_csv_gives():
     docs = ROOT / "docs"
     grid = Grid(**json.loads((docs / "leaderboard" / "grid.json").read_text()))
