@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from pyramidkv.runner.arguments import ArgumentParser, output_file
 
@@ -254,8 +255,11 @@ def calibrate(model, tokenizer, train: list[dict], held: list[dict], model_type:
     of the held-out passages."""
     generator = torch.Generator().manual_seed(seed)
     sums, xs, ys = RidgeSums(), [], []
+    bar = tqdm(total=len(train) + len(held), desc="passages (targets: two forward passes each)", unit="passage",
+               dynamic_ncols=True)
     for passage in train:
         x, y = targets(model, *repeat_layout(tokenizer, passage["text"]))
+        bar.update(1)
         pick = torch.randperm(x.shape[1], generator=generator)[:tokens_per_text]
         if model_type == "linear":
             sums.add(x[:, pick], y[:, pick])
@@ -269,9 +273,13 @@ def calibrate(model, tokenizer, train: list[dict], held: list[dict], model_type:
         tensors, info["validation_mse"] = fit_mlp(torch.cat(xs), torch.cat(ys), epochs, seed)
         info["validation_mse"] = [round(v, 4) for v in info["validation_mse"]]
     if held:
-        pairs = [targets(model, *repeat_layout(tokenizer, passage["text"])) for passage in held]
+        pairs = []
+        for passage in held:
+            pairs.append(targets(model, *repeat_layout(tokenizer, passage["text"])))
+            bar.update(1)
         info["held_out"] = held_out_metrics(tensors, torch.cat([p[0] for p in pairs], dim=1),
                                             torch.cat([p[1] for p in pairs], dim=1))
+    bar.close()
     return tensors, info
 
 

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from pyramidkv.runner.arguments import ArgumentParser, output_file
 
@@ -76,7 +77,7 @@ def calibrate(model, token_lists: list[list[int]], num_svd_samples: int, seed: i
     chosen = chosen.view(layers, heads, keep)                                     # pooled row indices
     samples = None
     device = next(model.parameters()).device
-    for t, tokens in enumerate(token_lists):
+    for t, tokens in enumerate(tqdm(token_lists, desc="texts (one forward pass each)", unit="text", dynamic_ncols=True)):
         queries = post_rope_queries(model, torch.tensor([tokens], device=device))
         if samples is None:
             samples = torch.zeros(layers, heads, keep, queries[0].shape[-1])
