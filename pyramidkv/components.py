@@ -427,7 +427,8 @@ def check_output(path, folder: bool = False) -> None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".write-check.", dir=nearest))
     except OSError as e:
-        raise ValueError(f"{path} cannot be written: {nearest} takes no new {kind} ({e.strerror})") from None
+        raise ValueError(f"{path} cannot be written: {nearest} takes no new {kind} ({e.strerror}); choose a {kind} "
+                         f"where this user can write") from None
     if path.exists() and not folder and not os.access(path, os.W_OK):
         raise ValueError(f"{path} cannot be written (permissions)")
 
