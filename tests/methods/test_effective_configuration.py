@@ -209,6 +209,8 @@ def test_an_error_names_the_setting_it_is_about(smollm2_path, tmp_path, capsys):
        "budget_ratio (max_capacity_prompts_ratio) 1 keeps every prompt token") for name in
       ("snapkv", "keydiff", "kvzip", "kvzip_head")],
     (["--method", "quest", "--max_capacity_prompts_ratio", "1.0"], "page_budget_ratio must be in (0, 1)"),
+    # round(0.99995 x 8192) = 8192: even a prompt as long as the window keeps every token
+    (["--method", "snapkv", "--max_capacity_prompts_ratio", "0.99995"], "keeps round(0.99995 x 8192) = 8192 tokens"),
     (["--method", "duo_attention", "--streaming_share", "0"], "streaming_share 0: no head streams"),
     # SmolLM2's window is 8192 tokens: a streaming head holding 8192 keeps every token of any prompt.
     (["--method", "duo_attention", "--window_size", "8128"], "window_size 8128 + num_sinks 64 = 8192 tokens"),
