@@ -56,10 +56,15 @@ def main(argv=None) -> None:
     if method.prefill_attention is None:
         parser.error(f"--method {args.method!r} has no sparse prefill (prefill_attention); use minference or "
                      f"e.g. snapkv:budget=256,prefill_attention=minference")
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from pyramidkv.models.default_model import default_model_path
+    from pyramidkv.models.patch import model_shape
 
+    try:   # the model's checks (a pattern table of another shape) before its weights load, as the runners make them
+        method.check_model(model_shape(AutoConfig.from_pretrained(default_model_path()), 4, "sdpa"))
+    except ValueError as e:
+        parser.error(f"--method {args.method}: {e}")
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     prompts = {}
     for length in args.lengths:     # every prompt before the model loads: a bad task or length is refused now

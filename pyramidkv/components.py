@@ -410,6 +410,29 @@ def new_file_mode(folder: bool = False) -> int:
     return (0o777 if folder else 0o666) & ~mask
 
 
+def check_output(path, folder: bool = False) -> None:
+    """ValueError (one line) unless `path` can be written when the work is done: a file (or, `folder`, a folder
+    its files go in) whose place is not taken by the other kind, under a folder that takes a new entry. Checked by
+    making and removing a temporary folder in the nearest folder that exists (access() tells root yes on /proc);
+    what is missing between it and `path` would be made."""
+    path = Path(path)
+    kind = "folder" if folder else "file"
+    if path.exists() and path.is_dir() != folder:
+        raise ValueError(f"{path} is a {'file' if folder else 'folder'}; give the path of a {kind}")
+    nearest = path if folder and path.is_dir() else path.parent
+    while not nearest.exists():
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise ValueError(f"{path}: {nearest} is a file, not a folder")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check.", dir=nearest))
+    except OSError as e:
+        raise ValueError(f"{path} cannot be written: {nearest} takes no new {kind} ({e.strerror}); choose a {kind} "
+                         f"where this user can write") from None
+    if path.exists() and not folder and not os.access(path, os.W_OK):
+        raise ValueError(f"{path} cannot be written (permissions)")
+
+
 def atomic_write(path, write: Callable[[str], None]) -> Path:
     """Replace `path` with what `write(temporary)` writes to a temporary file in the same folder, synced and then
     renamed over it: a killed or failed write leaves the old file and no temporary. The file gets the permissions

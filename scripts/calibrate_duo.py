@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pyramidkv.runner.arguments import ArgumentParser
+from pyramidkv.runner.arguments import ArgumentParser, output_folder
 
 NATO = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliett", "kilo", "lima",
         "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey",
@@ -70,7 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--model_class", choices=list(MODEL_GLUE), default=None)
-    parser.add_argument("--out", required=True, help="output folder (full_attention_heads.tsv + config.json)")
+    parser.add_argument("--out", required=True, type=output_folder,
+                        help="output folder (full_attention_heads.tsv + config.json), checked before the work")
     parser.add_argument("--on_the_fly", action="store_true", help="kvpress's on-the-fly head scores, no training")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--haystack_dir", default=None, help="folder of .txt files (default: the Paul Graham essays)")

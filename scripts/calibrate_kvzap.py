@@ -30,8 +30,9 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-from pyramidkv.runner.arguments import ArgumentParser
+from pyramidkv.runner.arguments import ArgumentParser, output_file
 
 REPEAT = "\n\nRepeat the previous context exactly."
 LONGBENCH_FILE = Path("/work/shared/longbench/data/multi_news.jsonl")
@@ -208,6 +209,9 @@ def sources(haystack_dir, longbench_file) -> tuple[list[tuple[str, str]], list[d
     """([(source name, text)], [{file, sha256}]): every essay (.txt) of the folder and every multi_news context."""
     texts, files = [], []
     folder = Path(haystack_dir)
+    if not folder.is_dir() or not any(folder.glob("*.txt")):   # else other sources alone would make the artifact
+        raise ValueError(f"--haystack_dir {folder}: {'no .txt files' if folder.is_dir() else 'no such folder'}; give "
+                         f"a folder of .txt files")
     for path in sorted(folder.glob("*.txt")):
         texts.append((path.name, path.read_text(encoding="utf-8")))
         files.append({"file": path.name, "sha256": digest(path)})
@@ -251,8 +255,11 @@ def calibrate(model, tokenizer, train: list[dict], held: list[dict], model_type:
     of the held-out passages."""
     generator = torch.Generator().manual_seed(seed)
     sums, xs, ys = RidgeSums(), [], []
+    bar = tqdm(total=len(train) + len(held), desc="passages (targets: two forward passes each)", unit="passage",
+               dynamic_ncols=True)
     for passage in train:
         x, y = targets(model, *repeat_layout(tokenizer, passage["text"]))
+        bar.update(1)
         pick = torch.randperm(x.shape[1], generator=generator)[:tokens_per_text]
         if model_type == "linear":
             sums.add(x[:, pick], y[:, pick])
@@ -266,9 +273,13 @@ def calibrate(model, tokenizer, train: list[dict], held: list[dict], model_type:
         tensors, info["validation_mse"] = fit_mlp(torch.cat(xs), torch.cat(ys), epochs, seed)
         info["validation_mse"] = [round(v, 4) for v in info["validation_mse"]]
     if held:
-        pairs = [targets(model, *repeat_layout(tokenizer, passage["text"])) for passage in held]
+        pairs = []
+        for passage in held:
+            pairs.append(targets(model, *repeat_layout(tokenizer, passage["text"])))
+            bar.update(1)
         info["held_out"] = held_out_metrics(tensors, torch.cat([p[0] for p in pairs], dim=1),
                                             torch.cat([p[1] for p in pairs], dim=1))
+    bar.close()
     return tensors, info
 
 
@@ -282,7 +293,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, ArgumentParser]:
     parser.add_argument("--model_class", choices=list(MODEL_GLUE), default=None,
                         help="load the weights as this architecture (as the runners' --model_class)")
     parser.add_argument("--model_type", choices=("linear", "mlp"), required=True)
-    parser.add_argument("--out", required=True, help="the .safetensors file written")
+    parser.add_argument("--out", required=True, type=output_file, help="the .safetensors file written")
     parser.add_argument("--texts", type=int, default=24, help="training passages (the authors: 4.5K)")
     parser.add_argument("--held_out", type=int, default=6, help="held-out passages, from other sources")
     parser.add_argument("--min_tokens", type=int, default=150, help="shortest passage (the authors: 750)")
@@ -317,19 +328,18 @@ def main(argv=None) -> Path:
     from pyramidkv.models.loading import check_model, load_model
     from pyramidkv.runner.results import _git_commit, _versions
 
-    try:   # every check before the weights load
+    from transformers import AutoTokenizer
+
+    try:   # every check before the weights load, the passages drawn included
         resolved, config, _, _ = check_model(args.model_path, "eager", args.device, "float32", args.model_class)
         named, files = sources(args.haystack_dir or essay_dir(), args.longbench_file)
+        train, held = passages(AutoTokenizer.from_pretrained(resolved), named, args.texts, args.held_out,
+                               args.min_tokens, args.max_tokens, args.seed)
     except (ValueError, OSError, ImportError) as e:
         parser.error(str(e))
     started, cpu = time.time(), time.process_time()
     model, tokenizer = load_model(args.model_path, attn_implementation="eager", device=args.device, dtype="float32",
                                   model_class=args.model_class)
-    try:
-        train, held = passages(tokenizer, named, args.texts, args.held_out, args.min_tokens, args.max_tokens,
-                               args.seed)
-    except ValueError as e:
-        parser.error(str(e))
     tensors, info = calibrate(model, tokenizer, train, held, args.model_type, args.tokens_per_text, args.seed,
                               args.alpha, args.epochs)
     made_on = {**model_record(str(resolved), config), "name": args.model_path}   # digest of the resolved folder

@@ -22,8 +22,9 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-from pyramidkv.runner.arguments import ArgumentParser
+from pyramidkv.runner.arguments import ArgumentParser, output_file
 
 
 def post_rope_queries(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
@@ -76,7 +77,7 @@ def calibrate(model, token_lists: list[list[int]], num_svd_samples: int, seed: i
     chosen = chosen.view(layers, heads, keep)                                     # pooled row indices
     samples = None
     device = next(model.parameters()).device
-    for t, tokens in enumerate(token_lists):
+    for t, tokens in enumerate(tqdm(token_lists, desc="texts (one forward pass each)", unit="text", dynamic_ncols=True)):
         queries = post_rope_queries(model, torch.tensor([tokens], device=device))
         if samples is None:
             samples = torch.zeros(layers, heads, keep, queries[0].shape[-1])
@@ -115,7 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--model_class", choices=list(MODEL_GLUE), default=None,
                         help="load the weights as this architecture (as the runners' --model_class)")
-    parser.add_argument("--out", default=None, help="output file (default {model}_qfilter.safetensors)")
+    parser.add_argument("--out", default=None, type=output_file,
+                        help="output file (default {model}_qfilter.safetensors), checked before the work")
     parser.add_argument("--num_texts", type=int, default=2, help="texts of --length tokens (the authors' 19)")
     parser.add_argument("--length", type=int, default=2048, help="tokens per text (the authors' 2048)")
     parser.add_argument("--num_svd_samples", type=int, default=3000, help="queries per head (the authors' 3000)")
@@ -127,6 +129,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("num_texts", "length", "num_svd_samples"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.num_texts * args.length < args.num_svd_samples:   # each head's SVD would read fewer queries than asked
+        parser.error(f"--length {args.length}: {args.num_texts} texts x {args.length} tokens = "
+                     f"{args.num_texts * args.length} queries per head, fewer than the --num_svd_samples "
+                     f"{args.num_svd_samples} each head's SVD reads; give --length >= "
+                     f"{-(-args.num_svd_samples // args.num_texts)} (or more --num_texts, or fewer --num_svd_samples)")
     return args
 
 
@@ -135,12 +142,15 @@ def main(argv=None) -> Path:
     from transformers import AutoTokenizer
 
     from pyramidkv.benchmarks.prompting import essay_dir
+    from pyramidkv.components import check_output
     from pyramidkv.methods.calibrated import model_record, save_artifact
     from pyramidkv.models.loading import check_model, load_model
     from pyramidkv.runner.results import _git_commit, _versions
 
     out = Path(args.out or f"{Path(str(args.model_path).rstrip('/')).name.lower()}_qfilter.safetensors")
     try:   # every check before the weights load
+        if args.out is None:
+            check_output(out)
         path, config, _, _ = check_model(args.model_path, "sdpa", args.device, args.dtype, args.model_class)
         if args.length > config.max_position_embeddings:
             raise ValueError(f"--length {args.length} exceeds the model's {config.max_position_embeddings} positions")

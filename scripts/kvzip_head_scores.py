@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pyramidkv.runner.arguments import ArgumentParser
+from pyramidkv.runner.arguments import ArgumentParser, output_file
 
 
 def sample_scores(model, tokenizer, tokens: list[int], chunk_size: int) -> torch.Tensor:
@@ -77,7 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--model_class", choices=list(MODEL_GLUE), default=None,
                         help="load the weights as this architecture (as the runners' --model_class)")
-    parser.add_argument("--out", default=None, help="output file (default {model}_kvzip-head.safetensors)")
+    parser.add_argument("--out", default=None, type=output_file,
+                        help="output file (default {model}_kvzip-head.safetensors), checked before the work")
     parser.add_argument("--length", type=int, default=2000, help="essay tokens per sample")
     parser.add_argument("--num_samples", type=int, default=1, help="samples (the authors' 1); their maximum is kept")
     parser.add_argument("--chunk_size", type=int, default=2000, help="kvzip's chunk_size (the authors' 2000)")
@@ -96,13 +97,19 @@ def main(argv=None) -> Path:
     from transformers import AutoTokenizer
 
     from pyramidkv.benchmarks.prompting import essay_dir
+    from pyramidkv.components import check_output
+    from pyramidkv.methods import make_method
     from pyramidkv.methods.calibrated import model_record, save_artifact
     from pyramidkv.models.loading import check_model, load_model
+    from pyramidkv.models.patch import model_shape
     from pyramidkv.runner.results import _git_commit, _versions
 
     out = Path(args.out or f"{Path(str(args.model_path).rstrip('/')).name.lower()}_kvzip-head.safetensors")
     try:   # every check before the weights load
+        if args.out is None:   # a given --out is checked by its type
+            check_output(out)
         path, config, _, _ = check_model(args.model_path, "sdpa", args.device, args.dtype, args.model_class)
+        make_method("kvzip", budget_ratio=0.5).check_model(model_shape(config, implementation="sdpa"))   # as the runners
         folder = Path(args.haystack_dir) if args.haystack_dir else essay_dir()
         samples, sources = calibration_samples(AutoTokenizer.from_pretrained(path), folder, args.num_samples,
                                                args.length)

@@ -63,8 +63,9 @@ class QuestPages(Capability):
         if self.page_budget is not None and self.page_budget < self.page_size:
             raise ValueError(f"page_budget {self.page_budget} is smaller than one page (page_size {self.page_size}); "
                              f"the budget counts the tokens of the attended pages")
-        if self.page_budget_ratio is not None and not 0.0 < self.page_budget_ratio <= 1.0:
-            raise ValueError(f"page_budget_ratio must be in (0, 1], got {self.page_budget_ratio!r}")
+        if self.page_budget_ratio is not None and not 0.0 < self.page_budget_ratio < 1.0:
+            raise ValueError(f"page_budget_ratio must be in (0, 1) (1 reads every page of the prompt: Quest would "
+                             f"select nothing, that is fullkv), got {self.page_budget_ratio!r}")
         if self.page_budget is not None:
             self._check_pages(self.page_budget, "page_budget")
 

@@ -47,6 +47,11 @@ class KVCompressionPipeline(Pipeline):
         """context: a string (-> one dict) or a list of them (-> one dict per context, answered as a batch);
         questions: a list of questions (per context, a list of lists) or `question`: one; method: a Method, a spec
         ("snapkv:budget=256") or None (fullkv)."""
+        if isinstance(context, (bytes, bytearray)):   # list(b"...") is one int per byte: never contexts
+            raise ValueError(f"context is bytes ({bytes(context)!r:.40}), not text: decode it first "
+                             f"(context.decode('utf-8'))")
+        if not isinstance(context, (str, list, tuple)):
+            raise ValueError(f"context must be a string or a list of strings, got {context!r:.60}")
         batch = not isinstance(context, str)
         contexts = list(context) if batch else [context]
         if question is not None:
@@ -55,6 +60,9 @@ class KVCompressionPipeline(Pipeline):
             questions = [question]
         if questions is None:
             raise ValueError("no questions: give questions=[...] (or question=...)")
+        if isinstance(questions, (str, bytes)):   # one string is not a list of questions, one per character
+            raise ValueError(f"questions is one string ({questions!r:.40}), not a list of questions: pass "
+                             f"questions=[text] or question=text")
         per_context = list(questions) if batch else [questions]
         if batch and (len(per_context) != len(contexts) or any(isinstance(q, str) for q in per_context)):
             raise ValueError(f"{len(contexts)} contexts need one list of questions each, got {questions!r:.60}")

@@ -33,6 +33,9 @@ from pyramidkv.methods.base import Method
 from pyramidkv.models.patch import compress
 
 MODES = ("multi_request", "multi_turn")
+# A question fed token by token is one decode step per token (a 3,000-token one ran minutes): a bar with its rate and
+# the time left shows once a call has run this many seconds (a short question ends before it would show).
+PROGRESS_DELAY = 2.0
 
 
 @dataclass
@@ -87,8 +90,9 @@ def answer_questions(model, tokenizer, contexts: Sequence, questions: Sequence[S
     context. on_compressed: called with the cache right after compression, before any question (save_cache).
     """
     check_mode(mode)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    for name, value, least in (("max_new_tokens", max_new_tokens, 1), ("min_new_tokens", min_new_tokens, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least} (a count of tokens), got {value!r}")
     vocab = _vocab_size(model)
     context_ids = _token_lists(tokenizer, contexts, "context", vocab)
     if isinstance(questions, (str, bytes)) or len(questions) != len(context_ids):
@@ -141,6 +145,17 @@ class _FirstToken(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+class _Progress(StoppingCriteria):
+    """Advances a tqdm bar by one decode step each time generate asks. Stops nothing."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        self.bar.update(1)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 class _Run:
     """One call's settings; `requests` and `turns` drive the patched model."""
 
@@ -180,7 +195,11 @@ class _Run:
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], width - mask.shape[1])], dim=1)
         first = _FirstToken(width, [len(f) for f in forced])
         stop = _BytesAtStop(cache, width, [len(f) for f in forced], set(self.stops), self.max_new_tokens)
-        with _prompt_then_decode(self.model, self.decode_threads):
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps, unit="step", desc=f"question ({max(len(f) for f in forced) + 1} tokens) + answer",
+                   dynamic_ncols=True, leave=False, delay=PROGRESS_DELAY)
+        with _prompt_then_decode(self.model, self.decode_threads), bar:
             output = self.model.generate(
                 input_ids=sequence, attention_mask=mask, past_key_values=cache, max_new_tokens=steps,
                 do_sample=False, temperature=None, top_p=None, top_k=None, num_beams=1, eos_token_id=None,
@@ -188,7 +207,7 @@ class _Run:
                 else self.tokenizer.eos_token_id,
                 logits_processor=LogitsProcessorList([_FeedQuestions(width, forced, self.stops, self.min_new_tokens)]),
                 stopping_criteria=StoppingCriteriaList([
-                    _AnswerDone(width, forced, set(self.stops), self.max_new_tokens), stop, first]))
+                    _AnswerDone(width, forced, set(self.stops), self.max_new_tokens), stop, first, _Progress(bar)]))
         return output, stop, first
 
     def _answer(self, output, row: int, width: int, forced: int) -> tuple[str, list[int]]:

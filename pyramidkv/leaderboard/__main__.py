@@ -23,9 +23,14 @@ from pyramidkv.leaderboard.grid import (
     DEFAULTS, RATIOS, TASKS, Grid, check_ratios, check_tasks, claim_folder, parse_shard, shard_units,
 )
 
+# The units are checked one by one (their runners generate and tokenize every sample, ~35 s each on SmolLM2): a bar
+# with the time left shows once the check has run this many seconds.
+PROGRESS_DELAY = 2.0
+
+
 def build_parser():
     from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
-    from pyramidkv.runner.arguments import ArgumentParser
+    from pyramidkv.runner.arguments import ArgumentParser, flags_text
 
     parser = ArgumentParser(prog="python -m pyramidkv.leaderboard", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,7 +52,8 @@ def build_parser():
                    help="needle depths spread over 0..100%%")
     g.add_argument("--attn_implementation", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"))
     g.add_argument("--dtype", default="float32")
-    g.add_argument("--runner_args", default="", help="more flags for every run, one string (e.g. '--device cuda')")
+    g.add_argument("--runner_args", default="", type=flags_text,
+                   help="more flags for every run, one string (e.g. '--device cuda'; it may start with '-')")
     r = parser.add_argument_group("running")
     r.add_argument("--save_dir", default=DEFAULTS["save_dir"])
     r.add_argument("--shard", default=None, metavar="i/n", help="run units k with k mod n == i only (0 <= i < n)")
@@ -69,8 +75,10 @@ def grid_of(args) -> Grid:
         [round(1 - c, 10) for c in args.compression_ratios] if args.compression_ratios is not None else list(RATIOS)
     if args.compression_ratios is not None:
         for c in args.compression_ratios:
-            if not 0.0 <= c < 1.0:
-                raise ValueError(f"--compression_ratios {c:g} is outside [0, 1): the fraction removed")
+            if not 0.0 < c < 1.0 or round(1 - c, 10) >= 1:
+                raise ValueError(f"--compression_ratios {c!r} is outside (0, 1): the fraction removed (0, or one that "
+                                 f"rounds to 0 at 10 digits, removes nothing: that is fullkv); allowed: "
+                                 f"1e-10 <= compression ratio < 1")
     ratios = check_ratios(ratios)
     check_tasks(args.tasks)
     for flag in ("context_length", "num_samples", "needle_depths"):
@@ -113,7 +121,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not args.summarize:
             claim_folder(save_dir, grid, write=False)       # another grid's folder: refused before anything
         units = grid.units()
-        folders = {u.name: cells.run_dir_of(grid, u, save_dir) for u in units}   # every unit checked, no weights
+        from tqdm import tqdm
+
+        with tqdm(units, desc="checking every unit (no weights)", unit="unit", dynamic_ncols=True, leave=False,
+                  delay=PROGRESS_DELAY) as bar:   # each unit's runner prepares its samples: seconds to a minute each
+            folders = {u.name: cells.run_dir_of(grid, u, save_dir) for u in bar}
     except ValueError as e:
         parser.error(" ".join(str(e).split()))
     if args.count:

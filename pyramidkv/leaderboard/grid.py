@@ -130,11 +130,11 @@ def entries_of(spec: str, ratios, context_length: int) -> list[Entry]:
 
 def parse_shard(text: str) -> tuple[int, int]:
     """'i/n' -> (i, n), 0 <= i < n (SLURM's array index and count)."""
-    match = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    match = re.fullmatch(r"(-?\d+)/(-?\d+)", text.strip())
     if not match:
         raise ValueError(f"--shard {text!r}: give i/n, the shard's index from 0 and the number of shards (e.g. 0/4)")
     index, count = int(match[1]), int(match[2])
-    if count < 1 or index >= count:
+    if count < 1 or not 0 <= index < count:
         raise ValueError(f"--shard {text}: needs 0 <= i < n and n >= 1 (shards are numbered 0..n-1, as "
                          f"SLURM_ARRAY_TASK_ID)")
     return index, count
@@ -150,8 +150,9 @@ def shard_units(units: list[Unit], shard: Optional[tuple[int, int]]) -> list[Uni
 
 def check_ratios(ratios) -> list[float]:
     for ratio in ratios:
-        if not 0.0 < ratio <= 1.0:
-            raise ValueError(f"ratio {ratio:g} is outside (0, 1]: a ratio is the fraction of the prompt kept")
+        if not 0.0 < ratio < 1.0:
+            raise ValueError(f"ratio {ratio!r} is outside (0, 1): a ratio is the fraction of the prompt kept (1 keeps "
+                             f"every token: that is fullkv, the grid's reference); allowed: 0 < ratio < 1")
     if len(set(ratios)) != len(ratios):
         raise ValueError(f"--ratios {' '.join(f'{r:g}' for r in ratios)} names a ratio twice")
     return sorted(ratios)

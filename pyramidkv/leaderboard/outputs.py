@@ -37,7 +37,7 @@ def command(grid: Grid) -> str:
     if grid.dtype != "float32":
         words += ["--dtype", grid.dtype]
     if grid.extra:
-        words += ["--runner_args", " ".join(grid.extra)]
+        words += ["--runner_args", shlex.join(grid.extra)]
     return shlex.join(words)
 
 

@@ -51,37 +51,35 @@ class Method(Component):
     everything.
 
     budget: tokens kept per layer per head of each prompt, observation window included.
-    budget_ratio: the budget as a fraction of each prompt's length, in (0, 1]; it must give at least
-        the window on every prompt.
+    budget_ratio: the budget as a fraction of each prompt's length, in (0, 1) (1 only with a decode budget); it must
+        give at least the window on every prompt.
     window_size: the most recent prompt tokens, always kept (the observation window of the scorers
         that read attention).
     gqa_layout: kv_head keeps one set per KV head (scores reduced over the query group with
         gqa_reduce); query_head repeats K/V to the query heads first, as the published baselines do
         (costs g x the memory).
     gqa_reduce: how a query group's scores become one KV head's: mean, max or sum.
-    head_allocation: how a layer's budget is split across its heads (pyramidkv.allocation): uniform,
-        adakv, headkv.
-    layer_allocation: how the budget is split across layers: uniform, pyramid, zigzag.
-    merge: what happens to evicted tokens: none drops them; a merge rule (pyramidkv.merging: pivot,
-        weighted, mergingpress, cam) folds them into the kept ones without changing which are kept.
+    head_allocation: how a layer's budget is split across its heads, or none kept by score (pyramidkv.allocation).
+    layer_allocation: how the budget is split across layers (pyramidkv.allocation).
+    merge: what happens to evicted tokens: none drops them; a merge rule (pyramidkv.merging) folds them
+        into the kept ones without changing which are kept.
     quant_method: how the kept tokens are stored: none in the model dtype; a quantizer
-        (pyramidkv.quantization: kivi, kvquant, gear) stores the kept prompt tokens and the generated
-        ones in packed low-bit codes outside a full-precision recent window.
+        (pyramidkv.quantization) stores the kept prompt tokens and the generated ones in packed low-bit
+        codes outside a full-precision recent window.
     decode: compression during decoding (pyramidkv.capabilities; on with decode_budget; none: off).
     selection: the knobs of the one selection rule (num_sinks, random_fraction, random_seed).
     channels: ThinK's key-channel pruning (on with key_channel_ratio; none: off).
     pages: Quest's decode-time page selection (on with page_budget; none: off).
     layer_sharing: MiniCache's cross-layer merging (on with cross_layer_merge=true; none: off).
     prefill_attention: how the prompt's attention is computed (none: the model's own dense attention); a
-        sparse prefill (pyramidkv.sparse_prefill: minference) computes only its pattern's entries, and the
+        sparse prefill (pyramidkv.sparse_prefill) computes only its pattern's entries, and the
         scorers' attention statistics count those entries only.
     """
 
     kind_key = "method"
     label_separator = "_"
     unlabelled = ("budget", "budget_ratio")
-    setting_labels = {"budget": "budget (max_capacity_prompts)",
-                      "budget_ratio": "budget_ratio (max_capacity_prompts_ratio)"}
+    setting_labels = {"budget": "budget (max_capacity_prompts)", "budget_ratio": "budget_ratio (max_capacity_prompts_ratio)"}
     needs_budget: ClassVar[bool] = True
     # What the scorer reads besides q/k/v (core/context.py): the attention each held token accumulates while
     # decoding (H2O), the column sums of the prompt's attention from the prefill pass itself (H2O), each held
@@ -94,6 +92,8 @@ class Method(Component):
     needs_rotation: ClassVar[bool] = False  # the scorer reads queries before RoPE or RoPE elsewhere (patch.py)
     needs_hidden: ClassVar[bool] = False    # the scorer reads the attention input (ScoreContext.hidden: KVzap)
     token_scores: ClassVar[bool] = False    # a token's score reads that token alone (threshold decoding needs it)
+    score_bounds: ClassVar[Optional[tuple[float, float]]] = None   # [low, high] every score lies in, if known
+    refuses: ClassVar[dict[str, str]] = {}  # setting -> why it is refused (composition.check_refused; not in --help)
     flat_units = {axis: capability_class(axis) for axis in CAPABILITY_AXES}
     budget_aliases: ClassVar[dict[str, str]] = {}   # settings under another unit's name (Quest: page_budget)
 

@@ -13,8 +13,26 @@ from pyramidkv.core.store_kinds import STORES, store_abilities, store_kind
 ABILITY_TEXT = {"reselect": "re-select while decoding", "attention_statistics": "keep decode-time attention statistics"}
 
 
+def refused_unit(method, setting: str):
+    """The unit behind a setting of `Method.refuses`: an axis field's value, or the capability whose switch it is."""
+    if setting in {f.name for f in dataclasses.fields(method)}:
+        return getattr(method, setting)
+    axis = next((axis for axis, cls in method.flat_units.items() if cls.switch == setting), None)
+    if axis is None:
+        raise ValueError(f"{method.name}.refuses names {setting!r}, neither a method field nor a capability's switch")
+    return getattr(method, axis)
+
+
+def check_refused(method) -> None:
+    """ValueError (one line) if a setting the method declares it does not combine with (`refuses`) is on."""
+    for setting, why in method.refuses.items():
+        if refused_unit(method, setting) is not None:
+            raise ValueError(f"{method.name} does not combine with {setting} ({why}); leave {setting} out")
+
+
 def check_units(method) -> None:
     """ValueError (one line) if the method's units cannot compose."""
+    check_refused(method)
     for unit in method.capabilities:
         unit.check_with(method)
         for conflict in unit.conflicts:
@@ -63,6 +81,27 @@ def check_budget(method) -> None:
                              f"window and the sinks, so it must be >= {method.protected_tokens}")
     elif not (0.0 < method.budget_ratio <= 1.0):
         raise ValueError(f"budget_ratio (max_capacity_prompts_ratio) must be in (0, 1], got {method.budget_ratio!r}")
+    elif method.budget_ratio == 1.0 and method.decode is None:
+        raise ValueError(f"budget_ratio (max_capacity_prompts_ratio) 1 keeps every prompt token: no prompt would be "
+                         f"compressed (that is fullkv); allowed: 0 < budget_ratio < 1 (1 only with a decode_budget, "
+                         f"which compresses while decoding)")
+
+
+def check_threshold(method, threshold) -> None:
+    """ValueError (one line) unless a threshold is given on the method's scores and some score can fall below it:
+    no default fits every scorer, so only a method whose own default is calibrated for its score (kvzap's) runs
+    without one; a method that knows the range of its scores (`score_bounds`) refuses one outside it."""
+    if threshold is None:
+        raise ValueError(f"head_allocation='threshold' on {method.name} needs a threshold on {method.name}'s raw "
+                         f"scores (no default fits every scorer: a token stays iff its score >= threshold); give one "
+                         f"with threshold=X (--threshold X), a value inside the range of {method.name}'s scores")
+    if method.score_bounds is None:
+        return
+    low, high = method.score_bounds
+    if not low < threshold <= high:
+        keeps = "every token (that is fullkv)" if threshold <= low else "no token outside the window and sinks"
+        raise ValueError(f"threshold {threshold!r}: every score of {method.name} lies in [{low:g}, {high:g}], so it "
+                         f"would keep {keeps}; allowed: {low:g} < threshold <= {high:g}")
 
 
 def check_allocation(method) -> None:
@@ -81,8 +120,8 @@ def check_allocation(method) -> None:
                          f"method (e.g. kvzap, snapkv) with it")
     for setting in ("budget", "budget_ratio"):
         if getattr(method, setting) is not None:
-            raise ValueError(f"head_allocation='threshold' keeps each token whose score passes threshold "
-                             f"{heads.threshold:g}, so the budget is an outcome: leave out "
+            raise ValueError(f"head_allocation='threshold' keeps each token whose score passes its threshold, so the "
+                             f"budget is an outcome: leave out "
                              f"{method.setting_labels.get(setting, setting)}, got {getattr(method, setting)!r}")
     if method.merge is not None:
         raise ValueError(f"head_allocation='threshold' drops what fails its threshold; it does not combine with "
@@ -93,6 +132,7 @@ def check_allocation(method) -> None:
     if method.layer_sharing is not None:
         raise ValueError("head_allocation='threshold' decides each layer by its own scores; it does not combine with "
                          "cross_layer_merge (a merged pair selects on the sum of two layers' scores)")
+    check_threshold(method, heads.threshold)
     if not heads.threshold_decoding:
         return
     if not method.token_scores:

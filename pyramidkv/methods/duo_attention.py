@@ -130,7 +130,7 @@ def _streaming(path: Optional[str], share: float, selection: str, model: ModelSh
 class DuoAttention(Method):
     """Retrieval heads keep everything; streaming heads keep num_sinks + the last window_size tokens.
 
-    streaming_share: fraction of the L x Hkv KV heads that stream, in [0, 1] (the official `sparsity`, kvpress's
+    streaming_share: fraction of the L x Hkv KV heads that stream, in (0, 1] (the official `sparsity`, kvpress's
         `head_compression_ratio`); the share of the cache removed is another figure (`removed_share`).
     duo_pattern: a pattern folder (full_attention_heads.tsv + config.json) or a .tsv file in the official format;
         none: the pattern packaged for the model (known by content; scripts/calibrate_duo.py makes one).
@@ -152,8 +152,11 @@ class DuoAttention(Method):
 
     def validate(self) -> None:
         if isinstance(self.streaming_share, bool) or not 0.0 <= self.streaming_share <= 1.0:
-            raise ValueError(f"streaming_share must be in [0, 1] (fraction of KV heads that stream), got "
+            raise ValueError(f"streaming_share must be in (0, 1] (fraction of KV heads that stream), got "
                              f"{self.streaming_share!r}")
+        if self.streaming_share == 0:
+            raise ValueError("streaming_share 0: no head streams, every head keeps every token (that is fullkv); "
+                             "allowed: 0 < streaming_share <= 1")
         if self.duo_selection not in SELECTIONS:
             raise ValueError(f"duo_selection must be one of {'|'.join(SELECTIONS)}, got {self.duo_selection!r}")
         if not isinstance(self.head_allocation, ThresholdHeads) or not 0.0 < self.head_allocation.threshold <= 1.0:
@@ -171,7 +174,12 @@ class DuoAttention(Method):
 
     def check_model(self, model: ModelShape) -> None:
         super().check_model(model)
-        self.streaming(model)
+        streaming = self.streaming(model)
+        if not streaming.any():   # argsort: round(L x Hkv x share) is 0
+            raise ValueError(f"streaming_share {self.streaming_share!r} makes no head of the model's "
+                             f"{streaming.numel()} KV heads stream (duo_selection {self.duo_selection}), every head "
+                             f"keeps every token (that is fullkv); allowed: streaming_share > "
+                             f"{0.5 / streaming.numel():.3g}")
 
     def packaged_files(self, model: Optional[ModelShape]) -> dict[str, str]:
         if self.duo_pattern is not None or model is None or not model.name:

@@ -51,6 +51,8 @@ class KVzip(Method):
 
     name = "kvzip"
     reconstructs = True
+    refuses = {setting: "its scores come from repeat passes after the prefill, which run once per prompt"
+               for setting in ("decode_budget", "merge", "page_budget", "cross_layer_merge", "prefill_attention")}
     global_scale = "raw"
     window_size: int = 0
     gqa_reduce: str = "max"
@@ -69,11 +71,6 @@ class KVzip(Method):
             if value:
                 raise ValueError(f"kvzip protects the prompt's template prefix and suffix itself; {setting} must be 0, "
                                  f"got {value}")
-        for setting, unit in (("decode_budget", self.decode), ("merge", self.merge), ("page_budget", self.pages),
-                              ("cross_layer_merge", self.layer_sharing), ("prefill_attention", self.prefill_attention)):
-            if unit is not None:
-                raise ValueError(f"kvzip does not combine with {setting} (its scores come from repeat passes after the "
-                                 f"prefill, which run once per prompt); leave {setting} out")
 
     def check_model(self, model) -> None:
         super().check_model(model)

@@ -48,6 +48,7 @@ class KVzipHead(Method):
     name = "kvzip_head"
     token_scores: ClassVar[bool] = True
     global_scale = "raw"
+    score_bounds = (0.0, 1.0)   # a head's score is an attention weight (a softmax entry)
     path_settings = ("kvzip_head_path",)
     window_size: int = 0
     head_allocation: HeadAllocation = GlobalHeads()

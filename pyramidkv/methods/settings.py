@@ -277,8 +277,13 @@ def _complement(ratio, name: str) -> float:
 
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
         raise ValueError(f"{name} (kvpress's fraction of the cache removed, 1 - budget_ratio) must be a number in "
-                         f"[0, 1), got {ratio!r}")
-    return float(1 - decimal.Decimal(repr(float(ratio))))
+                         f"(0, 1), got {ratio!r}")
+    kept = float(1 - decimal.Decimal(repr(float(ratio))))
+    if kept >= 1:   # 0, or so small that 1 - it rounds to 1: nothing removed
+        raise ValueError(f"{name} {ratio!r} removes nothing: budget_ratio = 1 - {ratio!r} "
+                         f"{'is' if ratio == 0 else 'rounds to'} 1, every prompt token kept (that is fullkv); allowed: "
+                         f"0 < {name} < 1, large enough that 1 - it is below 1 (>= 1e-16)")
+    return kept
 
 
 def _switch_on(axis: Axis, key: str, setting: str, value, chosen: dict, own: dict, label):

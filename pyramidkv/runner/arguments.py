@@ -8,6 +8,12 @@ what argparse lets through refused in one line (`<prog>: error: ...`, exit statu
 - a number that is not plain ASCII: a `type=int` / `type=float` flag reads `read_int` / `read_float`
   (components.py), which refuse `٨`, `1_0`, `1e3` for an integer, `nan` and `inf` for a number.
 
+And what argparse refuses for want of a reading, it reads: a value that starts with `-` and reads as a number
+(`-1e308`, `-inf`, `-.5`, `-1/2`: argparse knows only `-1` and `-0.5`) is a value, so it reaches the flag's own
+check and gets its message there (kvzap's thresholds are negative by nature); a flag whose value is itself flags
+(`--runner_args '--x'`, declared with `type=flags_text`) takes a value that starts with `-`; any other flag followed
+by a word that starts with `-` and is no number is told to write `--flag=-word`, not only "expected one argument".
+
 The flags a user typed, by dest, are in `parser.given` after parsing ({"budget": "--max_capacity_prompts"}).
 `output_file` is the type of a flag naming a file written at the end: checked before the work.
 """
@@ -15,11 +21,12 @@ The flags a user typed, by dest, are in `parser.given` after parsing ({"budget":
 from __future__ import annotations
 
 import argparse
-import os
+import re
+import shlex
 import sys
 from pathlib import Path
 
-from pyramidkv.components import read_float, read_int
+from pyramidkv.components import check_output, read_float, read_int
 
 
 def integer(text: str) -> int:
@@ -38,6 +45,20 @@ def number(text: str) -> float:
 
 STRICT_TYPES = {int: integer, float: number}
 
+# A word that starts with "-" and is a value, not an option: a number as any type here reads it (argparse's own
+# matcher takes only -1 and -0.5), or an i/n pair such as a shard.
+NEGATIVE_VALUE = re.compile(r"^-(\d|\.\d|inf(inity)?$|nan$)", re.IGNORECASE)
+
+
+def flags_text(text: str) -> str:
+    """An argparse type for a value that is itself command-line flags (`--runner_args '--device cuda'`): it may start
+    with `-` (the parser takes `--runner_args --x` as the value `--x`); refused when its quotes do not close."""
+    try:
+        shlex.split(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} does not split into flags ({e})") from None
+    return text
+
 
 def output_file(text: str) -> str:
     """An argparse type for a file the script writes when it is done: refused at once when its folder does
@@ -48,8 +69,20 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file path")
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: its folder {str(folder)!r} does not exist")
-    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"{text!r} cannot be written (permissions)")
+    try:
+        check_output(path)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def output_folder(text: str) -> str:
+    """An argparse type for a folder the script writes its files into when it is done (made if missing): refused at
+    once when it is a file or cannot be made or written, not after the work."""
+    try:
+        check_output(text, folder=True)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 
@@ -59,17 +92,51 @@ class ArgumentParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs["allow_abbrev"] = False
         super().__init__(*args, **kwargs)
+        self._negative_number_matcher = NEGATIVE_VALUE
         self.given: dict[str, str] = {}
+        self._words: list[str] = []
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {self._explained(message)}\n")
+
+    def _explained(self, message: str) -> str:
+        """argparse's "expected one argument" for a flag followed by a word that starts with "-": say how to give it."""
+        match = re.fullmatch(r"argument (\S+?)(/\S+)*: expected one argument", message)
+        if not match:
+            return message
+        for i, word in enumerate(self._words[:-1]):
+            action = self._option_string_actions.get(word)
+            following = self._words[i + 1]
+            if action is not None and match[1] in action.option_strings and following.startswith("-"):
+                return (f"{word}: expected one value, got the flag-like {following!r}; a value that starts with '-' is "
+                        f"written {word}={following}")
+        return message
 
     def parse_known_args(self, args=None, namespace=None):
         args = list(sys.argv[1:] if args is None else args)
         for action in self._actions:          # every action, the ones added to groups included
             action.type = STRICT_TYPES.get(action.type, action.type)
+        args = self._flag_values(args)
+        self._words = args
         self.given = self._check_once(args)
         return super().parse_known_args(args, namespace)
+
+    def _flag_values(self, args: list[str]) -> list[str]:
+        """`--runner_args --x` as `--runner_args=--x` for a flag of type flags_text (its value is flags)."""
+        out, i = [], 0
+        while i < len(args):
+            word = args[i]
+            if word == "--":
+                return out + args[i:]
+            action = self._option_string_actions.get(word)
+            if action is not None and action.type is flags_text and i + 1 < len(args) \
+                    and args[i + 1].startswith("-") and args[i + 1] != "--":
+                out.append(f"{word}={args[i + 1]}")
+                i += 2
+                continue
+            out.append(word)
+            i += 1
+        return out
 
     def _check_once(self, args: list[str]) -> dict[str, str]:
         """{dest: option as typed} of the options in `args`; an error when two of them set one dest."""

@@ -89,13 +89,10 @@ class HelpScope:
     units: dict                   # axis field -> the unit class chosen (None: none)
 
     @classmethod
-    def of(cls, spec: str) -> "HelpScope | None":
-        """The scope of a --method value; None when it names no method (then --help shows every setting)."""
-        try:
-            name, items = split_spec(spec)
-            method = get_method_class(name)
-        except ValueError:
-            return None
+    def of(cls, spec: str) -> "HelpScope":
+        """The scope of a --method value; ValueError (one line) when it names no method."""
+        name, items = split_spec(spec)
+        method = get_method_class(name)
         given = dict(items)
         units = {}
         for axis in AXES:
@@ -151,7 +148,11 @@ def setting_flags(taken: set[str] = frozenset(), scope: HelpScope | None = None)
             continue
         which = "" if len(owners) == len(METHODS) or scope is not None else f"{', '.join(owners)}: "
         text = f"{which}{docs[key]}" + (f" ({ALIAS_HELP[key]})" if key in ALIAS_HELP else "")
-        out.append(SettingFlag(key, tuple(flags), annotations[key], f"{text} [{_defaults_text(owners)}]", choices))
+        if axis is not None:   # the choices from the registry, never a hand-written list
+            text = f"{text.rstrip('.')}; one of: {', '.join(axis.registry)} (or none)"
+        shown = scope is None or key not in scope.cls.refuses
+        out.append(SettingFlag(key, tuple(flags), annotations[key], f"{text} [{_defaults_text(owners)}]", choices,
+                               shown=shown))
     if "--compression_ratio" not in taken:
         budgeted = scope is None or "budget_ratio" in {f.name for f in dataclasses.fields(scope.cls)}
         out.append(SettingFlag(COMPRESSION_RATIO, ("--compression_ratio",), float, COMPRESSION_HELP, shown=budgeted))
@@ -195,6 +196,7 @@ def _capability_flags(axis, taken: set[str], scope: HelpScope | None = None) -> 
     per_method = {name: flat_settings(unit, {f.name: f.default for f in dataclasses.fields(cls)}[axis.field])
                   for name, cls in methods.items()}
     is_on = scope is None or scope.units[axis.field] is not None
+    refused = scope is not None and unit.switch in scope.cls.refuses
     names = list(next(iter(per_method.values())))
     out = []
     for setting in names:
@@ -207,7 +209,7 @@ def _capability_flags(axis, taken: set[str], scope: HelpScope | None = None) -> 
             text, annotation = helps.get(setting, ""), hints[setting]
         text += f" ({ALIAS_HELP[setting]})" if setting in ALIAS_HELP else ""
         out.append(SettingFlag(setting, flags, annotation, f"{text} [{_defaults_text(defaults)}]",
-                               shown=is_on or setting == unit.switch))
+                               shown=not refused and (is_on or setting == unit.switch)))
     return out
 
 

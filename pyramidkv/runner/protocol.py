@@ -166,7 +166,11 @@ def build_parser(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) -> 
     benchmark.add_arguments(parser)
     parser.benchmark_flags = set(parser._option_string_actions) - {"-h", "--help"}
     parser.benchmark_name = benchmark.name
-    add_model_and_method_args(parser, _help_scope(argv))
+    try:
+        scope = _help_scope(argv)
+    except ValueError as e:   # --method bogus --help: refused, not every method's help
+        parser.error(f"--method: {e}")
+    add_model_and_method_args(parser, scope)
     p = parser.add_argument_group("protocol")
     p.add_argument("--question_as_decode", action="store_true",
                    help="prefill only each prompt's context and feed its question part (everything after the "
@@ -199,7 +203,8 @@ def build_parser(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) -> 
 
 
 def _help_scope(argv: Optional[Sequence[str]]) -> Optional[HelpScope]:
-    """The method whose settings --help shows: the --method value when argv asks for help (None: all)."""
+    """The method whose settings --help shows: the --method value when argv asks for help (None: all); ValueError
+    for a --method value that names no method."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not {"-h", "--help"} & set(argv):
         return None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from pyramidkv.components import check_output
 from pyramidkv.runner.batching import batches, load_run_model
 
 QID = "qid"
@@ -65,6 +66,11 @@ def check_cache_file_flags(args) -> None:
             raise ValueError(f"--load_compressed {folder}: no such folder")
         if Path(folder).exists() and not Path(folder).is_dir():
             raise ValueError(f"--{flag} {folder} is a file, not a folder")
+        if flag == "save_compressed":   # /proc/nope passed, and failed once the model had loaded
+            try:
+                check_output(folder, folder=True)
+            except ValueError as e:
+                raise ValueError(f"--save_compressed: {e}") from None
 
 
 def cache_path(folder: str, sample_file, key) -> Path:

@@ -213,7 +213,9 @@ def test_prefill_only_keeps_the_window_and_every_generated_token(tiny):
 @pytest.mark.parametrize("settings, fragment", [
     (dict(head_allocation="threshold", threshold_decoding=False, budget=64), "budget is an outcome"),
     (dict(head_allocation="threshold", threshold_decoding=False, budget_ratio=0.5), "leave out budget_ratio"),
-    (dict(head_allocation="threshold"), "threshold_decoding=false"),
+    (dict(head_allocation="threshold", threshold=0.0), "threshold_decoding=false"),
+    (dict(head_allocation="threshold", threshold_decoding=False), "needs a threshold on snapkv's raw scores"),
+    (dict(head_allocation="threshold", threshold=-1e308, threshold_decoding=False), "at or below every score"),
     (dict(head_allocation="threshold", threshold_decoding=False, layer_allocation="pyramid"),
      "layer_allocation='uniform'"),
     (dict(head_allocation="threshold", threshold_decoding=False, merge="pivot"), "merge='pivot'"),
@@ -229,7 +231,7 @@ def test_fullkv_and_a_decode_rule_are_refused():
     with pytest.raises(ValueError, match="keeps every token"):
         make_method("fullkv", head_allocation="threshold", threshold_decoding=False)
     with pytest.raises(ValueError, match="does not combine with decode_budget"):
-        KeyAndInput(head_allocation=ThresholdHeads(), decode=make_method("snapkv", budget=64, decode_budget=64).decode)
+        KeyAndInput(head_allocation=ThresholdHeads(threshold=0.0), decode=make_method("snapkv", budget=64, decode_budget=64).decode)
 
 
 def test_a_runner_records_what_was_achieved(tiny_model_dir, tmp_path):

@@ -201,6 +201,37 @@ def test_pipeline_refuses_bad_input_in_one_line(sharp_llama, call, error):
     assert "\n" not in str(info.value)
 
 
+
+@pytest.mark.parametrize("context,call,error", [
+    (None, dict(questions=["ok"]), "context must be a string or a list of strings, got None"),     # a TypeError
+    (7, dict(questions=["ok"]), "context must be a string or a list of strings, got 7"),
+    (b"Some bytes", dict(questions=["ok"]), "context is bytes .* not text: decode it first"),       # was 10 contexts
+    ("Some context.", dict(questions="Who?"), "questions is one string .'Who.'., not a list of questions"),
+    ("Some context.", dict(questions=["ok"], max_new_tokens=2.5), "max_new_tokens must be an integer >= 1 .*2.5"),
+    ("Some context.", dict(questions=["ok"], max_new_tokens=True), "max_new_tokens must be an integer >= 1"),
+    ("Some context.", dict(questions=["ok"], max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+    ("Some context.", dict(questions=["ok"], min_new_tokens=-1), "min_new_tokens must be an integer >= 0"),
+])
+def test_pipeline_refuses_a_value_of_the_wrong_type_in_one_line(sharp_llama, context, call, error):
+    """Issue 40, item 8: each ended in a TypeError inside generate, or was read as something else."""
+    model, tokenizer, _ = sharp_llama
+    with pytest.raises(ValueError, match=error) as info:
+        pyramidkv.pipeline(model, tokenizer)(context, **call)
+    assert "\n" not in str(info.value)
+
+
+def test_a_question_fed_token_by_token_shows_its_progress(sharp_llama, capsys, monkeypatch):
+    """Issue 40, item 10: a question is one decode step per token (a 3,000-token one ran 8 minutes silently): a bar
+    counts the steps, with the rate and the time left, once the call has run PROGRESS_DELAY seconds (0 here)."""
+    model, tokenizer, _ = sharp_llama
+    monkeypatch.setattr(shared, "PROGRESS_DELAY", 0.0)
+    question = CONTEXTS[1][:40]
+    answer_questions(model, tokenizer, [CONTEXTS[0]], [[question]], make_method("snapkv", budget=64, window_size=8),
+                     NEW)
+    err = capsys.readouterr().err
+    steps = len(question) - 1 + NEW                     # its first token goes with the context's last
+    assert "question (40 tokens) + answer" in err and f"/{steps} [" in err and "<" in err, err[-300:]
+
 def test_snapshot_restore_shares_no_tensor_with_the_cache(sharp_llama):
     """A restore hands the cache fresh copies: decoding after it cannot write into the snapshot."""
     model, tokenizer, _ = sharp_llama

@@ -136,15 +136,21 @@ def test_a_failed_cell_is_recorded_not_dropped(grid_args, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--ratios", "0"], "ratio 0 is outside (0, 1]"),
-    (["--ratios", "1.5"], "ratio 1.5 is outside (0, 1]"),
-    (["--compression_ratios", "1"], "--compression_ratios 1 is outside [0, 1)"),
+    (["--ratios", "0"], "ratio 0.0 is outside (0, 1)"),
+    (["--ratios", "1.5"], "ratio 1.5 is outside (0, 1)"),
+    (["--ratios", "1"], "ratio 1.0 is outside (0, 1)"),                          # keeps every token: fullkv
+    (["--compression_ratios", "1"], "--compression_ratios 1.0 is outside (0, 1)"),
+    (["--compression_ratios", "0"], "--compression_ratios 0.0 is outside (0, 1)"),    # removes nothing
+    (["--compression_ratios", "1e-12"], "--compression_ratios 1e-12 is outside (0, 1)"),
     (["--methods", "snapkvv"], "unknown method 'snapkvv'"),
     (["--methods", "snapkv:budget=64"], "the grid sets the budget (budget given)"),
     (["--methods", "fullkv", "minicache", "--ratios", "0.5"], "none of --methods fullkv minicache takes a ratio"),
     (["--shard", "3/2"], "--shard 3/2: needs 0 <= i < n"),
     (["--shard", "0/0"], "--shard 0/0: needs 0 <= i < n"),
     (["--shard", "a/b"], "--shard 'a/b': give i/n"),
+    (["--shard", "-1/2"], "--shard -1/2: needs 0 <= i < n"),                 # not argparse's "expected one argument"
+    (["--shard", "1/-2"], "--shard 1/-2: needs 0 <= i < n"),
+    (["--runner_args", "--device 'cuda"], "--runner_args: \"--device 'cuda\" does not split into flags"),
     (["--tasks", "niah_single_9"], "unknown leaderboard task 'niah_single_9'"),
     (["--context_length", "99999"], "above the model's window"),
 ])
@@ -182,6 +188,32 @@ def test_kvpress_compression_ratios_name_the_same_grid(tiny_model_dir):
     assert kept == removed and [e.spec for e in kept.entries()] == \
         ["fullkv", "snapkv:budget_ratio=0.25", "snapkv:budget_ratio=0.5"]
 
+
+
+def test_runner_args_that_start_with_a_flag_are_a_value(tiny_model_dir):
+    """`--runner_args '--device cpu'` got argparse's "expected one argument"; its words reach every run, and the
+    command the page prints gives them back quoted."""
+    from pyramidkv.leaderboard.__main__ import build_parser, grid_of
+    from pyramidkv.leaderboard.outputs import command
+
+    for argv in (["--runner_args", "--device cpu --answer_prefix 'a b'"],
+                 ["--runner_args=--device cpu --answer_prefix 'a b'"]):
+        grid = grid_of(build_parser().parse_args(["--model_path", tiny_model_dir, "--methods", "snapkv", *argv]))
+        assert grid.extra == ["--device", "cpu", "--answer_prefix", "a b"]
+        assert "--runner_args '--device cpu --answer_prefix '\"'\"'a b'\"'\"''" in command(grid)
+
+
+def test_count_shows_its_progress_while_it_checks_every_unit(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """Issue 40, item 10: `--count` prepares every unit (about 35 s each on SmolLM2) silently: a bar counts the
+    units, with the time left, once the check has run PROGRESS_DELAY seconds (0 here)."""
+    from pyramidkv.leaderboard import __main__ as cli
+
+    monkeypatch.setattr(cli, "PROGRESS_DELAY", 0.0)
+    assert cli.main(["--model_path", tiny_model_dir, "--methods", "streamingllm", "--ratios", "0.5", "--tasks",
+                     "niah_single_1", "--context_length", "512", "--num_samples", "1", "--save_dir",
+                     str(tmp_path / "out"), "--count"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "2 units" and "checking every unit (no weights)" in err and "/2 [" in err, err[-300:]
 
 def test_the_committed_page_and_figure_are_what_the_committed_csv_gives():
     docs = ROOT / "docs"

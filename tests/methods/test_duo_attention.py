@@ -358,8 +358,8 @@ def test_streaming_heads_hold_sinks_and_a_sliding_window(tiny):
 
 
 @pytest.mark.parametrize("settings, says", [
-    (dict(streaming_share=1.5), "streaming_share must be in [0, 1]"),
-    (dict(streaming_share=-0.1), "streaming_share must be in [0, 1]"),
+    (dict(streaming_share=1.5), "streaming_share must be in (0, 1]"),
+    (dict(streaming_share=-0.1), "streaming_share must be in (0, 1]"),
     (dict(duo_selection="topk"), "duo_selection must be one of quantile|argsort"),
     (dict(head_allocation="uniform"), "head_allocation must be threshold"),
     (dict(duo_pattern="/no/such/pattern"), "no such file"),

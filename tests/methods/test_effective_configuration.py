@@ -198,3 +198,64 @@ def test_an_error_names_the_setting_it_is_about(smollm2_path, tmp_path, capsys):
     err = refused(smollm2_path, tmp_path, capsys, "--method", "snapkv", "--max_capacity_prompts", "128", "--page_budget",
                   "992")
     assert "--page_budget 992: page_budget 992 reads every page" in err and "--max_capacity_prompts 128," not in err
+
+
+# --- issue 40, item 4: settings that compress nothing, refused before the weights load -----------------------
+
+@pytest.mark.parametrize("argv,message", [
+    (["--method", "snapkv", "--compression_ratio", "0"], "--compression_ratio 0.0 removes nothing"),
+    (["--method", "snapkv", "--compression_ratio", "5e-324"], "budget_ratio = 1 - 5e-324 rounds to 1"),
+    *[(["--method", name, "--max_capacity_prompts_ratio", "1.0"],
+       "budget_ratio (max_capacity_prompts_ratio) 1 keeps every prompt token") for name in
+      ("snapkv", "keydiff", "kvzip", "kvzip_head")],
+    (["--method", "quest", "--max_capacity_prompts_ratio", "1.0"], "page_budget_ratio must be in (0, 1)"),
+    # round(0.99995 x 8192) = 8192: even a prompt as long as the window keeps every token
+    (["--method", "snapkv", "--max_capacity_prompts_ratio", "0.99995"], "keeps round(0.99995 x 8192) = 8192 tokens"),
+    (["--method", "duo_attention", "--streaming_share", "0"], "streaming_share 0: no head streams"),
+    # SmolLM2's window is 8192 tokens: a streaming head holding 8192 keeps every token of any prompt.
+    (["--method", "duo_attention", "--window_size", "8128"], "window_size 8128 + num_sinks 64 = 8192 tokens"),
+    (["--method", "duo_attention", "--num_sinks", "9000"], "window_size 256 + num_sinks 9000 = 9256 tokens"),
+    (["--method", "streamingllm", "--max_capacity_prompts_ratio", "0.5", "--window_size", "8188"],
+     "window_size 8188 + num_sinks 4 = 8192 tokens"),
+    # snapkv's default 0.0 kept every token ("kept 1.000"): no threshold fits every scorer.
+    (["--method", "snapkv", "--head_allocation", "threshold", "--threshold_decoding", "false"],
+     "head_allocation='threshold' on snapkv needs a threshold"),
+    (["--method", "qfilter", "--head_allocation", "threshold"], "head_allocation='threshold' on qfilter needs a threshold"),
+    (["--method", "kvzap", "--threshold", "-1e308"], "threshold -1e+308 is at or below every score a scorer can give"),
+    (["--method", "snapkv", "--head_allocation", "threshold", "--threshold_decoding", "false", "--threshold",
+      "-3.5e38"], "threshold -3.5e+38 is at or below every score"),
+    (["--method", "kvzip_head", "--head_allocation", "threshold", "--threshold", "-1"],
+     "every score of kvzip_head lies in [0, 1], so it would keep every token"),
+    (["--method", "kvzip_head", "--head_allocation", "threshold", "--threshold", "0"],
+     "every score of kvzip_head lies in [0, 1], so it would keep every token"),
+    (["--method", "kvzip_head", "--head_allocation", "threshold", "--threshold", "1.5"],
+     "so it would keep no token outside the window"),
+])
+def test_a_setting_that_compresses_nothing_is_refused_before_loading(smollm2_path, tmp_path, capsys, argv, message):
+    assert message in refused(smollm2_path, tmp_path, capsys, *argv)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--method", "snapkv", "--compression_ratio", "0.01"], "/snapkv"),
+    (["--method", "snapkv", "--max_capacity_prompts_ratio", "0.99"], "/snapkv"),
+    (["--method", "snapkv", "--max_capacity_prompts_ratio", "1.0", "--decode_budget", "256"], "/snapkv_decode_budget=256"),
+    (["--method", "duo_attention", "--streaming_share", "0.01"], "/duo_attention_streaming_share=0.01"),
+    (["--method", "duo_attention", "--window_size", "8127"], "/duo_attention_window_size=8127"),
+    (["--method", "kvzap"], "/kvzap"),                                             # its calibrated default, -3
+    (["--method", "kvzap", "--threshold", "-8e37"], "/kvzap_threshold=-8e+37"),
+    (["--method", "kvzip_head", "--head_allocation", "threshold", "--threshold", "1"],
+     "/kvzip_head_head_allocation=threshold-threshold=1"),
+    (["--method", "snapkv", "--head_allocation", "threshold", "--threshold_decoding", "false", "--threshold", "0"],
+     "/snapkv_head_allocation=threshold-threshold=0-threshold_decoding=False"),
+])
+def test_the_nearest_settings_that_compress_run(smollm2_path, tmp_path, capsys, argv, expected):
+    assert expected in folder(smollm2_path, tmp_path, capsys, *argv)
+
+
+def test_a_streaming_share_that_makes_no_head_stream_is_refused_on_the_model(shape):
+    """argsort streams the round(L x Hkv x share) lowest gates: on SmolLM2's 30 x 3 = 90 heads a share of 0.005
+    rounds to none."""
+    with pytest.raises(ValueError, match="streaming_share 0.005 makes no head of the model's 90 KV heads stream"):
+        make_method("duo_attention", streaming_share=0.005, duo_selection="argsort").check_model(shape)
+    make_method("duo_attention", streaming_share=0.006, duo_selection="argsort").check_model(shape)

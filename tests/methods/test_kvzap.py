@@ -119,6 +119,15 @@ def test_targets_divide_by_the_assistant_rows_norms(tiny_eager, calibrate):
     assert [float(y[l, j, k]) for l, k, j in entries] == pytest.approx(expected, abs=2e-4)
 
 
+def test_calibration_shows_its_progress(tiny_eager, calibrate, capsys):
+    """Issue 40, item 10: the script printed nothing for minutes; a bar counts the passages (training and held out),
+    with the time left."""
+    model, tokenizer = tiny_eager
+    passages = [{"text": f"bees hives notebook {word} river lambs swarm oak smoke"} for word in ("a", "b", "c")]
+    calibrate.calibrate(model, tokenizer, passages[:2], passages[2:], "linear", 8, seed=1)
+    err = capsys.readouterr().err
+    assert "passages (targets" in err and "3/3 [" in err, err[-300:]
+
 def test_calibration_is_seeded_deterministic_and_fits_ridge(tiny_eager, calibrate):
     model, tokenizer = tiny_eager
     words = "bees hives notebook library river lambs swarm oak smoke song village mill spring rain".split()

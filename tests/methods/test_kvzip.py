@@ -173,12 +173,12 @@ def test_repeat_passes_leave_no_trace(reconstructed):
 
 
 def test_generation_decodes_from_the_compressed_context(smollm2):
-    """A ratio of 1 keeps every context token: kvzip then generates what fullkv does (the repeat passes changed
-    nothing the model reads)."""
+    """A budget of the whole prompt keeps every context token: kvzip then generates what fullkv does (the repeat
+    passes changed nothing the model reads)."""
     model, tokenizer = smollm2
     prompt = chat_prompt(tokenizer, STORY[:500] + "\n\nWho is the story about?")
     full = generate(model, tokenizer, [prompt], make_method("fullkv"), max_new_tokens=8)[0]
-    kept = generate(model, tokenizer, [prompt], make_method("kvzip", budget_ratio=1.0, chunk_size=CHUNK),
+    kept = generate(model, tokenizer, [prompt], make_method("kvzip", budget=len(prompt), chunk_size=CHUNK),
                     max_new_tokens=8)[0]
     assert kept.text == full.text
 

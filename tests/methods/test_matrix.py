@@ -67,6 +67,7 @@ BUDGET = 40                                 # more than the largest default wind
 DECODE_BUDGET, DECODE_INTERVAL = 36, 2      # re-selects right after the prefill and twice while decoding
 NEW_TOKENS = 5                              # the prefill forward and 4 decode steps
 THRESHOLD = 0.0                             # head_allocation threshold: some scorers pass it, some do not
+                                            # (one with score_bounds: their middle)
 # Small groups and windows so that the prompt is quantized (head_dim 16); residual_length 32 holds ThinK's
 # full-width recent keys (key_recent_size 32).
 QUANTIZER_SETTINGS = {
@@ -153,7 +154,8 @@ def settings(cls, case: dict, tables: dict) -> dict:
     head, layer, merge, quant, decode = (case[axis] for axis in ("head", "layer", "merge", "quant", "decode"))
     chosen = {"head_allocation": head, "layer_allocation": layer}
     if head == "threshold":   # no budget: each head keeps what passes; decided while decoding where it can be
-        chosen.update(threshold=THRESHOLD, threshold_decoding=cls.token_scores)
+        chosen.update(threshold=THRESHOLD if cls.score_bounds is None else sum(cls.score_bounds) / 2,
+                      threshold_decoding=cls.token_scores)
     elif cls.needs_budget:   # Quest's reads whole pages, at least 3 of 16: 48
         chosen["budget"] = 48 if cls.name in KEEPS_THE_PROMPT else BUDGET
     if head == "threshold":   # a method's own threshold settings (duo_attention: its pattern)

@@ -64,7 +64,7 @@ def test_methods_are_immutable_and_replace_revalidates():
 
 def test_ints_are_accepted_where_floats_are_expected():
     assert make_method("pyramidkv", budget=128, beta=10).layer_allocation.beta == 10
-    assert make_method("snapkv", budget_ratio=1).prompt_budget(100) == 100
+    assert make_method("snapkv", budget_ratio=1, decode_budget=64).prompt_budget(100) == 100   # 1: with a decode budget
 
 
 # --- PyramidKV on short prompts ---------------------------------------------------------------

@@ -134,6 +134,14 @@ def test_calibration_is_seeded_and_takes_seconds(tiny):
     assert not torch.equal(first, other)
 
 
+
+def test_calibration_shows_its_progress(tiny, capsys):
+    """Issue 40, item 10: the script printed nothing for minutes; a bar counts its texts, with the time left."""
+    model, texts = tiny
+    CALIBRATE.calibrate(model, texts, num_svd_samples=20, seed=0)
+    err = capsys.readouterr().err
+    assert "texts (one forward pass each)" in err and f"{len(texts)}/{len(texts)} [" in err, err[-300:]
+
 def test_a_file_of_another_model_is_refused_in_one_line(tiny, tmp_path, tiny_model_dir):
     """Another shape (the shipped SmolLM2 file on the tiny model; the tiny model's file on a 3-layer model), or the
     same shape with another content digest: one line naming the file, before any weight is used."""

@@ -190,7 +190,6 @@ def test_longbench_seed_draws_the_rows_with_sample_method_random():
     (["--method", "snapkv", "--budget", "128", "--gqa_score_agg", "max"], ("gqa_reduce",), "max"),
     (["--method", "snapkv", "--compression_ratio", "0.75"], ("budget_ratio",), 0.25),
     (["--method", "snapkv", "--compression_ratio", "0.9"], ("budget_ratio",), 0.1),   # not 0.09999999999999998
-    (["--method", "snapkv", "--compression_ratio", "0"], ("budget_ratio",), 1.0),
     (["--method", "snapkv:compression_ratio=0.6"], ("budget_ratio",), 0.4),
 ])
 def test_public_harness_names_set_our_settings(argv, field, value):
@@ -206,7 +205,8 @@ def test_public_harness_names_set_our_settings(argv, field, value):
     (["--method", "snapkv", "--compression_ratio", "0.75", "--budget_ratio", "0.25"],
      ["--compression_ratio=0.75", "--budget_ratio=0.25", "both give the budget"]),
     (["--method", "snapkv:compression_ratio=0.5,budget=64"], ["compression_ratio=0.5", "budget=64", "both give"]),
-    (["--method", "snapkv", "--compression_ratio", "1"], ["--compression_ratio", "[0, 1)"]),
+    (["--method", "snapkv", "--compression_ratio", "1"], ["--compression_ratio", "(0, 1)"]),
+    (["--method", "snapkv", "--compression_ratio", "0"], ["--compression_ratio 0.0 removes nothing", "fullkv"]),
     (["--method", "snapkv", "--budget", "128", "--kv_cache_granularity", "head"], ["--kv_cache_granularity head"]),
     (["--method", "snapkv", "--budget", "128", "--gqa_score_agg", "median"], ["--gqa_score_agg median"]),
 ])
@@ -263,3 +263,65 @@ def test_help_for_one_method_shows_its_settings_and_values():
     assert entry(help_text(["--method", "streamingllm", "--help"]), "--num_sinks").endswith("[4]")
     cam = help_text(["--method", "snapkv:merge=cam", "--help"])
     assert " --merge_seed " in cam and " --merge_fraction " not in cam
+
+
+# --- issue 40, item 8: values that start with "-" -----------------------------------------------------------
+
+@pytest.mark.parametrize("value, threshold", [("-1e3", -1000.0), ("-.5", -0.5), ("-5", -5.0), ("-2.5E1", -25.0)])
+def test_a_negative_number_in_any_notation_is_a_value(value, threshold):
+    """kvzap's thresholds are log scores, negative by nature: argparse's own matcher took -1e3 for a flag."""
+    assert method(["--method", "kvzap", "--threshold", value]).head_allocation.threshold == threshold
+
+
+@pytest.mark.parametrize("value, says", [
+    ("-inf", "expected a finite number (ASCII, e.g. 0.5), got '-inf'"),
+    ("-1e308", "threshold -1e+308 is at or below every score a scorer can give"),
+])
+def test_a_negative_value_reaches_the_flags_own_check(value, says):
+    err = refused(["--method", "kvzap", "--threshold", value])
+    assert says in err and "expected one argument" not in err, err
+
+
+def test_a_flag_like_word_after_a_flag_says_how_to_give_it():
+    err = refused(["--method", "snapkv", "--budget", "128", "--save_dir", "-results"])
+    assert "--save_dir: expected one value, got the flag-like '-results'" in err and "--save_dir=-results" in err
+
+
+# --- issue 40, item 9: help shows what the method accepts, choices from the registry, an unknown method refused -
+
+def test_help_for_a_method_leaves_out_the_settings_it_refuses():
+    """`--method kvzip --help` offered --merge, --decode_budget, ... which kvzip refuses: each setting in its
+    `refuses` table is refused when given and absent from its help; its own settings are there."""
+    from pyramidkv.methods import METHODS
+
+    text = help_text(["--method", "kvzip", "--help"])
+    refused_flags = {"merge": "--merge", "decode_budget": "--decode_budget", "page_budget": "--page_budget",
+                     "cross_layer_merge": "--cross_layer_merge", "prefill_attention": "--prefill_attention"}
+    assert set(METHODS["kvzip"].refuses) == set(refused_flags)
+    for setting, flag in refused_flags.items():
+        assert f" {flag} " not in text, flag
+        assert "kvzip does not combine with" in refused(["--method", "kvzip", "--max_capacity_prompts_ratio", "0.5",
+                                                         flag, "cam" if setting == "merge" else "minference"
+                                                         if setting == "prefill_attention" else "true"
+                                                         if setting == "cross_layer_merge" else "64"])
+    for flag in ("--chunk_size", "--chunk_overlap", "--head_allocation", "--max_capacity_prompts_ratio"):
+        assert f" {flag} " in text, flag
+    assert " --merge " in help_text(["--method", "snapkv", "--help"])
+
+
+@pytest.mark.parametrize("axis", [axis for axis in AXES if not axis.flat])
+def test_a_units_flag_lists_every_unit_of_its_registry(axis):
+    """--head_allocation's text listed uniform, adakv, headkv and not kvzip's default global: the text names every
+    registered unit (the metavar aside), and the field's documentation names none of them by hand."""
+    from pyramidkv.components import setting_help
+    from pyramidkv.methods.base import Method
+
+    text = re.search(rf" --{axis.field} {{[^}}]*}} (.*?) --[a-z_]+ [A-Z_{{\[]", help_text(["--help"]))[1]
+    assert all(re.search(rf"\b{name}\b", text) for name in axis.registry), text
+    assert not [name for name in axis.registry if re.search(rf"\b{name}\b", setting_help(Method)[axis.field])]
+
+
+def test_help_for_an_unknown_method_is_refused():
+    code, out, err = run(["--method", "bogus", "--help"])
+    assert code == 2 and not out, out[:200]
+    assert err.count("\n") == 1 and "unknown method 'bogus'; choose one of: fullkv," in err, err

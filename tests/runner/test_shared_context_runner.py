@@ -146,3 +146,25 @@ def test_fullkv_needle_questions_are_the_same_in_both_protocols(sharp_model_dir,
     assert own[1]["recall"] == nd.needle_recall(own[1]["pred"], nd.NEEDLES[1][0], nd.NEEDLES[1][1])
     result = json.loads((tmp_path / "shared" / f"{model}_full" / "fullkv_multi_request" / "results.json").read_text())
     assert set(result["by_turn"]) == {"1", "2-2"}
+
+
+@pytest.mark.parametrize("folder, says", [
+    ("/proc/nope", "--save_compressed: /proc/nope cannot be written: /proc takes no new folder"),
+    ("{file}/sub", "is a file, not a folder"),
+])
+def test_a_save_compressed_folder_that_cannot_be_written_is_refused_before_the_model_loads(
+        tiny_model_dir, tmp_path, capsys, monkeypatch, folder, says):
+    """Issue 40, item 7: /proc/nope passed the checks and failed once the model had loaded and the run folder was
+    written."""
+    import pyramidkv.models.loading as loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(SystemExit) as stop:
+        RU.main(["--method", "snapkv", "--max_capacity_prompts", "64", "--model_path", tiny_model_dir, "--tasks",
+                 "kv_retrieval", "--context_lengths", "640", "--num_samples", "1", "--shared_context", "multi_request",
+                 "--save_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "data"), "--save_compressed",
+                 folder.replace("{file}", str(tmp_path / "a_file"))])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and "\n" not in err and says in err, err
+    assert not (tmp_path / "out").exists()

@@ -15,7 +15,9 @@ from tests.helpers import ROOT, load_script
 
 SCRIPTS = {name: load_script(name, ROOT / path) for name, path in (
     ("minference_patterns", "scripts/minference_patterns.py"), ("benchmark_quest", "measure/benchmark_quest.py"),
-    ("benchmark_minference", "measure/benchmark_minference.py"))}
+    ("benchmark_minference", "measure/benchmark_minference.py"), ("calibrate_qfilter", "scripts/calibrate_qfilter.py"),
+    ("calibrate_duo", "scripts/calibrate_duo.py"), ("calibrate_kvzap", "scripts/calibrate_kvzap.py"),
+    ("kvzip_head_scores", "scripts/kvzip_head_scores.py"))}
 
 
 def one_line_error(name: str, argv, capsys, monkeypatch) -> str:
@@ -78,9 +80,58 @@ def test_benchmark_quest_refuses_bad_values_before_the_model_loads(argv, says, c
     (["--num_samples", "0"], "--num_samples 0"),
     (["--threads", "0"], "--threads 0"),
     (["--out", "/no/such/folder/m.json"], "does not exist"),
+    # issue 40: a pattern table made for another model (a traceback once the model had loaded)
+    (["--method", "minference:pattern_table={table}"], "pattern table {table}: expected a list of one"),
 ])
-def test_benchmark_minference_refuses_bad_values_before_the_model_loads(argv, says, capsys, monkeypatch):
-    assert says in one_line_error("benchmark_minference", argv, capsys, monkeypatch)
+def test_benchmark_minference_refuses_bad_values_before_the_model_loads(argv, says, capsys, monkeypatch, tmp_path):
+    table = tmp_path / "patterns.json"
+    table.write_text('{"0": [["vertical_and_slash", 100, 800, 1]]}')
+    argv = [a.replace("{table}", str(table)) for a in argv]
+    assert says.replace("{table}", str(table)) in one_line_error("benchmark_minference", argv, capsys, monkeypatch)
+
+
+# --- issue 40, item 7: the calibration scripts check every input before the work, and lose none of it ---------
+
+@pytest.fixture
+def gemma2_dir(tmp_path, smollm2_path) -> str:
+    """A Gemma2 model folder (config and SmolLM2's tokenizer, no weights: the check comes before they load)."""
+    from transformers import AutoTokenizer, Gemma2Config
+
+    out = tmp_path / "gemma2"
+    Gemma2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, sliding_window=256).save_pretrained(out)
+    AutoTokenizer.from_pretrained(smollm2_path).save_pretrained(out)
+    return str(out)
+
+
+@pytest.mark.parametrize("name, argv, says", [
+    # IsADirectoryError once calibrated; a folder with no writable place, checked now, not when writing
+    ("calibrate_qfilter", ["--out", "{tmp}"], "is a folder; give a file path"),
+    ("calibrate_qfilter", ["--out", "/proc/q.safetensors"], "/proc/q.safetensors cannot be written: /proc takes no"),
+    ("calibrate_qfilter", ["--length", "10"], "fewer than the --num_svd_samples 3000 each head's SVD reads; give "
+                                               "--length >= 1500"),
+    ("calibrate_duo", ["--out", "/proc/nope"], "/proc/nope cannot be written: /proc takes no new folder"),
+    ("calibrate_duo", ["--out", "{file}"], "is a file; give the path of a folder"),
+    ("calibrate_duo", ["--out", "{file}/sub"], "is a file, not a folder"),
+    # exited 0 with an artifact made from the other sources alone, its record naming the missing folder
+    ("calibrate_kvzap", ["--model_type", "linear", "--out", "{tmp}/k.safetensors", "--haystack_dir", "/nonexistent"],
+     "--haystack_dir /nonexistent: no such folder; give a folder of .txt files"),
+    ("calibrate_kvzap", ["--model_type", "linear", "--out", "{tmp}/k.safetensors", "--haystack_dir", "{tmp}"],
+     "no .txt files"),
+    ("calibrate_kvzap", ["--model_type", "linear", "--out", "/proc/k.safetensors"], "cannot be written"),
+    ("kvzip_head_scores", ["--out", "{tmp}"], "is a folder; give a file path"),
+    # a traceback after loading the model; the runners refuse kvzip on it in one line
+    ("kvzip_head_scores", ["--model_path", "{gemma2}"], "kvzip does not support sliding-window layers"),
+])
+def test_calibration_scripts_refuse_bad_values_before_the_model_loads(name, argv, says, capsys, monkeypatch, tmp_path,
+                                                                     request):
+    (tmp_path / "a_file").write_text("x")
+    values = {"{tmp}": str(tmp_path), "{file}": str(tmp_path / "a_file")}
+    if "{gemma2}" in argv:
+        values["{gemma2}"] = request.getfixturevalue("gemma2_dir")
+    for key, value in values.items():
+        argv = [a.replace(key, value) for a in argv]
+    assert says in one_line_error(name, argv, capsys, monkeypatch)
 
 
 def fake_python(folder) -> str:
