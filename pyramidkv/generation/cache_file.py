@@ -12,9 +12,13 @@ The file is a safetensors file:
   metadata  `pyramidkv-cache`: the record (JSON, below), and `record_sha256`: the sha256 of that JSON text.
 The record: `kind` ("pyramidkv-cache"), `version` (FORMAT_VERSION), `method` (its canonical spec), `model` (name,
 content digest, shape, dtype, a fingerprint of its weights), `positions` (padded prompt length, left padding per
-prompt, tokens held so far), `versions` (torch, transformers, pyramidkv), `storages` (per storage its bytes and
-device), `dtypes` (of the state's tensors), `tensors_sha256` (of the storages' bytes in order), `state` (the
-cache's attributes, encoded) and `objects` (what they refer to: see `_Encoder`).
+prompt, tokens held so far, the sha256 of the contexts' token ids), `versions` (torch, transformers, pyramidkv),
+`storages` (per storage its bytes and device), `dtypes` (of the state's tensors), `tensors_sha256` (of the storages'
+bytes in order), `state` (the cache's attributes, encoded) and `objects` (what they refer to: see `_Encoder`).
+
+The sha256 values find a torn or accidentally edited file; they are no signature (a rewritten record can carry a
+recomputed one), so a load also checks the state against what its recorded method gives (`_check_layout`), and a save
+never replaces a file of another configuration (`check_replaceable`).
 """
 
 from __future__ import annotations
@@ -82,29 +86,44 @@ def model_identity(shape, model=None) -> dict:
 def kv_dtype(cache: CompressedCache) -> str:
     """The dtype of the keys and values the cache attends over (dequantized where stored quantized): the model's."""
     layer = next(i for i, store in enumerate(cache.layers) if store is not None)
-    return str(cache.stored_kv(layer, 0)[0][1].dtype).removeprefix("torch.")
+    dtype = getattr(cache.layers[layer], "dtype", None)   # a quantized store's: its stored_kv would memoize blocks
+    if not isinstance(dtype, torch.dtype):
+        dtype = cache.stored_kv(layer, 0)[0][1].dtype
+    return str(dtype).removeprefix("torch.")
 
 
 HALF = ("float16", "bfloat16")
 
 
-def _check_model(path, made: dict, model, dtypes=()) -> None:
-    """CacheFileError unless `model` is the one the record names: same shape, and the same content digest, dtype and
-    weights fingerprint where the record has them. dtypes: the record's `dtypes`, for a file of before the dtype
-    was recorded without the model: a float16 or bfloat16 model's cache holding the other 16-bit type only."""
-    here = model_identity(model_shape(model.config, next(model.parameters()).dtype.itemsize), model)
+def identity_before_loading(config, dtype: str) -> dict:
+    """model_identity of the model `config` describes, to be loaded in `dtype` (a name: "float32"), known before its
+    weights load: everything but the weights fingerprint (what the runners check saved files against early)."""
+    return {**model_identity(model_shape(config, getattr(torch, dtype).itemsize)), "dtype": dtype}
+
+
+def check_identity(path, made: dict, here: dict, dtypes=()) -> None:
+    """CacheFileError unless the model `here` (a model_identity) is the one the record names (`made`): same shape, and
+    the same content digest, dtype and weights fingerprint where both have them. dtypes: the record's `dtypes`, for a
+    file of before the dtype was recorded without the model: a float16 or bfloat16 model's cache holding the other
+    16-bit type only."""
     if made.get("dtype") is None and made.get("dtype_bytes") == 2 and len(set(HALF) & set(dtypes)) == 1:
         made = {**made, "dtype": next(d for d in HALF if d in dtypes)}
     for key in SHAPE_KEYS + ("dtype",):
-        if made.get(key) is not None and made.get(key) != here[key]:
+        if made.get(key) is not None and here.get(key) is not None and made.get(key) != here[key]:
             raise CacheFileError(f"cache file {path} was made on {made.get('name')!r} ({key} {made.get(key)}); this "
                                  f"model has {key} {here[key]}")
-    if made.get("digest") and here["digest"] and made["digest"] != here["digest"]:
+    if made.get("digest") and here.get("digest") and made["digest"] != here["digest"]:
         raise CacheFileError(f"cache file {path} was made on {made.get('name')!r} (content {made['digest']}); this "
                              f"model {here['name']!r} has content {here['digest']}: another checkpoint")
-    if made.get("weights") and made["weights"] != here["weights"]:
+    if made.get("weights") and here.get("weights") and made["weights"] != here["weights"]:
         raise CacheFileError(f"cache file {path} was made on a model with other weights (fingerprint "
                              f"{made['weights']}, this model's {here['weights']}): another checkpoint")
+
+
+def _check_model(path, made: dict, model, dtypes=()) -> None:
+    """check_identity against a loaded model (its weights fingerprint included)."""
+    check_identity(path, made, model_identity(model_shape(model.config, next(model.parameters()).dtype.itemsize),
+                                              model), dtypes)
 
 
 # ---- the state, encoded --------------------------------------------------------------------------------------------
