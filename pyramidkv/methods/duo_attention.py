@@ -173,6 +173,10 @@ class DuoAttention(Method):
         super().check_model(model)
         self.streaming(model)
 
+    def file_read(self, name: str) -> Path:
+        path = super().file_read(name)
+        return path / PATTERN_FILE if path.is_dir() else path
+
     def packaged_files(self, model: Optional[ModelShape]) -> dict[str, str]:
         if self.duo_pattern is not None or model is None or not model.name:
             return {}
