@@ -84,7 +84,8 @@ class Grid:
     extra: list[str] = field(default_factory=list)    # runner flags given to every run
 
     def entries(self) -> list[Entry]:
-        return list(dict.fromkeys(e for spec in self.methods for e in entries_of(spec, self.ratios, self.context_length)))
+        entries = (e for spec in self.methods for e in entries_of(spec, self.ratios, self.context_length))
+        return list(dict.fromkeys(entries))   # a grid.json written before the specs were made canonical
 
     def parts(self) -> list[str]:
         ruler = [t for t in self.tasks if t in RULER_TASKS]
