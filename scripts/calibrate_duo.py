@@ -9,12 +9,18 @@
 Default: the authors' gate optimisation (duo-attention `train.py`) at a CPU size. One gate alpha per KV head (1.0 at
 the start); each step runs a synthetic multi-passkey sample twice, with full attention (no gradient) and with every
 head's output alpha * full + (1 - alpha) * streaming (streaming: the first sink_size keys and the last recent_size);
-loss = mean over the positions that predict the answer tokens of the mean squared difference of the final hidden
-states + reg_weight * mean |alpha|; AdamW (lr 0.02, no weight decay), the official learning-rate factor
-min(1, max((s + 1) / (T / 5), 0.1), max((T - s) / (T / 5), 0.1)), alpha clamped to [0, 1] before each step. Samples:
-passkeys of random NATO words inserted at sorted random depths of an essay haystack, with the official needle
-wording, then every question and answer; sizes scaled down from the official (1,000-32,000 tokens, 10 passkeys of 32
-words, sink 128 + recent 256, 2,000 steps on 8 GPUs).
+loss = mean over the loss rows of the mean squared difference of the final hidden states + reg_weight * mean |alpha|;
+AdamW (lr 0.02, no weight decay), the official learning-rate factor min(1, max((s + 1) / (T // 5), 0.1),
+max((T - s) / (T // 5), 0.1)) (so T >= 5), alpha clamped to [0, 1] before each step. Loss rows (`--rows`): `official`
+(default) the official labels, every token after the context (each question, its passkey and a separator), the
+hidden states read at those tokens, unshifted; `answer` the positions that predict the passkey tokens (this script's
+rule before 2026-11). Samples, the official layout (duo-attention `data.py`): "<|im_start|> This is a very long story
+book: <book> ", the first `context_length` haystack tokens with each passkey needle (the official wording, random NATO
+words) wrapped in "\n\n" at sorted random depths, 1-16 haystack tokens of padding (the official pads to a multiple
+of 16 and, its test reading `... + len(prompt2) % 16`, adds 16 where none is needed), " </book>.\n\n", then per
+passkey its question, the passkey and "\n\n". The haystack is cut so that a sample fits context_length_max (the
+official cuts once by an estimate with a 300-token buffer). Sizes are scaled down from the official (1,000-32,000
+tokens, 10 passkeys of 32 words, sink 128 + recent 256, 2,000 steps on 8 GPUs).
 
 --on_the_fly: kvpress's head scores (DuoAttentionPress.compute_head_scores on the fly): per layer the mean query
 before RoPE and the mean key over every position of a sample, both repeated at `positions` positions with RoPE
@@ -47,8 +53,13 @@ NATO = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"
 ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth")
 NEEDLE = "Remeber this sequence of words, it's the {} passkey to the vault: "   # the official wording, typo included
 QUESTION = "Based on the content of the book, what is the {} passkey to the vault?\nPasskey: "
+SEPARATOR = "\n\n"
+BOOK_OPEN = "<|im_start|> This is a very long story book: <book> "   # official prompt1, read with special tokens
+BOOK_CLOSE = " </book>.\n\n"                                          # official prompt2
+PAD_MULTIPLE = 16
 DEPTHS = np.linspace(0.05, 0.95, 1000)   # official min/max_needle_depth_ratio, depth_ratio_num_intervals
 CONTEXT_INTERVALS = 5                    # official context_lengths_num_intervals 50, over a far wider span
+ROWS = ("official", "answer")            # the loss rows: the official labels, or the positions predicting the answer
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -73,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     gate.add_argument("--recent_size", type=int, default=32, help="training recent window (official 256)")
     gate.add_argument("--lr", type=float, default=0.02)
     gate.add_argument("--reg_weight", type=float, default=0.05)
+    gate.add_argument("--rows", choices=ROWS, default=ROWS[0],
+                      help="loss rows: official = every question, passkey and separator token (the official labels, "
+                           "unshifted); answer = the positions predicting the passkey tokens")
     fly = parser.add_argument_group("--on_the_fly")
     fly.add_argument("--num_samples", type=int, default=8)
     fly.add_argument("--sample_tokens", type=int, default=1000)
@@ -87,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--sink_size and --seed must be >= 0, got {args.sink_size} and {args.seed}")
     if not 1 <= args.num_passkeys <= len(ORDINALS):
         parser.error(f"--num_passkeys must be in 1..{len(ORDINALS)}, got {args.num_passkeys}")
+    if args.num_steps < 5:
+        parser.error(f"--num_steps must be >= 5 (the official schedule divides by num_steps // 5), got "
+                     f"{args.num_steps}")
     if args.context_length_max < args.context_length_min:
         parser.error(f"--context_length_max {args.context_length_max} is below --context_length_min "
                      f"{args.context_length_min}")
@@ -116,28 +133,52 @@ def haystack(tokenizer, folder, tokens: int) -> tuple[list[int], list[dict]]:
     return ids[:tokens], sources
 
 
-def passkey_sample(rng: np.random.Generator, tokenizer, text: list[int], context_length: int, num_passkeys: int,
-                   words: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [n], answer [n] bool): a haystack chunk with num_passkeys needles at sorted random depths (context_length
-    tokens in all), then every question followed by its answer; answer marks the answer tokens."""
-    encode = lambda s: tokenizer(s, add_special_tokens=False).input_ids  # noqa: E731
-    keys = [" ".join(rng.choice(NATO, words)) for _ in range(num_passkeys)]
-    needles = [encode(NEEDLE.format(ORDINALS[i]) + keys[i] + ". ") for i in range(num_passkeys)]
-    hay = max(context_length - sum(map(len, needles)), 1)
-    start = int(rng.integers(0, len(text) - hay + 1))
-    chunk = text[start:start + hay]
-    cuts = sorted(int(d * hay) for d in rng.choice(DEPTHS, num_passkeys, replace=False))
-    ids, answer, last = [], [], 0
-    for cut, needle in zip(cuts, needles):
-        ids += chunk[last:cut] + needle
+def fixed_tokens(tokenizer, num_passkeys: int, words: int) -> int:
+    """The most tokens a sample holds besides its haystack: the book markers, every needle with its separators,
+    every question with its passkey and separator (passkeys of the longest-encoding NATO word), the padding."""
+    encode = lambda s: len(tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
+    key = max(encode(" ".join([word] * words)) for word in NATO)
+    each = encode(NEEDLE.format(ORDINALS[0])) + 3 * encode(SEPARATOR) + 2 * key + encode(QUESTION.format(ORDINALS[0]))
+    ordinal = max(encode(o) for o in ORDINALS[:num_passkeys]) - encode(ORDINALS[0])
+    book = len(tokenizer(BOOK_OPEN, add_special_tokens=True).input_ids) + encode(BOOK_CLOSE)
+    return book + num_passkeys * (each + 2 * max(ordinal, 0)) + PAD_MULTIPLE
+
+
+def passkey_sample(rng: np.random.Generator, tokenizer, text: list[int], context_length: int, limit: int,
+                   num_passkeys: int, words: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The official multi-passkey sample (module docstring), at most `limit` tokens: (ids [n], qa [n] bool: the
+    official labels, every token after the context; answer [n] bool: the passkey tokens among them)."""
+    encode = lambda s, special=False: tokenizer(s, add_special_tokens=special).input_ids  # noqa: E731
+    keys = [encode(" ".join(rng.choice(NATO, words))) for _ in range(num_passkeys)]
+    separator = encode(SEPARATOR)
+    qa, answer = [], []
+    for i, key in enumerate(keys):
+        question = encode(QUESTION.format(ORDINALS[i]))
+        qa += question + key + separator
+        answer += [False] * len(question) + [True] * len(key) + [False] * len(separator)
+    needles = [separator + encode(NEEDLE.format(ORDINALS[i])) + key + separator for i, key in enumerate(keys)]
+    book_open, book_close = encode(BOOK_OPEN, True), encode(BOOK_CLOSE)
+    room = limit - len(book_open) - len(book_close) - len(qa) - sum(map(len, needles)) - PAD_MULTIPLE
+    if room < 1:
+        raise ValueError(f"a sample of {num_passkeys} passkeys of {words} words does not fit {limit} tokens")
+    hay = text[:min(context_length, room)]
+    context, last = list(book_open), 0
+    for depth, needle in zip(sorted(rng.choice(DEPTHS, num_passkeys, replace=False)), needles):
+        cut = int(len(hay) * depth)
+        context += hay[last:cut] + needle
         last = cut
-    ids += chunk[last:]
-    answer = [False] * len(ids)
-    for i in range(num_passkeys):
-        question, reply = encode("\n" + QUESTION.format(ORDINALS[i])), encode(keys[i])
-        ids += question + reply
-        answer += [False] * len(question) + [True] * len(reply)
-    return torch.tensor(ids), torch.tensor(answer)
+    context += hay[last:]
+    pad = PAD_MULTIPLE - (len(context) + len(qa) + len(book_close)) % PAD_MULTIPLE   # 1 .. 16, as the official
+    context += text[room - pad:room] + book_close
+    ids = context + qa
+    return (torch.tensor(ids), torch.tensor([False] * len(context) + [True] * len(qa)),
+            torch.tensor([False] * len(context) + answer))
+
+
+def loss_rows(qa: torch.Tensor, answer: torch.Tensor, rows: str) -> torch.Tensor:
+    """The positions whose final hidden states the loss compares: every labelled token (official), or the positions
+    predicting an answer token (position t predicts token t + 1)."""
+    return qa.nonzero().squeeze(1) if rows == "official" else answer[1:].nonzero().squeeze(1)
 
 
 class GatedAttention:
@@ -187,9 +228,22 @@ class GatedAttention:
 
 
 def lr_factor(step: int, steps: int) -> float:
-    """The official schedule: 20% linear warm-up and 20% linear decay, floored at 0.1."""
-    fifth = steps / 5
+    """The official schedule: linear warm-up and decay over steps // 5 steps each, floored at 0.1."""
+    fifth = steps // 5
     return min(1.0, max((step + 1) / fifth, 0.1), max((steps - step) / fifth, 0.1))
+
+
+def gate_loss(gates: GatedAttention, body, ids: torch.Tensor, rows: torch.Tensor,
+              reg_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, distill) of one sample ids [n]: the mean over `rows` of the mean squared difference of the final hidden
+    states, full attention against gated, + reg_weight * mean |alpha|."""
+    with torch.no_grad():
+        gates.gated = False
+        full = body(input_ids=ids[None], use_cache=False).last_hidden_state[0, rows]
+    gates.gated = True
+    pred = body(input_ids=ids[None], use_cache=False).last_hidden_state[0, rows]
+    distill = (full.float() - pred.float()).pow(2).mean(-1).mean()
+    return distill + reg_weight * gates.alpha.abs().mean(), distill
 
 
 def optimise_gates(model, tokenizer, args, text: list[int], log=print) -> np.ndarray:
@@ -207,17 +261,11 @@ def optimise_gates(model, tokenizer, args, text: list[int], log=print) -> np.nda
     body = decoder(model)
     try:
         for step in range(args.num_steps):
-            ids, answer = passkey_sample(rng, tokenizer, text, int(rng.choice(lengths)), args.num_passkeys,
-                                         args.passkey_words)
-            rows = answer[1:].nonzero().squeeze(1)        # position t's hidden state predicts token t + 1
+            ids, qa, answer = passkey_sample(rng, tokenizer, text, int(rng.choice(lengths)), args.context_length_max,
+                                             args.num_passkeys, args.passkey_words)
             with torch.no_grad():
                 gates.alpha.clamp_(0, 1)
-                gates.gated = False
-                full = body(input_ids=ids[None], use_cache=False).last_hidden_state[0, rows]
-            gates.gated = True
-            pred = body(input_ids=ids[None], use_cache=False).last_hidden_state[0, rows]
-            distill = (full - pred).pow(2).mean(-1).mean()
-            loss = distill + args.reg_weight * gates.alpha.abs().mean()
+            loss, distill = gate_loss(gates, body, ids, loss_rows(qa, answer, args.rows), args.reg_weight)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -300,6 +348,11 @@ def main(argv=None) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(path)
         need = args.sample_tokens if args.on_the_fly else args.context_length_max
         text, sources = haystack(tokenizer, args.haystack_dir, max(4 * need, 4096))
+        fixed = fixed_tokens(tokenizer, args.num_passkeys, args.passkey_words)
+        if not args.on_the_fly and args.context_length_max <= fixed:
+            raise ValueError(f"--context_length_max {args.context_length_max} leaves no haystack: the book markers, "
+                             f"{args.num_passkeys} needles and questions of {args.passkey_words} words and the "
+                             f"padding take up to {fixed} tokens")
     except (ValueError, OSError, ImportError) as e:
         print(f"calibrate_duo.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -313,7 +366,7 @@ def main(argv=None) -> Path:
         gates = optimise_gates(model, tokenizer, args, text)
         settings = {key: getattr(args, key) for key in ("num_steps", "context_length_min", "context_length_max",
                                                         "num_passkeys", "passkey_words", "sink_size", "recent_size",
-                                                        "lr", "reg_weight")}
+                                                        "lr", "reg_weight", "rows")}
     record = {"format": FORMAT, "version": VERSION, "kind": "duo", "model": model_record(str(path), config),
               "recipe": "on_the_fly" if args.on_the_fly else "gate_optimisation",
               "data": {"haystack": str(args.haystack_dir or "essay_dir()"), "files": sources,

@@ -5,8 +5,9 @@ file `kvzip_head` reads (docs/methods.md, "KVzip, head-level").
         [--num_samples 1] [--chunk_size 2000] [--haystack_dir DIR]
 
 A sample: `length` tokens of the essays (sorted by file name, joined by blank lines; sample i starts where
-sample i - 1 ended) as the user turn of the model's chat template. kvzip's repeat passes score every context
-position of every layer and query head (core/reconstruction.py); a KV head's score is the maximum over its query
+sample i - 1 ended) as the user turn of the model's chat template, exactly `length` context tokens (one repeat chunk
+at the default sizes). kvzip's repeat passes (which read the template's prefix and the context, as the authors')
+score every context position of every layer and query head (core/reconstruction.py); a KV head's score is the maximum over its query
 group and over the positions; several samples: the elementwise maximum (the authors'). Output [layers, KV heads]
 with its record (model, data and digests, settings, CPU seconds); nothing is drawn at random. Default --out:
 "{model}_kvzip-head.safetensors" (model = the last component of the model path, lowercased).
@@ -47,8 +48,11 @@ def head_scores(model, tokenizer, samples: list[list[int]], chunk_size: int) -> 
 
 
 def calibration_samples(tokenizer, folder: Path, num_samples: int, length: int) -> tuple[list[list[int]], list[dict]]:
-    """(num_samples prompts: `length` essay tokens each in the chat template's user turn, the sources read:
-    [{file, sha256}]); a ValueError when the essays hold too few tokens."""
+    """(num_samples prompts: `length` essay tokens each, exactly, between the chat template's prefix and suffix
+    (joined as token ids: a decode and re-encode would change the count), the sources read: [{file, sha256}]); a
+    ValueError when the essays hold too few tokens."""
+    from pyramidkv.methods.kvzip import template_edges
+
     files = sorted(folder.glob("*.txt"))
     ids, sources, need = [], [], num_samples * length
     for path in files:
@@ -60,14 +64,8 @@ def calibration_samples(tokenizer, folder: Path, num_samples: int, length: int) 
     if len(ids) < need:
         raise ValueError(f"the {len(files)} .txt files of {folder} hold {len(ids)} tokens, fewer than --num_samples "
                          f"{num_samples} x --length {length}; lower one of them")
-    prompts = []
-    for i in range(num_samples):
-        text = tokenizer.decode(ids[i * length:(i + 1) * length])
-        if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True)
-        prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
-    return prompts, sources
+    prefix, suffix = template_edges(tokenizer)
+    return [prefix + ids[i * length:(i + 1) * length] + suffix for i in range(num_samples)], sources
 
 
 def parse_args(argv=None) -> argparse.Namespace:

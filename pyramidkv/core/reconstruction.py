@@ -6,14 +6,17 @@ trace in the cache.
 One prompt is  [prefix | context | suffix]: the template before the user's text, the text to reconstruct, what
 follows it (the end of the turn and the assistant header, or nothing); prefix and suffix are never evicted. The
 context is cut into chunks; chunk c is repeated by one forward of its repeat input (the instruction, the end of
-chunk c - 1 where c > 0, the assistant header, the chunk's tokens) at positions right after the prompt, every
-chunk from the same position. At each layer the repeat's m queries attend causally over the whole prompt and the
-repeat's own keys (that attention's output is what the next layer reads, as in the model), and the scores of
-chunk c's keys are taken from another softmax, over [prefix keys, chunk c's keys, the repeat's keys] (the
-authors' extent: other chunks and the suffix are not in its denominator), maximised over the m queries:
+chunk c - 1 where c > 0, the assistant header, the chunk's tokens). The repeat reads what the authors' repeat reads:
+their cache holds only the prefix and the context when it is scored (the suffix and the question come after
+compression), so every repeat input starts at the suffix's first position and attends causally over the prefix's
+and the context's keys and its own, never the suffix's. That attention's output is what the next layer reads, as in
+the model, and the scores of chunk c's keys are taken from another softmax, over [prefix keys, chunk c's keys, the
+repeat's keys] (the authors' extent: other chunks are not in its denominator), maximised over the m queries:
 
     score[h, j] = max_i softmax_{K'}(q_i . k / sqrt(D))[j]      for j in chunk c,  [Hq, chunk]
 
+A prompt whose suffix is fed after compression (`--question_as_decode`) is scored on the same keys at the same
+positions, so both protocols keep the same context entries.
 float32 throughout (the authors take the softmax in the model dtype). The group's maximum (gqa_reduce max) makes
 a KV head's score.
 """
@@ -74,6 +77,8 @@ class Reconstruction:
         every_v = torch.cat([prompt_values[:, pad:].repeat_interleave(group_p, 0),
                              values[0].repeat_interleave(group_k, 0)], 1)
         n = prompt_keys.shape[1] - pad
+        unread = torch.zeros(n + m, dtype=torch.bool, device=queries.device)
+        unread[n - plan.suffix:n] = True   # the suffix: not in the cache the authors' repeat reads
         every_k, every_v = every_k.float().transpose(1, 2), every_v.float()
         out = torch.empty(num_q, m, dim, dtype=torch.float32, device=queries.device)
         best = torch.zeros(num_q, chunk.stop - chunk.start, dtype=torch.float32, device=queries.device)
@@ -81,7 +86,7 @@ class Reconstruction:
             rows = torch.arange(first, min(first + QUERY_BLOCK, m), device=queries.device)
             logits = cap_logits(torch.matmul(queries[0, :, rows].float(), every_k) / dim ** 0.5, softcap)  # [Hq, r, n+m]
             later = torch.arange(n + m, device=queries.device)[None, :] > n + rows[:, None]   # causal in the repeat
-            probs = torch.softmax(logits.masked_fill(later, float("-inf")), -1)
+            probs = torch.softmax(logits.masked_fill(later | unread, float("-inf")), -1)
             out[:, rows] = torch.matmul(probs, every_v)
             # the softmax over K' = [prefix, chunk, repeat] is the same weights renormalised over those columns
             extent = probs[..., :plan.prefix].sum(-1) + probs[..., chunk.start:chunk.stop].sum(-1) + probs[..., n:].sum(-1)

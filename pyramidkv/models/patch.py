@@ -216,15 +216,16 @@ class CompressionPatch:
 @torch.no_grad()
 def run_repeats(decoder_module, cache: CompressedCache) -> None:
     """A reconstructing method's repeat passes, once the prompt's prefill has run with every layer waiting: each
-    compressed prompt's repeat inputs through the decoder alone (positions right after the prompt, the cache in
-    its repeat mode: nothing is stored), then every layer keeps what they scored (core/reconstruction.py)."""
+    compressed prompt's repeat inputs through the decoder alone (positions from the first of the prompt's suffix,
+    which the repeat does not read; the cache in its repeat mode: nothing is stored), then every layer keeps what
+    they scored (core/reconstruction.py)."""
     recon, prompt = cache.reconstruction, cache.prompt
     prompt.edges = [(plan.prefix, plan.suffix) for plan in recon.plans]
     device = prompt.waiting[0].keys.device
     for b, plan in enumerate(recon.plans):
         if not prompt.compressed(b):
             continue
-        start = prompt.real_lens[b]
+        start = prompt.real_lens[b] - plan.suffix
         for chunk in plan.chunks:
             recon.current = (b, chunk)
             decoder_module(input_ids=torch.tensor([chunk.ids], device=device), past_key_values=cache, use_cache=True,

@@ -92,7 +92,7 @@ def test_removed_share_against_a_hand_count(n):
 
 # --- calibration ----------------------------------------------------------------------------------------------
 
-TINY_GATE = ["--num_steps", "2", "--context_length_min", "64", "--context_length_max", "96", "--num_passkeys", "2",
+TINY_GATE = ["--num_steps", "5", "--context_length_min", "192", "--context_length_max", "224", "--num_passkeys", "2",
              "--passkey_words", "3", "--sink_size", "4", "--recent_size", "16", "--lr", "0.05"]
 TINY_FLY = ["--on_the_fly", "--num_samples", "2", "--sample_tokens", "64", "--positions", "50"]
 
@@ -114,7 +114,7 @@ def test_calibration_is_deterministic_and_records_its_making(recipe, tiny_model_
     assert record["data"]["files"] and all(len(f["sha256"]) == 16 for f in record["data"]["files"])
     raw = np.loadtxt(outs[0] / "full_attention_heads.tsv", ndmin=2)
     if recipe == "gate":   # the gates moved from 1.0 (the L1 term alone pulls every gate down)
-        assert (raw < 1.0).all() and config["num_steps"] == 2
+        assert (raw < 1.0).all() and config["num_steps"] == 5 and record["settings"]["rows"] == "official"
     else:                  # cumulative attention, mean over 50 positions: within (0, 1]
         assert ((raw > 0) & (raw <= 1)).all()
     model_pattern(str(outs[0]), ModelShape(2, 4, 2, name=tiny_model_dir))
@@ -124,17 +124,123 @@ def test_calibration_is_deterministic_and_records_its_making(recipe, tiny_model_
 
 
 def test_lr_factor_is_the_official_schedule():
+    """min(1, max((s + 1) / (T // 5), 0.1), max((T - s) / (T // 5), 0.1)): integer division, as the official."""
     steps = 100
     factors = [CALIBRATE.lr_factor(s, steps) for s in range(steps)]
     assert factors[0] == pytest.approx(0.1) and factors[1] == pytest.approx(0.1)   # floored: (s+1)/20 < 0.1
     assert factors[9] == pytest.approx(0.5) and factors[19] == 1.0 and factors[50] == 1.0
     assert factors[90] == pytest.approx(0.5) and factors[99] == pytest.approx(0.1)
+    # 12 steps: 12 // 5 = 2 steps of warm-up and of decay (12 / 5 would give 1 / 2.4 at step 0)
+    assert [CALIBRATE.lr_factor(s, 12) for s in (0, 1, 10, 11)] == [0.5, 1.0, 1.0, 0.5]
+
+
+class Chars:
+    """A tokenizer of one token per character (its code point); special tokens: a leading 1."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return type("Encoding", (), {"input_ids": [1] * add_special_tokens + [ord(c) for c in text]})()
+
+
+def test_the_sample_is_the_official_layout_and_its_labels_every_token_after_the_context():
+    """duo-attention data.py, written out from its rules: "<|im_start|> This is a very long story book: <book> "
+    (special tokens on), the first context_length haystack tokens with "\n\n" + needle + passkey + "\n\n" at
+    int(len x depth) for sorted depths, pad to a multiple of 16 (1..16 tokens, from the haystack's end), " </book>.\n\n",
+    then per passkey question + passkey + "\n\n"; labels: every token of that last part."""
+    text = [ord(c) for c in "abcdefghijklmnopqrstuvwxyz" * 40]
+    rng = np.random.default_rng(5)
+    ids, qa, answer = CALIBRATE.passkey_sample(np.random.default_rng(5), Chars(), text, 300, 1000, 2, 3)
+    keys = [" ".join(rng.choice(CALIBRATE.NATO, 3)) for _ in range(2)]
+    depths = sorted(rng.choice(np.linspace(0.05, 0.95, 1000), 2, replace=False))
+    hay = "".join(chr(t) for t in text[:300])
+    ordinal = ["first", "second"]
+    book, last = "<|im_start|> This is a very long story book: <book> ", 0
+    for i, depth in enumerate(depths):
+        cut = int(300 * depth)
+        book += hay[last:cut] + f"\n\nRemeber this sequence of words, it's the {ordinal[i]} passkey to the vault: " \
+            f"{keys[i]}\n\n"
+        last = cut
+    book += hay[last:]
+    questions = "".join(f"Based on the content of the book, what is the {ordinal[i]} passkey to the vault?\nPasskey: "
+                        f"{keys[i]}\n\n" for i in range(2))
+    pad = 16 - (1 + len(book) + len(questions) + len(" </book>.\n\n")) % 16
+    got = [chr(t) for t in ids[1:].tolist()]
+    assert ids[0] == 1 and (1 + len(book) + pad + len(" </book>.\n\n") + len(questions)) % 16 == 0
+    assert "".join(got[:len(book)]) == book and 1 <= pad <= 16
+    assert "".join(got[len(book) + pad:]) == " </book>.\n\n" + questions
+    assert "".join(got[i - 1] for i in qa.nonzero().squeeze(1).tolist()) == questions
+    assert "".join(got[i - 1] for i in answer.nonzero().squeeze(1).tolist()) == keys[0] + keys[1]
+
+
+def gated_hidden(model, ids: torch.Tensor, alpha: torch.Tensor | None, sink: int, recent: int) -> torch.Tensor:
+    """float64 final hidden states [n, d] from the weights: each head's attention output alpha x full causal +
+    (1 - alpha) x streaming (keys j < sink or i - j < recent), alpha [L, Hkv] per KV head (None: full)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    m = model.model
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    group, n = heads // kv_heads, len(ids)
+    h = m.embed_tokens(ids[None])
+    cos, sin = m.rotary_emb(h, torch.arange(n)[None])
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    causal = j <= i
+    band = causal & ((j < sink) | (i - j < recent))
+    with torch.no_grad():
+        for layer, block in enumerate(m.layers):
+            attn = block.self_attn
+            x = block.input_layernorm(h)
+            q = attn.q_proj(x).view(1, n, heads, -1).transpose(1, 2)
+            k = attn.k_proj(x).view(1, n, kv_heads, -1).transpose(1, 2)
+            v = attn.v_proj(x).view(1, n, kv_heads, -1).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            logits = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+            full = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1) @ v
+            stream = torch.softmax(logits.masked_fill(~band, float("-inf")), dim=-1) @ v
+            a = torch.ones(heads, dtype=torch.float64) if alpha is None else \
+                alpha[layer].double().repeat_interleave(group)
+            out = a[None, :, None, None] * full + (1 - a[None, :, None, None]) * stream
+            h = h + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+            h = h + block.mlp(block.post_attention_layernorm(h))
+        return m.norm(h)[0]
+
+
+def test_the_gate_loss_reads_the_official_rows_against_a_float64_hand_loss(tiny):
+    """The loss at random gates equals the official objective computed by hand in float64: labels -100 over the
+    context, the qa tokens labelled, the hidden states at the labelled tokens (unshifted); mean over them of the mean
+    squared difference + reg x mean |alpha|. The `answer` rows (the positions before each passkey token) give
+    another loss."""
+    model, prompt, _ = tiny
+    ids = torch.tensor(prompt * 2)                                          # 48 tokens
+    qa = torch.arange(48) >= 36                                             # the last 12 tokens: the official labels
+    answer = torch.zeros(48, dtype=torch.bool)
+    answer[40:44] = True                                                    # a passkey inside them
+    alpha = torch.rand(2, 2, generator=torch.Generator().manual_seed(3))
+    gates = CALIBRATE.GatedAttention(model, 2, 6)
+    try:
+        with torch.no_grad():
+            gates.alpha.copy_(alpha)
+        losses = {rows: CALIBRATE.gate_loss(gates, model.model, ids, CALIBRATE.loss_rows(qa, answer, rows), 0.05)[0]
+                  .item() for rows in CALIBRATE.ROWS}
+    finally:
+        gates.remove()
+    double = copy.deepcopy(model).double()
+    full, gated = gated_hidden(double, ids, None, 2, 6), gated_hidden(double, ids, alpha, 2, 6)
+    labels = torch.tensor([-100] * 36 + ids[36:].tolist())
+    rows = labels != -100
+    hand = (full[rows] - gated[rows]).pow(2).mean(-1).sum() / rows.sum() + 0.05 * alpha.double().abs().mean()
+    assert losses["official"] == pytest.approx(hand.item(), rel=1e-4)
+    shifted = torch.arange(39, 43)
+    other = (full[shifted] - gated[shifted]).pow(2).mean(-1).mean() + 0.05 * alpha.double().abs().mean()
+    assert losses["answer"] == pytest.approx(other.item(), rel=1e-4)
+    assert abs(losses["official"] - losses["answer"]) > 1e-3 * hand.item()
 
 
 @pytest.mark.parametrize("argv, says", [
     (["--num_passkeys", "11"], "--num_passkeys must be in 1..10"),
     (["--context_length_min", "600", "--context_length_max", "500"], "--context_length_max 500"),
     (["--lr", "0"], "--lr must be > 0"),
+    (["--num_steps", "4"], "--num_steps must be >= 5 (the official schedule divides by num_steps // 5)"),
+    (["--context_length_min", "60", "--context_length_max", "90"], "--context_length_max 90 leaves no haystack"),
     (["--haystack_dir", "{tmp}"], "no .txt files"),
 ])
 def test_calibration_refuses_bad_values_before_loading(argv, says, tiny_model_dir, tmp_path, capsys, monkeypatch):

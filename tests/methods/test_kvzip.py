@@ -47,22 +47,22 @@ def test_repeat_inputs_are_the_authors_prompts_chunk_by_chunk(smollm2):
 
 
 def reference_scores(model, tokens: list[int], plan) -> np.ndarray:
-    """[L, Hq, n] from the model's own eager attention weights over [prompt, repeat input] per chunk: each
-    chunk column's weight renormalised over K' = prefix + chunk + repeat (float64), maximised over the repeat's
-    queries; 0 outside the context."""
-    n = len(tokens)
+    """[L, Hq, n] from the model's own eager attention weights over the authors' text per chunk, [prefix, context,
+    repeat input] (the suffix is not in their cache when it is scored): each chunk column's weight renormalised over
+    K' = prefix + chunk + repeat (float64), maximised over the repeat's queries; 0 outside the context."""
+    n, stop = len(tokens), len(tokens) - plan.suffix
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
     scores = np.zeros((layers, heads, n))
     for chunk in plan.chunks:
-        ids = torch.tensor([list(tokens) + chunk.ids])
+        ids = torch.tensor([list(tokens[:stop]) + chunk.ids])
         with torch.no_grad():
             weights = model(ids, output_attentions=True, use_cache=False).attentions
         extent = np.zeros(ids.shape[1], dtype=bool)
         extent[:plan.prefix] = True
         extent[chunk.start:chunk.stop] = True
-        extent[n:] = True
+        extent[stop:] = True
         for layer, w in enumerate(weights):
-            rows = w[0, :, n:].double().numpy()                                   # [Hq, m, n + m]
+            rows = w[0, :, stop:].double().numpy()                                # [Hq, m, stop + m]
             restricted = rows[..., extent] / rows[..., extent].sum(-1, keepdims=True)
             columns = np.flatnonzero(extent)
             inside = (columns >= chunk.start) & (columns < chunk.stop)
@@ -124,6 +124,42 @@ def test_kept_sets_are_one_threshold_over_every_layer_head_and_position(smollm2,
     counts = [len(p) for layer in range(layers) for p in cache.kept_positions(layer)]
     assert len(set(counts)) > 1      # ragged: layers and heads keep what their scores earn
     assert cache.kv_bytes() == sum(counts) * 2 * model.config.hidden_size // model.config.num_attention_heads * 4
+
+
+def test_the_default_protocol_keeps_the_context_entries_of_the_question_as_decode_protocol(smollm2):
+    """The same context with the template's suffix in the prompt (the default protocol) and fed after compression
+    (--question_as_decode: the prompt ends with the context): the repeat passes read the same keys at the same
+    positions, so the context scores agree to float32 rounding (1e-4) and the kept context entries are the same (a
+    difference only at a score tied with the cut to 1e-4); the suffix is kept in every head."""
+    model, tokenizer = smollm2
+    text = STORY.split("\n", 1)[1].split("<|im_end|>")[0]              # the story's user text, no template
+    tokens = chat_prompt(tokenizer, text)
+    caches = {}
+    for protocol, prompt in (("default", tokens), ("question_as_decode", None)):
+        method = make_method("kvzip", budget_ratio=0.3, chunk_size=CHUNK)
+        with torch.no_grad(), compress(model, method) as patch:
+            if prompt is None:
+                plan = caches["default"].reconstruction.plans[0]
+                stop = len(tokens) - plan.suffix
+                prompt = tokens[:stop]
+            cache = patch.new_cache([prompt], tokenizer)
+            model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        caches[protocol] = cache
+    assert plan.suffix > 0 and caches["question_as_decode"].reconstruction.plans[0].suffix == 0
+    default, later = caches["default"], caches["question_as_decode"]
+    layers = model.config.num_hidden_layers
+    got = np.stack([default.reconstruction.scores[layer][0, :, plan.prefix:stop].numpy() for layer in range(layers)])
+    want = np.stack([later.reconstruction.scores[layer][0, :, plan.prefix:stop].numpy() for layer in range(layers)])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)   # seen 1.4e-5: 30 layers, two prefill shapes
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    heads = want.reshape(layers, -1, group, want.shape[-1]).max(2)                      # [L, Hkv, context]
+    threshold = np.sort(heads.reshape(-1))[::-1][layers * heads.shape[1] * round(0.3 * (stop - plan.prefix)) - 1]
+    for layer in range(layers):
+        for h, (mine, theirs) in enumerate(zip(default.kept_positions(layer), later.kept_positions(layer))):
+            mine = set(mine.tolist())
+            assert set(range(stop, len(tokens))) <= mine
+            for j in (mine - set(range(stop, len(tokens)))) ^ set(theirs.tolist()):
+                assert heads[layer, h, j - plan.prefix] == pytest.approx(threshold, rel=1e-4), (layer, h, j)
 
 
 def test_repeat_passes_leave_no_trace(reconstructed):

@@ -29,7 +29,7 @@ def test_head_scores_are_the_maxima_of_kvzips_pair_scores(sharp_llama):
     """[L, Hkv] = max over samples of (max over the group and the context positions of kvzip's scores); each sample
     is the larger somewhere, so the maximum over samples is exercised."""
     model, tokenizer, _ = sharp_llama
-    samples = [chat(tokenizer, STORY[:150]), chat(tokenizer, STORY[150:400])]
+    samples = [chat(tokenizer, STORY[:250]), chat(tokenizer, STORY[250:500])]
     got = SCRIPT.head_scores(model, tokenizer, samples, CHUNK).numpy()
     config = model.config
     layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
@@ -126,3 +126,24 @@ def test_the_script_refuses_bad_input_in_one_line(argv, message, capsys, smollm2
         SCRIPT.main(["--model_path", smollm2_path, *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert exited.value.code == 2 and "kvzip_head_scores.py: error: " in err[-1] and message in err[-1]
+
+
+def test_a_calibration_sample_holds_exactly_length_essay_tokens_in_one_repeat_chunk(sharp_llama, tmp_path):
+    """The sample is the template's prefix, the essays' first `length` token ids as they are, the template's
+    suffix: kvzip reads a context of exactly `length` tokens, one repeat chunk at chunk_size = length (a decoded and
+    re-encoded slice gets another count: the shipped file's 2,000-token sample had become 2,001, two chunks)."""
+    from pyramidkv.methods.kvzip import template_edges
+
+    tokenizer = sharp_llama[1]
+    texts = ["Bees kept on the hill; the hives counted each spring, 41 of them in a blue notebook. " * 6,
+             "Osei's shelf of notebooks: rainfall, lambs, the day the river froze. " * 6]
+    for i, text in enumerate(texts):
+        (tmp_path / f"{i}.txt").write_text(text)
+    essay = [t for text in texts for t in tokenizer(text + "\n\n", add_special_tokens=False).input_ids]
+    samples, sources = SCRIPT.calibration_samples(tokenizer, tmp_path, 2, 77)
+    prefix, suffix = template_edges(tokenizer)
+    assert prefix and suffix and [s["file"] for s in sources] == ["0.txt", "1.txt"]
+    for i, sample in enumerate(samples):
+        assert sample == prefix + essay[i * 77:(i + 1) * 77] + suffix
+        plan = make_method("kvzip", budget_ratio=0.5, chunk_size=77).reconstruction([sample], tokenizer).plans[0]
+        assert (plan.prefix, plan.suffix, len(plan.chunks)) == (len(prefix), len(suffix), 1)
