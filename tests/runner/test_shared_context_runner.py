@@ -131,9 +131,9 @@ def test_a_later_run_answers_from_the_saved_compressed_contexts(sharp_model_dir,
 def test_saved_caches_are_kept_per_configuration_and_checked_against_their_context(sharp_model_dir, tmp_path, capsys,
                                                                                    monkeypatch):
     """Issue 40, items 3 and 5: an h2o run saving into the folder where snapkv saved its caches writes files of its
-    own and leaves snapkv's as they were; a file of another configuration where a save would go, and a saved
-    context used for another context of the same length (as another generator seed's can be), are refused in one line
-    before the weights load."""
+    own and leaves snapkv's as they were; a file of another configuration where a save would go, a saved context used
+    for another context of the same length (as another generator seed's can be) or on the model in another dtype, are
+    refused in one line before the weights load."""
     from pyramidkv.generation.cache_file import read_record
 
     argv = ["--max_capacity_prompts", "64", "--model_path", sharp_model_dir, "--device", "cpu", "--num_threads", "1",
@@ -160,6 +160,8 @@ def test_saved_caches_are_kept_per_configuration_and_checked_against_their_conte
          "it holds the cache of another configuration ('snapkv:budget=64"),
         (["--method", "snapkv", *argv, "--cache_dir", str(tmp_path / "other"), "--save_dir", str(tmp_path / "d"),
           "--load_compressed", str(saved)], "holds another context of the same length"),
+        (["--method", "snapkv", *argv, *data, "--dtype", "bfloat16", "--save_dir", str(tmp_path / "e"),
+          "--load_compressed", str(saved)], "(dtype_bytes 4); this model has dtype_bytes 2"),
     ]
     shutil.copytree(tmp_path / "data", tmp_path / "other")   # one digit of the context changed: as many tokens
     data_file = next((tmp_path / "other").rglob("kv_retrieval_640_q2.jsonl"))
