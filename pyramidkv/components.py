@@ -273,6 +273,34 @@ class Component:
         """The packaged files the unit reads for `model` where a path setting is left out (none by default)."""
         return {}
 
+    def file_read(self, name: str) -> Path:
+        """The file the path setting `name` makes the unit read (a unit whose setting may name a folder maps it to
+        the file read in it)."""
+        return Path(str(getattr(self, name))).expanduser()
+
+    def with_packaged_defaults(self, model: Optional[ModelShape]):
+        """The same unit with each path setting that names the very file the unit reads for `model` when it is left
+        out (the packaged one, the same file on disk) left out, in this unit and the units in it: one computation,
+        one name (a run folder, a leaderboard entry)."""
+        changes = {}
+        for name in self.path_settings:
+            if getattr(self, name) is None:
+                continue
+            try:
+                packaged = dataclasses.replace(self, **{name: None}).packaged_files(model)
+            except ValueError:   # none for this model: the given file is no default
+                continue
+            given = self.file_read(name)
+            if given.is_file() and any(Path(p).is_file() and os.path.samefile(given, p) for p in packaged.values()):
+                changes[name] = None
+        for f in dataclasses.fields(self):
+            unit = getattr(self, f.name)
+            if isinstance(unit, Component) and f.name not in changes:
+                resolved = unit.with_packaged_defaults(model)
+                if resolved != unit:
+                    changes[f.name] = resolved
+        return dataclasses.replace(self, **changes) if changes else self
+
     def settings_at_default(self) -> list[str]:
         """Every setting (flat units' settings by their own names; another unit's as unit.setting, at its class's
         default) left at its default."""

@@ -84,6 +84,7 @@ TIERS: dict[str, tuple[str, ...]] = {
         "tests/runner/test_question_as_decode.py::test_fullkv_ruler_predictions_do_not_change",
         "tests/runner/test_shared_context_runner.py::test_a_later_run_answers_from_the_saved_compressed_contexts",
         "tests/runner/test_shared_context_runner.py::test_one_question_per_context_equals_question_as_decode",
+        "tests/runner/test_shared_context_runner.py::test_saved_caches_are_kept_per_configuration_and_checked_against_their_context",
         "tests/runner/test_shared_context_runner.py::test_three_questions_resume_per_question_after_a_kill",
     ),
     "real_model": (

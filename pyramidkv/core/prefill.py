@@ -216,6 +216,12 @@ class PromptCompressor:
             out.append([self.waiting[layer].scores[b, :, first:stop] for layer, (first, stop) in enumerate(bounds)])
         return out
 
+    def planned_budgets(self) -> tuple[list[list[int]], list]:
+        """(layer_budgets, head_plans) as the method fixes them before any score is known, for a method whose budgets
+        do not depend on the scores (`layer_budgets_need_scores` False): what a loaded cache's are checked against."""
+        self._fix_layer_budgets()
+        return self.layer_budgets, self.head_plans
+
     def _fix_layer_budgets(self, layer_scores: Optional[list] = None) -> None:
         """Per prompt, the tokens each layer keeps. A prompt no longer than the method's budget is kept
         whole in every layer (even where a layer's own share would be smaller)."""

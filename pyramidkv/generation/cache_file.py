@@ -12,9 +12,13 @@ The file is a safetensors file:
   metadata  `pyramidkv-cache`: the record (JSON, below), and `record_sha256`: the sha256 of that JSON text.
 The record: `kind` ("pyramidkv-cache"), `version` (FORMAT_VERSION), `method` (its canonical spec), `model` (name,
 content digest, shape, dtype, a fingerprint of its weights), `positions` (padded prompt length, left padding per
-prompt, tokens held so far), `versions` (torch, transformers, pyramidkv), `storages` (per storage its bytes and
-device), `dtypes` (of the state's tensors), `tensors_sha256` (of the storages' bytes in order), `state` (the
-cache's attributes, encoded) and `objects` (what they refer to: see `_Encoder`).
+prompt, tokens held so far, the sha256 of the contexts' token ids), `versions` (torch, transformers, pyramidkv),
+`storages` (per storage its bytes and device), `dtypes` (of the state's tensors), `tensors_sha256` (of the storages'
+bytes in order), `state` (the cache's attributes, encoded) and `objects` (what they refer to: see `_Encoder`).
+
+The sha256 values find a torn or accidentally edited file; they are no signature (a rewritten record can carry a
+recomputed one), so a load also checks the state against what its recorded method gives (`_check_layout`), and a save
+never replaces a file of another configuration (`check_replaceable`).
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
+from pyramidkv.allocation import UniformHeads
 from pyramidkv.components import atomic_write, model_digest
 from pyramidkv.core.cache import CompressedCache
+from pyramidkv.core.prefill import PromptCompressor
 from pyramidkv.core.snapshot import SHARED, shared_objects
 from pyramidkv.methods import Method, method_spec, parse_method_spec
 from pyramidkv.models.patch import CompressionPatch, model_shape
@@ -77,20 +83,47 @@ def model_identity(shape, model=None) -> dict:
     return out
 
 
-def _check_model(path, made: dict, model) -> None:
-    """CacheFileError unless `model` is the one the record names: same shape, and the same content digest, dtype and
-    weights fingerprint where the record has them."""
-    here = model_identity(model_shape(model.config, next(model.parameters()).dtype.itemsize), model)
+def kv_dtype(cache: CompressedCache) -> str:
+    """The dtype of the keys and values the cache attends over (dequantized where stored quantized): the model's."""
+    layer = next(i for i, store in enumerate(cache.layers) if store is not None)
+    dtype = getattr(cache.layers[layer], "dtype", None)   # a quantized store's: its stored_kv would memoize blocks
+    if not isinstance(dtype, torch.dtype):
+        dtype = cache.stored_kv(layer, 0)[0][1].dtype
+    return str(dtype).removeprefix("torch.")
+
+
+HALF = ("float16", "bfloat16")
+
+
+def identity_before_loading(config, dtype: str) -> dict:
+    """model_identity of the model `config` describes, to be loaded in `dtype` (a name: "float32"), known before its
+    weights load: everything but the weights fingerprint (what the runners check saved files against early)."""
+    return {**model_identity(model_shape(config, getattr(torch, dtype).itemsize)), "dtype": dtype}
+
+
+def check_identity(path, made: dict, here: dict, dtypes=()) -> None:
+    """CacheFileError unless the model `here` (a model_identity) is the one the record names (`made`): same shape, and
+    the same content digest, dtype and weights fingerprint where both have them. dtypes: the record's `dtypes`, for a
+    file of before the dtype was recorded without the model: a float16 or bfloat16 model's cache holding the other
+    16-bit type only."""
+    if made.get("dtype") is None and made.get("dtype_bytes") == 2 and len(set(HALF) & set(dtypes)) == 1:
+        made = {**made, "dtype": next(d for d in HALF if d in dtypes)}
     for key in SHAPE_KEYS + ("dtype",):
-        if made.get(key) is not None and made.get(key) != here[key]:
+        if made.get(key) is not None and here.get(key) is not None and made.get(key) != here[key]:
             raise CacheFileError(f"cache file {path} was made on {made.get('name')!r} ({key} {made.get(key)}); this "
                                  f"model has {key} {here[key]}")
-    if made.get("digest") and here["digest"] and made["digest"] != here["digest"]:
+    if made.get("digest") and here.get("digest") and made["digest"] != here["digest"]:
         raise CacheFileError(f"cache file {path} was made on {made.get('name')!r} (content {made['digest']}); this "
                              f"model {here['name']!r} has content {here['digest']}: another checkpoint")
-    if made.get("weights") and made["weights"] != here["weights"]:
+    if made.get("weights") and here.get("weights") and made["weights"] != here["weights"]:
         raise CacheFileError(f"cache file {path} was made on a model with other weights (fingerprint "
                              f"{made['weights']}, this model's {here['weights']}): another checkpoint")
+
+
+def _check_model(path, made: dict, model, dtypes=()) -> None:
+    """check_identity against a loaded model (its weights fingerprint included)."""
+    check_identity(path, made, model_identity(model_shape(model.config, next(model.parameters()).dtype.itemsize),
+                                              model), dtypes)
 
 
 # ---- the state, encoded --------------------------------------------------------------------------------------------
@@ -274,6 +307,125 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+# ---- the context and the configuration a file holds ----------------------------------------------------------------
+
+def context_rows(path, context, pad_lens: list[int], prompt_len: int) -> list[list[int]]:
+    """Per prompt its context's token ids without left padding, from `context`: one prompt's ids, one list per prompt,
+    or a [B, n] tensor (a row of the padded length is cut by its padding). CacheFileError (one line) for another
+    number of prompts or other lengths than the cache holds."""
+    if isinstance(context, torch.Tensor):
+        context = context.tolist()
+    rows = list(context)
+    if not rows or not isinstance(rows[0], (list, tuple, torch.Tensor)):
+        rows = [rows]
+    rows = [[int(t) for t in (row.tolist() if isinstance(row, torch.Tensor) else row)] for row in rows]
+    if len(rows) != len(pad_lens):
+        raise CacheFileError(f"cache file {path}: the context given has {len(rows)} prompt(s); the cache holds "
+                             f"{len(pad_lens)}")
+    rows = [row[pad:] if pad and len(row) == prompt_len else row for row, pad in zip(rows, pad_lens)]
+    for b, (row, pad) in enumerate(zip(rows, pad_lens)):
+        if len(row) != prompt_len - pad:
+            raise CacheFileError(f"cache file {path}: the context given{f' (prompt {b})' if len(rows) > 1 else ''} "
+                                 f"has {len(row)} tokens; the cache holds a context of {prompt_len - pad}")
+    return rows
+
+
+def context_digest(rows: list[list[int]]) -> str:
+    """sha256 of the contexts' token ids (`context_rows`), as a record keeps it (`positions.context_sha256`)."""
+    return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
+
+
+def check_context(path, record: dict, context) -> None:
+    """CacheFileError (one line) unless the file's cache was made from `context` (token ids, see `context_rows`): the
+    same lengths, and the digest its record holds (a file saved without context= has none: refused too)."""
+    positions = record["positions"]
+    given = context_digest(context_rows(path, context, positions["pad_lens"], positions["prompt_len"]))
+    recorded = positions.get("context_sha256")
+    if recorded is None:
+        raise CacheFileError(f"cache file {path} records no digest of its context (saved without context=), so it "
+                             f"cannot be checked against the context it is used for")
+    if recorded != given:
+        raise CacheFileError(f"cache file {path} holds another context of the same length (token ids sha256 "
+                             f"{recorded[:16]}); the context it is used for has {given[:16]}")
+
+
+def _same_model(a: dict, b: dict) -> bool:
+    """Two records' models are one: the same shape and dtype, and the same content digest and weights fingerprint
+    where both have them (the name where neither has either)."""
+    if any(a.get(key) != b.get(key) for key in SHAPE_KEYS + ("dtype",)):
+        return False
+    known = [key for key in ("digest", "weights") if a.get(key) and b.get(key)]
+    return all(a[key] == b[key] for key in known) if known else a.get("name") == b.get("name")
+
+
+def configuration(record: dict) -> str:
+    """How a message names what made a file's cache: its method, model and context."""
+    made, context = record["model"], record["positions"].get("context_sha256")
+    return (f"{record['method']!r} on {made.get('name') or 'a model in memory'!r} ({made.get('dtype')}"
+            f"{', content ' + made['digest'] if made.get('digest') else ''}), context "
+            f"{context[:16] if context else 'not recorded'}")
+
+
+def check_replaceable(path, record: dict) -> None:
+    """CacheFileError (one line) when `path` holds a pyramidkv cache file of another configuration than `record`'s
+    (method, model, or context where both record it): a save never replaces another configuration's cache. A file
+    of the same configuration (a rerun, or decoded further) is replaced; so is a file that is not a whole cache
+    file."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    try:
+        held = read_record(path)[0]
+    except (CacheFileError, OSError, ValueError, KeyError):
+        return
+    contexts = (held["positions"].get("context_sha256"), record["positions"].get("context_sha256"))
+    if held.get("method") != record["method"] or not _same_model(held.get("model", {}), record["model"]) or \
+            (all(contexts) and contexts[0] != contexts[1]):
+        raise CacheFileError(f"cannot save the cache to {path}: it holds the cache of another configuration "
+                             f"({configuration(held)}; this one: {configuration(record)}); save it elsewhere, or "
+                             f"delete that file")
+
+
+def _check_layout(path, spec: str, fresh: CompressedCache, cache: CompressedCache) -> None:
+    """CacheFileError (one line) unless the loaded state has the layout its recorded method gives: the store kinds,
+    stored heads, windows and decode-time compressor a new cache for that method has, the layer budgets the method
+    gives the prompts (where they do not depend on the scores), and, where the method fixes it (one budget per layer,
+    uniform over the heads, no decode-time re-selection), each head's kept count as its stores hold it. A method with
+    the same layout (h2o and snapkv at one budget) is not told apart: only recomputing the scores would
+    (docs/shared_context.md, "What a digest proves")."""
+    def refuse(what: str):
+        raise CacheFileError(f"cache file {path} is recorded as {spec!r}, but its state is not that method's: {what} "
+                             f"(its record was rewritten, or it was made otherwise)")
+
+    def shown(value):
+        return value.__name__ if isinstance(value, type) else type(value).__name__ if value is not None else value
+
+    for name in ("store_class", "sliding_class", "stored_heads", "windows"):
+        if getattr(cache, name, None) != getattr(fresh, name):
+            refuse(f"its {name} is {shown(getattr(cache, name, None))}, the method's {shown(getattr(fresh, name))}")
+    if type(getattr(cache, "decoding", None)) is not type(fresh.decoding):
+        refuse(f"its decode-time compressor is {shown(getattr(cache, 'decoding', None))}, the method's "
+               f"{shown(fresh.decoding)}")
+    method, prompt = fresh.method, getattr(cache, "prompt", None)
+    if prompt is None or prompt.layer_budgets is None or method.layer_budgets_need_scores:
+        return
+    expected = PromptCompressor(method, fresh.model_shape, list(cache.pad_lens), cache.prompt_len, fresh.rotary,
+                                reconstructing=prompt.reconstructing)
+    expected.edges = prompt.edges
+    budgets, plans = expected.planned_budgets()
+    if (budgets, plans) != (prompt.layer_budgets, prompt.head_plans):
+        refuse(f"its layer budgets are {prompt.layer_budgets}, the method's {budgets}")
+    if cache.decoding is not None or not isinstance(method.head_allocation, UniformHeads):
+        return
+    for layer, store in enumerate(cache.layers):
+        if store is None or cache.windows[layer] is not None:
+            continue
+        for b, counts in enumerate(store.kept_counts()):
+            want = min(expected.real_lens[b], budgets[b][layer])
+            if plans[b] is None and any(count != want for count in counts):
+                refuse(f"layer {layer} keeps {counts} tokens per head of prompt {b}, the method {want} each")
+
+
 # ---- save --------------------------------------------------------------------------------------------------------
 
 def _versions() -> dict:
@@ -303,13 +455,16 @@ def _writable_folder(path: Path) -> None:
 
 
 @torch.no_grad()
-def save_cache(cache: CompressedCache, path, model=None) -> Path:
+def save_cache(cache: CompressedCache, path, model=None, context=None) -> Path:
     """Write `cache` (prefilled, possibly decoded further) to `path` (a .safetensors file), atomically: a temporary
     file in the same folder, renamed; returns the path. The file records the model by the cache's record of it (name,
-    content digest of its folder, shape); model: the model the cache was made on, to record its dtype and weights
-    fingerprint too (so that a model of the same shape with other weights and no folder, one made in memory, is
-    refused). One-line CacheFileError for a path that cannot be written or a state the format cannot hold (naming
-    the attribute and its type); nothing is left behind then."""
+    content digest of its folder, shape, the dtype of its keys and values); model: the model the cache was made on,
+    to record its weights fingerprint too (so that a model of the same shape with other weights and no folder, one
+    made in memory, is refused). context: the token ids of the context the cache holds (one prompt's, or per prompt
+    of the batch, without its left padding; a [B, prompt_len] tensor is cut by the padding), recorded as a digest
+    that `load_cache(..., context=)` checks. One-line CacheFileError for a path that cannot be written, a context
+    of other lengths than the cache's, a state the format cannot hold (naming the attribute and its type), or a
+    file at `path` that holds another configuration's cache (`check_replaceable`); nothing is left behind then."""
     path = Path(path)
     if not isinstance(cache, CompressedCache):
         raise CacheFileError(f"save_cache takes a pyramidkv CompressedCache, got {type(cache).__name__}")
@@ -323,11 +478,16 @@ def save_cache(cache: CompressedCache, path, model=None) -> Path:
     encoder = _Encoder(shared_objects(cache))
     state = {name: encoder.encode(value, f"cache.{name}") for name, value in cache.__dict__.items()}
     storages = [tensor.cpu() for tensor in encoder.storage_tensors]
+    made_on = model_identity(cache.model_shape, model)
+    if made_on["dtype"] is None:
+        made_on["dtype"] = kv_dtype(cache)
+    positions = {"prompt_len": cache.prompt_len, "pad_lens": list(cache.pad_lens), "held": cache.get_seq_length(),
+                 "context_sha256": None if context is None else context_digest(
+                     context_rows(path, context, cache.pad_lens, cache.prompt_len))}
     record = {
         "kind": KIND, "version": FORMAT_VERSION, "method": spec,
-        "model": model_identity(cache.model_shape, model),
-        "positions": {"prompt_len": cache.prompt_len, "pad_lens": list(cache.pad_lens),
-                      "held": cache.get_seq_length()},
+        "model": made_on,
+        "positions": positions,
         "versions": _versions(),
         "storages": [{"key": f"s{i}", "nbytes": t.numel(), "device": d}
                      for i, (t, d) in enumerate(zip(storages, encoder.storage_devices))],
@@ -335,6 +495,7 @@ def save_cache(cache: CompressedCache, path, model=None) -> Path:
         "tensors_sha256": _digest(storages),
         "state": state, "objects": encoder.objects,
     }
+    check_replaceable(path, record)
     text = json.dumps(record, separators=(",", ":"))
     metadata = {RECORD_KEY: text, RECORD_SHA_KEY: hashlib.sha256(text.encode()).hexdigest()}
     try:
@@ -410,16 +571,20 @@ def _patch_for(model, method: Method) -> CompressionPatch:
 
 
 @torch.no_grad()
-def load_cache(path, model, method: Optional[Method] = None, device=None) -> CompressedCache:
+def load_cache(path, model, method: Optional[Method] = None, device=None, context=None) -> CompressedCache:
     """The cache `save_cache` wrote to `path`, for `model` (the one it was made on) and its method (the recorded one;
     a given `method` must equal it). Continue it with `with pyramidkv.compress(model, method):
     model.generate(input_ids=<prompt + tokens so far + the next>, attention_mask=..., past_key_values=cache)` (a
     prefilled cache takes one new token per forward). device: where every tensor goes; None: each storage where it
-    was saved from if that device exists here, else the model's device. One-line CacheFileError for a missing, torn or
-    edited file, another format version or kind, another model or another method (all but the edited tensor bytes
-    found before the tensors are read)."""
+    was saved from if that device exists here, else the model's device. context: the token ids the cache is used for
+    (see `save_cache`), checked against the digest the file records. One-line CacheFileError for a missing, torn or
+    edited file, another format version or kind, another model (dtype included) or method, another context, or a
+    state whose layout is not its recorded method's (`_check_layout`; all but the edited tensor bytes and the
+    layout found before the tensors are read)."""
     record, header, start = read_record(path)
-    _check_model(path, record["model"], model)
+    _check_model(path, record["model"], model, record.get("dtypes", ()))
+    if context is not None:
+        check_context(path, record, context)
     recorded = record["method"]
     if method is None:
         try:
@@ -452,6 +617,7 @@ def load_cache(path, model, method: Optional[Method] = None, device=None) -> Com
     for spec in record["storages"]:
         storages[spec["key"]] = storages[spec["key"]].to(place(spec["device"]))
     cache = _patch_for(model, method).new_cache()
+    fresh = _patch_for(model, method).new_cache()   # what the method gives, to check the loaded state against
     decoder = _Decoder(record["objects"], shared_objects(cache), storages, place)
     try:
         state = {name: decoder.decode(value) for name, value in record["state"].items()}
@@ -465,4 +631,5 @@ def load_cache(path, model, method: Optional[Method] = None, device=None) -> Com
         raise CacheFileError(f"cache file {path}: its state lacks {missing}")
     cache.__dict__.clear()
     cache.__dict__.update(state)
+    _check_layout(path, recorded, fresh, cache)
     return cache

@@ -67,7 +67,7 @@ def build_parser():
 
 def grid_of(args) -> Grid:
     """The grid the arguments ask for (ValueError, one line, for a bad one)."""
-    from pyramidkv.leaderboard.grid import entries_of
+    from pyramidkv.leaderboard.grid import canonical_methods, entries_of
     from pyramidkv.methods import METHODS
 
     given_ratios = args.ratios is not None or args.compression_ratios is not None
@@ -84,15 +84,18 @@ def grid_of(args) -> Grid:
     for flag in ("context_length", "num_samples", "needle_depths"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    methods = args.methods or list(METHODS)
-    if not any(spec.strip().lower() == "fullkv" for spec in methods):
+    from pyramidkv.models.loading import DTYPES, check_model
+    from pyramidkv.models.patch import model_shape
+
+    _, config, _, dtype = check_model(args.model_path, args.attn_implementation, "auto", args.dtype)
+    # one name per computation: a spec written another way (a default given, a packaged file by its path, twice)
+    methods = canonical_methods(args.methods or list(METHODS), ratios, args.context_length,
+                                model_shape(config, DTYPES[dtype].itemsize, args.attn_implementation))
+    if "fullkv" not in methods:
         methods = ["fullkv", *methods]     # the reference of every cell's KL, agreement and bytes
     grid = Grid(args.model_path, methods, ratios, list(dict.fromkeys(args.tasks)), args.context_length,
                 args.num_samples, args.needle_depths, args.attn_implementation, args.dtype,
                 shlex.split(args.runner_args))
-    from pyramidkv.models.loading import check_model
-
-    config = check_model(args.model_path, args.attn_implementation, "auto", args.dtype)[1]
     window = getattr(config, "max_position_embeddings", None)
     if window and args.context_length > window:
         raise ValueError(f"--context_length {args.context_length} is above the model's window: {args.model_path} has "

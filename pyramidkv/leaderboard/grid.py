@@ -84,7 +84,8 @@ class Grid:
     extra: list[str] = field(default_factory=list)    # runner flags given to every run
 
     def entries(self) -> list[Entry]:
-        return [e for spec in self.methods for e in entries_of(spec, self.ratios, self.context_length)]
+        entries = (e for spec in self.methods for e in entries_of(spec, self.ratios, self.context_length))
+        return list(dict.fromkeys(entries))   # a grid.json written before the specs were made canonical
 
     def parts(self) -> list[str]:
         ruler = [t for t in self.tasks if t in RULER_TASKS]
@@ -125,6 +126,22 @@ def entries_of(spec: str, ratios, context_length: int) -> list[Entry]:
             budget["decode_budget"] = max(1, round(ratio * context_length))
         method = build_method(cls, {**given, **budget})
         out.append(Entry(method_spec(method), cls.name, "read" if cls.name in READ_METHODS else "ratio", ratio))
+    return out
+
+
+def canonical_methods(specs, ratios, context_length: int, model=None) -> list[str]:
+    """The --methods specs as the grid's methods: each written as its canonical spec (the method's name and its
+    settings other than the defaults, less the grid's budget settings; with `model`, a ModelShape, as the method
+    runs on it: Method.normalized), each once, in the order first given. `snapkv`, `snapkv snapkv` and
+    `snapkv:window_size=32` (32: the default) are one method: one entry, one unit per part."""
+    from pyramidkv.methods import method_spec, parse_method_spec
+
+    out: list[str] = []
+    for spec in specs:
+        method = parse_method_spec(entries_of(spec, ratios, context_length)[0].spec)
+        canonical = base_spec(method_spec(method.normalized(model) if model is not None else method))
+        if canonical not in out:
+            out.append(canonical)
     return out
 
 

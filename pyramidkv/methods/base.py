@@ -212,13 +212,15 @@ class Method(Component):
 
     def normalized(self, model: ModelShape) -> "Method":
         """The same method with each unit's setting given at what its default resolves to on this model written
-        as that default (Capability.normalized), so the run is named by its effective configuration."""
+        as that default (Capability.normalized), and a path setting naming the packaged file it reads by default
+        left out (Component.with_packaged_defaults), so the run is named by its effective configuration."""
+        method = self.with_packaged_defaults(model)
         changes = {}
         for axis in CAPABILITY_AXES:
-            unit = getattr(self, axis)
+            unit = getattr(method, axis)
             if unit is not None and unit.normalized(model) != unit:
                 changes[axis] = unit.normalized(model)
-        return dataclasses.replace(self, **changes) if changes else self
+        return dataclasses.replace(method, **changes) if changes else method
 
     def check_prompt(self, prompt_len: int) -> None:
         """ValueError if on a prompt of `prompt_len` tokens the method would not do what its settings say

@@ -181,6 +181,10 @@ class DuoAttention(Method):
                              f"keeps every token (that is fullkv); allowed: streaming_share > "
                              f"{0.5 / streaming.numel():.3g}")
 
+    def file_read(self, name: str) -> Path:
+        path = super().file_read(name)
+        return path / PATTERN_FILE if path.is_dir() else path
+
     def packaged_files(self, model: Optional[ModelShape]) -> dict[str, str]:
         if self.duo_pattern is not None or model is None or not model.name:
             return {}

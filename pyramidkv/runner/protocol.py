@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 
 from pyramidkv.generation.shared import MODES
 from pyramidkv.runner.shared import (  # noqa: F401 (Question: the adapters')
-    Question, check_cache_file_flags, check_cache_files, decode_questions,
+    Question, cache_configuration, check_cache_file_flags, check_cache_files, decode_questions,
 )
 from pyramidkv.runner.arguments import ArgumentParser
 from pyramidkv.runner.divergence import check_kl_flags
@@ -185,10 +185,13 @@ def build_parser(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) -> 
                         "question inside its own prompt")
     p.add_argument("--save_compressed", default=None, metavar="DIR",
                    help="with --shared_context: write each context's cache right after compression to "
-                        "DIR/{predictions file}/{key}.safetensors (pyramidkv.save_cache); needs --eval_batch_size 1")
+                        "DIR/{model}_{budget}/{method folder}/{predictions file}/{key}.safetensors (pyramidkv."
+                        "save_cache; a file of another configuration there is refused, never replaced); needs "
+                        "--eval_batch_size 1")
     p.add_argument("--load_compressed", default=None, metavar="DIR",
                    help="with --shared_context: a context whose file --save_compressed wrote is answered from it, "
-                        "not compressed again (same model and method, else refused); needs --eval_batch_size 1")
+                        "not compressed again (same model, method and context token ids, else refused); needs "
+                        "--eval_batch_size 1")
     p.add_argument("--kl_vs_fullkv", action="store_true",
                    help="also feed each sample's reference answer teacher forced after its prompt (the same compressed "
                         "prefill) and record the mean KL divergence of the next-token distributions from fullkv's, "
@@ -259,7 +262,11 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
         files = benchmark.prepare(args, tokenizer, config, out_dir)
         check_samples(files, method, config, args.model_path, args.question_as_decode or bool(args.shared_context),
                       "--shared_context" if args.shared_context else "--question_as_decode")
-        check_cache_files(args, files, method)
+        if args.load_compressed or args.save_compressed:
+            from pyramidkv.generation.cache_file import identity_before_loading
+
+            check_cache_files(args, files, method, cache_configuration(benchmark, args, method),
+                              identity_before_loading(config, model_check[3]))
         check_kl_flags(args, files)
         if args.prepare_only:
             print(out_dir)

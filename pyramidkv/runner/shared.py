@@ -73,38 +73,53 @@ def check_cache_file_flags(args) -> None:
                 raise ValueError(f"--save_compressed: {e}") from None
 
 
-def cache_path(folder: str, sample_file, key) -> Path:
-    """Where --save_compressed writes (and --load_compressed reads) a context's cache."""
-    return Path(folder) / Path(sample_file.file_name).stem / f"{str(key).replace('/', '_')}.safetensors"
+def cache_configuration(benchmark, args, method) -> Path:
+    """What made a saved cache, as a relative folder: the run folder's {model}_{budget}/{method label} (without the
+    protocol's suffixes, on which a compressed context does not depend). Two configurations never share a file."""
+    from pyramidkv.runner.cli import run_dir
+
+    return run_dir("", benchmark.model_label(args), method)
 
 
-def check_cache_files(args, files, method) -> None:
-    """The cache files --load_compressed would read are whole, unedited and of this method, and there is at least
-    one (one line each, before the model loads; the model is checked when each is loaded)."""
-    if not getattr(args, "load_compressed", None):
+def cache_path(folder: str, configuration: Path, sample_file, key) -> Path:
+    """Where --save_compressed writes (and --load_compressed reads) a context's cache:
+    DIR/{configuration}/{predictions file}/{key}.safetensors."""
+    return Path(folder) / configuration / Path(sample_file.file_name).stem / f"{str(key).replace('/', '_')}.safetensors"
+
+
+def check_cache_files(args, files, method, configuration: Path, made_on: dict) -> None:
+    """Before the model loads (one line each; made_on: the model's identity known then, cache_file.
+    identity_before_loading): the cache files --load_compressed would read are whole, unedited, of this method, model
+    and context (its token ids' digest), and there is at least one; a file --save_compressed would replace holds a
+    cache of this configuration (cache_file.check_replaceable). The weights fingerprint is checked as each loads."""
+    load, save = getattr(args, "load_compressed", None), getattr(args, "save_compressed", None)
+    if not (load or save):
         return
-    from pyramidkv.generation.cache_file import read_record
+    from pyramidkv.generation.cache_file import (check_context, check_identity, check_replaceable, context_digest,
+                                                 read_record)
     from pyramidkv.methods import method_spec
 
-    found = 0
+    spec, found = method_spec(method), 0
     for sample_file in files:
         for sample in sample_file.samples:
-            path = cache_path(args.load_compressed, sample_file, sample.key)
-            found += path.is_file()
-            if path.is_file():
+            context = context_and_questions(sample)[0]
+            path = cache_path(load, configuration, sample_file, sample.key) if load else None
+            if path is not None and path.is_file():
+                found += 1
                 record = read_record(path)[0]
-                if record["method"] != method_spec(method):
+                if record["method"] != spec:
                     raise ValueError(f"--load_compressed: {path} holds a cache of {record['method']!r}, not of this "
-                                     f"run's {method_spec(method)!r}")
-                held, context = record["positions"]["prompt_len"], len(context_and_questions(sample)[0])
-                if held != context or record["positions"]["pad_lens"] != [0]:
-                    raise ValueError(f"--load_compressed: {path} holds a context of {held} tokens; "
-                                     f"{sample.label or sample.key} has {context}")
-    if not found:   # the flag would do nothing
+                                     f"run's {spec!r}")
+                check_identity(path, record["model"], made_on, record.get("dtypes", ()))
+                check_context(path, record, context)
+            elif save:
+                check_replaceable(cache_path(save, configuration, sample_file, sample.key), {
+                    "method": spec, "model": made_on, "positions": {"context_sha256": context_digest([context])}})
+    if load and not found:   # the flag would do nothing
         first = files[0]
-        raise ValueError(f"--load_compressed {args.load_compressed} holds no cache file of this run's contexts "
-                         f"(e.g. {cache_path(args.load_compressed, first, first.samples[0].key)}, as "
-                         f"--save_compressed writes them)")
+        raise ValueError(f"--load_compressed {load} holds no cache file of this run's contexts (e.g. "
+                         f"{cache_path(load, configuration, first, first.samples[0].key)}, as --save_compressed "
+                         f"writes them)")
 
 
 def _rows(benchmark, sample, context: list[int], turns: list[int], questions: list[Question], outputs) -> list[dict]:
@@ -132,6 +147,7 @@ def decode_questions(args, method, benchmark, files, out_dir: Path) -> None:
     from pyramidkv.runner.results import ResultsWriter
 
     mode = args.shared_context
+    configuration = cache_configuration(benchmark, args, method)
     total = sum(len(context_and_questions(s)[1]) for f in files for s in f.samples)
     model = tokenizer = None
     started, done_now = time.perf_counter(), 0
@@ -170,7 +186,7 @@ def decode_questions(args, method, benchmark, files, out_dir: Path) -> None:
                     else:
                         followups = [[list(q.followup or q.ids) for q in i.asked] for i in batch] \
                             if mode == "multi_turn" else None
-                        files_kw, loaded = _cache_files(args, sample_file, batch, model, method)
+                        files_kw, loaded = _cache_files(args, configuration, sample_file, batch, model, method)
                         per_item = answer_questions(model, tokenizer, [i.context for i in batch],
                                                     [[list(q.ids) for q in i.asked] for i in batch], method, max_new,
                                                     mode=mode, followups=followups, **common, **files_kw)
@@ -187,20 +203,21 @@ def decode_questions(args, method, benchmark, files, out_dir: Path) -> None:
           f"all {total} question(s) already done; scoring only")
 
 
-def _cache_files(args, sample_file, batch, model, method) -> tuple[dict, bool]:
+def _cache_files(args, configuration: Path, sample_file, batch, model, method) -> tuple[dict, bool]:
     """answer_questions' arguments for --load_compressed / --save_compressed (one context per batch), and whether
-    the context's cache was loaded."""
+    the context's cache was loaded (checked against the context's token ids)."""
     if not (args.load_compressed or args.save_compressed):
         return {}, False
     from pyramidkv.generation.cache_file import load_cache, save_cache
 
-    key = batch[0].sample.key
-    if args.load_compressed and cache_path(args.load_compressed, sample_file, key).is_file():
-        return {"compressed": load_cache(cache_path(args.load_compressed, sample_file, key), model, method)}, True
+    key, context = batch[0].sample.key, batch[0].context
+    if args.load_compressed and cache_path(args.load_compressed, configuration, sample_file, key).is_file():
+        return {"compressed": load_cache(cache_path(args.load_compressed, configuration, sample_file, key), model,
+                                         method, context=context)}, True
     if args.save_compressed:
-        path = cache_path(args.save_compressed, sample_file, key)
+        path = cache_path(args.save_compressed, configuration, sample_file, key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        return {"on_compressed": lambda cache: save_cache(cache, path, model)}, False
+        return {"on_compressed": lambda cache: save_cache(cache, path, model, context=context)}, False
     return {}, False
 
 

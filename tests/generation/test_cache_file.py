@@ -21,6 +21,9 @@ import pyramidkv
 from pyramidkv import compress, make_method
 from pyramidkv.core.cache import STORES, store_kind
 from pyramidkv.core.snapshot import SHARED
+from pyramidkv.generation.cache_file import read_record
+from tests.methods.test_matrix import CASES as MATRIX_CASES, TokenIds, tiny  # noqa: F401 (tiny: a fixture)
+from tests.methods.test_matrix import build as matrix_build, label as matrix_label
 
 # One method per store kind and per decode-time compressor; a kind added to STORES without a case here fails below.
 CASES = {
@@ -118,6 +121,9 @@ def test_round_trip_is_bit_exact_and_decodes_on(sharp_llama, tmp_path, case, sta
     cache = out.past_key_values
     path = pyramidkv.save_cache(cache, tmp_path / "cache.safetensors", model)
     assert os.listdir(tmp_path) == ["cache.safetensors"]
+    bare = pyramidkv.save_cache(cache, tmp_path / "bare.safetensors")   # without the model: its dtype still recorded
+    assert read_record(bare)[0]["model"]["dtype"] == "float32"
+    pyramidkv.load_cache(bare, model)
     loaded = pyramidkv.load_cache(path, model)
 
     assert loaded is not cache and loaded.method == method
@@ -233,6 +239,93 @@ def test_another_dtype_of_the_same_width_is_refused_naming_both(sharp_llama, tmp
     pyramidkv.load_cache(path, made_on)
 
 
+def test_a_cache_saved_without_the_model_is_refused_on_another_dtype(sharp_llama, tmp_path):
+    """Saved without model=, the record holds the dtype of the cache's keys and values (a bfloat16 model's cache is
+    refused on the float16 model, one line naming both); a file of before that, which has no dtype, by the one
+    16-bit dtype its tensors hold."""
+    import copy
+
+    model, _, tables = sharp_llama
+    made_on = copy.deepcopy(model).to(torch.bfloat16)
+    ids, mask = _batch()
+    path = pyramidkv.save_cache(_generate(made_on, _method("full_precision", tables), ids, mask, 2).past_key_values,
+                                tmp_path / "c.safetensors")
+    assert read_record(path)[0]["model"]["dtype"] == "bfloat16"
+    older = _rewritten(path, tmp_path / "older.safetensors", lambda record: record["model"].update(dtype=None))
+    for saved in (path, older):
+        with pytest.raises(ValueError, match="dtype bfloat16.*this model has dtype float16") as refusal:
+            pyramidkv.load_cache(saved, copy.deepcopy(model).to(torch.float16))
+        assert "\n" not in str(refusal.value)
+        pyramidkv.load_cache(saved, made_on)
+
+
+def test_a_save_never_replaces_another_configurations_cache(sharp_llama, tmp_path):
+    """Issue 40, item 3: a file holding the cache of another method, model or context is refused in one line naming
+    both configurations and left as it was; the same configuration's file (a rerun, decoded further) is replaced."""
+    import copy
+
+    model, _, tables = sharp_llama
+    ids, mask = _batch()
+    method = _method("full_precision", tables)
+    path = tmp_path / "c.safetensors"
+    pyramidkv.save_cache(_generate(model, method, ids, mask, 1).past_key_values, path, model, context=ids)
+    kept = path.read_bytes()
+    other_ids = ids.clone()
+    other_ids[0, -1] += 1
+    other_model = copy.deepcopy(model)
+    with torch.no_grad():
+        next(other_model.parameters()).add_(1.0)
+    others = [(model, make_method("h2o", budget=40, window_size=8), ids), (other_model, method, ids),
+              (model, method, other_ids)]
+    for on, how, context in others:
+        cache = _generate(on, how, context, mask, 1).past_key_values
+        with pytest.raises(ValueError, match="it holds the cache of another configuration") as refusal:
+            pyramidkv.save_cache(cache, path, on, context=context)
+        assert "\n" not in str(refusal.value) and path.read_bytes() == kept
+    pyramidkv.save_cache(_generate(model, method, ids, mask, 3).past_key_values, path, model, context=ids)
+    assert read_record(path)[0]["positions"]["held"] == PROMPT + 2
+
+
+def test_a_cache_is_checked_against_the_context_it_is_used_for(saved, sharp_llama, tmp_path):
+    """Issue 40, item 5: load_cache(context=) refuses a file whose context has the same lengths and other tokens
+    (another generator seed's), and one saved without a context digest; its own context (given per prompt without
+    the padding, or as the padded ids) loads."""
+    model, _, tables = sharp_llama
+    ids, mask = _batch()
+    rows = [ids[0].tolist(), ids[1, PAD:].tolist()]
+    path = pyramidkv.save_cache(_generate(model, _method("full_precision", tables), ids, mask, 2).past_key_values,
+                                tmp_path / "c.safetensors", model, context=rows)
+    for context in (rows, ids):
+        pyramidkv.load_cache(path, model, context=context)
+    other = [rows[0], rows[1][:-1] + [rows[1][-1] + 1]]
+    for file, context, said in [(path, other, "holds another context of the same length"),
+                                (path, [rows[0], rows[1][1:]], r"\(prompt 1\) has 58 tokens; the cache holds .* 59"),
+                                (saved[0], rows, "records no digest of its context")]:
+        with pytest.raises(ValueError, match=said) as refusal:
+            pyramidkv.load_cache(file, model, context=context)
+        assert "\n" not in str(refusal.value)
+
+
+@pytest.mark.parametrize("written, said", [
+    ("snapkv:budget=48,window_size=8", "its layer budgets are"),
+    ("quest:budget=40,page_size=4", "its store_class is"),
+    ("snapkv:budget=40,window_size=8,decode_budget=40", "its decode-time compressor is"),
+])
+def test_a_record_rewritten_as_another_method_is_refused_by_the_state(sharp_llama, tmp_path, written, said):
+    """Issue 40, item 5: a snapkv:budget=40 file whose record names another method (its sha256 recomputed, so the
+    record check passes) is refused when the state lacks the layout that method gives: another budget (the layer
+    budgets and kept counts), another store kind, another decode-time compressor."""
+    model, _, tables = sharp_llama
+    ids, mask = _batch()
+    path = pyramidkv.save_cache(_generate(model, _method("full_precision", tables), ids, mask, 2).past_key_values,
+                                tmp_path / "c.safetensors", model)
+    out = _rewritten(path, tmp_path / "r.safetensors", lambda record: record.update(method=written))
+    with pytest.raises(ValueError, match=f"is recorded as '{written}', but its state is not that method's: {said}") \
+            as refusal:
+        pyramidkv.load_cache(out, model)
+    assert "\n" not in str(refusal.value)
+
+
 def test_another_checkpoint_is_refused_by_its_content(tiny_model_dir, sharp_model_dir, tmp_path):
     """Saved without the model: the record's content digest of the model's folder tells another checkpoint apart."""
     from transformers import LlamaForCausalLM
@@ -320,3 +413,27 @@ def test_a_saved_cache_gets_the_permissions_open_gives(saved, tmp_path, umask):
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "c.safetensors").stat().st_mode) == 0o666 & ~umask
+
+
+@pytest.mark.parametrize("case", MATRIX_CASES, ids=matrix_label)
+def test_every_case_of_the_registry_matrix_saves_and_loads_as_its_method(tiny, case, tmp_path):
+    """Every combination of the registry matrix's pairwise cover (tests/methods/test_matrix.py), a batch with a
+    left-padded prompt decoded a few steps: saved with its context, it loads back (with its context) as the method
+    it was made by, with the same tokens held; the layout check refuses none of them."""
+    model, prompt, tables = tiny
+    try:
+        method = matrix_build(case, tables)
+    except ValueError:
+        pytest.skip("a refused combination (test_matrix checks the refusal)")
+    ids = torch.tensor([prompt, [5] * 6 + prompt[6:]])
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    with compress(model, method) as patch:
+        cache = patch.new_cache([prompt, prompt[6:]], TokenIds()) if method.reconstructs else None
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                             return_dict_in_generate=True, pad_token_id=0, past_key_values=cache)
+    path = pyramidkv.save_cache(out.past_key_values, tmp_path / "c.safetensors", model, context=ids)
+    loaded = pyramidkv.load_cache(path, model, context=[prompt, prompt[6:]])
+    assert loaded.method == method
+    assert [loaded.held_counts(i) for i in range(len(loaded.layers)) if loaded.layers[i] is not None] == \
+        [out.past_key_values.held_counts(i) for i in range(len(loaded.layers)) if loaded.layers[i] is not None]

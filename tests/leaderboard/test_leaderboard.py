@@ -221,3 +221,19 @@ def test_the_committed_page_and_figure_are_what_the_committed_csv_gives():
     rendered = render(read_csv(docs / "leaderboard" / "leaderboard.csv"), grid, links="leaderboard/")
     assert rendered["leaderboard.md"] == (docs / "leaderboard.md").read_text()
     assert rendered["leaderboard.svg"] == (docs / "leaderboard" / "leaderboard.svg").read_text()
+
+
+def test_one_method_written_several_ways_is_one_entry(tiny_model_dir, tmp_path):
+    """Issue 40, item 6: `snapkv`, `snapkv` again and `snapkv:window_size=32` (32: its default) are one method of the
+    grid: one entry per ratio, counted once (fullkv and snapkv at one ratio: 2 units)."""
+    from pyramidkv.leaderboard.__main__ import build_parser, grid_of
+
+    argv = ["--model_path", tiny_model_dir, "--tasks", "niah_single_1", "--context_length", 512, "--ratios", 0.5]
+    grid = grid_of(build_parser().parse_args([str(a) for a in [*argv, "--methods", "snapkv", "snapkv",
+                                                                  "snapkv:window_size=32", "snapkv:window_size=16"]]))
+    assert grid.methods == ["fullkv", "snapkv", "snapkv:window_size=16"]    # another setting: another method
+    assert [e.spec for e in grid.entries()] == ["fullkv", "snapkv:budget_ratio=0.5",
+                                                "snapkv:budget_ratio=0.5,window_size=16"]
+    counted = leaderboard(*argv, "--methods", "snapkv", "snapkv", "snapkv:window_size=32", "--save_dir",
+                          tmp_path / "out", "--count")
+    assert counted.stdout.strip() == "2 units"

@@ -162,6 +162,36 @@ def test_two_command_lines_of_one_computation_share_one_folder(smollm2_path, tmp
     assert folder(smollm2_path, tmp_path, capsys, *first) == folder(smollm2_path, tmp_path, capsys, *second)
 
 
+def packaged(name: str) -> str:
+    from pyramidkv.methods.calibrated import PACKAGED_DIR
+
+    return str(PACKAGED_DIR / name)
+
+
+@pytest.mark.parametrize("first,second", [
+    (["--method", "kvzap", "--kvzap_path", packaged("smollm2-135m_kvzap-linear.safetensors")], ["--method", "kvzap"]),
+    (["--method", "qfilter", "--max_capacity_prompts", "128", "--qfilter_path",
+      packaged("smollm2-135m_qfilter.safetensors")], ["--method", "qfilter", "--max_capacity_prompts", "128"]),
+    (["--method", "kvzip_head", "--max_capacity_prompts", "128", "--kvzip_head_path",
+      packaged("smollm2-135m_kvzip-head.safetensors")], ["--method", "kvzip_head", "--max_capacity_prompts", "128"]),
+    (["--method", "duo_attention", "--duo_pattern", packaged("smollm2-135m_duo")], ["--method", "duo_attention"]),
+    (["--method", "duo_attention", "--duo_pattern", packaged("smollm2-135m_duo/full_attention_heads.tsv")],
+     ["--method", "duo_attention"]),
+])
+def test_the_packaged_file_given_by_its_path_is_the_default(smollm2_path, tmp_path, capsys, first, second):
+    """Issue 40, item 6: the packaged calibration file (or DuoAttention's folder, or its .tsv) named by its path is
+    the file the method reads when none is given: one computation, the default's folder."""
+    assert folder(smollm2_path, tmp_path, capsys, *first) == folder(smollm2_path, tmp_path, capsys, *second)
+
+
+def test_another_file_than_the_packaged_one_keeps_its_own_folder(smollm2_path, tmp_path, capsys):
+    import shutil
+
+    copy = tmp_path / "copy.safetensors"
+    shutil.copy(packaged("smollm2-135m_kvzap-linear.safetensors"), copy)
+    assert "kvzap_kvzap_path=" in folder(smollm2_path, tmp_path, capsys, "--method", "kvzap", "--kvzap_path", str(copy))
+
+
 def test_a_start_layer_other_than_the_default_keeps_its_own_folder(smollm2_path, tmp_path, capsys):
     assert folder(smollm2_path, tmp_path, capsys, "--method", "minicache", "--cross_layer_start", "14").endswith(
         "_full/minicache_cross_layer_start=14")

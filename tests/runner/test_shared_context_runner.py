@@ -5,6 +5,7 @@ context compressed without its question, the question fed after it), so the pred
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -100,7 +101,7 @@ def test_a_later_run_answers_from_the_saved_compressed_contexts(sharp_model_dir,
     saved = tmp_path / "compressed"
     assert RU.main(["--method", "snapkv", *argv, "--save_dir", str(tmp_path / "first"), "--save_compressed",
                     str(saved)]) == 0
-    files = sorted(p.name for p in (saved / "kv_retrieval_640_q2").iterdir())
+    files = sorted(p.name for p in (saved / f"{Path(sharp_model_dir).name}_64/snapkv/kv_retrieval_640_q2").iterdir())
     assert files == ["0.safetensors", "1.safetensors"]
     assert RU.main(["--method", "snapkv", *argv, "--save_dir", str(tmp_path / "second"), "--load_compressed",
                     str(saved)]) == 0
@@ -115,8 +116,8 @@ def test_a_later_run_answers_from_the_saved_compressed_contexts(sharp_model_dir,
     with pytest.raises(SystemExit):
         RU.main(["--method", "pyramidkv", *argv, "--save_dir", str(tmp_path / "third"), "--load_compressed",
                  str(saved)])
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "holds a cache of 'snapkv" in err and "not of this run's 'pyramidkv" in err
+    err = capsys.readouterr().err.strip().splitlines()[-1]   # its files are looked for under its own configuration
+    assert "holds no cache file of this run's contexts" in err and f"_64/pyramidkv/kv_retrieval_640_q2/0." in err
     with pytest.raises(SystemExit):
         RU.main(["--method", "snapkv", *argv[:-6], "--save_dir", str(tmp_path / "x"), "--save_compressed", str(saved)])
     assert "--save_compressed needs --shared_context" in capsys.readouterr().err
@@ -125,6 +126,56 @@ def test_a_later_run_answers_from_the_saved_compressed_contexts(sharp_model_dir,
         RU.main(["--method", "snapkv", *argv, "--save_dir", str(tmp_path / "y"), "--load_compressed",
                  str(tmp_path / "empty")])
     assert "holds no cache file of this run's contexts" in capsys.readouterr().err
+
+
+def test_saved_caches_are_kept_per_configuration_and_checked_against_their_context(sharp_model_dir, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """Issue 40, items 3 and 5: an h2o run saving into the folder where snapkv saved its caches writes files of its
+    own and leaves snapkv's as they were; a file of another configuration where a save would go, a saved context used
+    for another context of the same length (as another generator seed's can be) or on the model in another dtype, are
+    refused in one line before the weights load."""
+    from pyramidkv.generation.cache_file import read_record
+
+    argv = ["--max_capacity_prompts", "64", "--model_path", sharp_model_dir, "--device", "cpu", "--num_threads", "1",
+            "--tasks", "kv_retrieval", "--context_lengths", "640", "--num_samples", "1", "--questions_per_context", "2",
+            "--shared_context", "multi_request"]
+    saved, data = tmp_path / "compressed", ["--cache_dir", str(tmp_path / "data")]
+    where = {m: saved / f"{Path(sharp_model_dir).name}_64/{m}/kv_retrieval_640_q2/0.safetensors"
+             for m in ("snapkv", "h2o")}
+    assert RU.main(["--method", "snapkv", *argv, *data, "--save_dir", str(tmp_path / "a"), "--save_compressed",
+                    str(saved)]) == 0
+    before = where["snapkv"].read_bytes()
+    assert RU.main(["--method", "h2o", *argv, *data, "--save_dir", str(tmp_path / "b"), "--save_compressed",
+                    str(saved)]) == 0
+    assert where["snapkv"].read_bytes() == before
+    assert read_record(where["h2o"])[0]["method"].startswith("h2o:")
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the refusal")
+
+    monkeypatch.setattr("pyramidkv.runner.shared.load_run_model", no_weights)
+    where["h2o"].write_bytes(before)   # snapkv's cache where h2o's goes: not replaced
+    refusals = [
+        (["--method", "h2o", *argv, *data, "--save_dir", str(tmp_path / "c"), "--save_compressed", str(saved)],
+         "it holds the cache of another configuration ('snapkv:budget=64"),
+        (["--method", "snapkv", *argv, "--cache_dir", str(tmp_path / "other"), "--save_dir", str(tmp_path / "d"),
+          "--load_compressed", str(saved)], "holds another context of the same length"),
+        (["--method", "snapkv", *argv, *data, "--dtype", "bfloat16", "--save_dir", str(tmp_path / "e"),
+          "--load_compressed", str(saved)], "(dtype_bytes 4); this model has dtype_bytes 2"),
+    ]
+    shutil.copytree(tmp_path / "data", tmp_path / "other")   # one digit of the context changed: as many tokens
+    data_file = next((tmp_path / "other").rglob("kv_retrieval_640_q2.jsonl"))
+    row = json.loads(data_file.read_text(encoding="utf-8"))
+    at = next(i for i in range(row["input"].index("JSON data:"), len(row["input"])) if row["input"][i].isdigit())
+    row["input"] = row["input"][:at] + str((int(row["input"][at]) + 1) % 10) + row["input"][at + 1:]
+    data_file.write_text(json.dumps(row) + "\n", encoding="utf-8")
+    capsys.readouterr()
+    for command, said in refusals:
+        with pytest.raises(SystemExit):
+            RU.main(command)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert said in err[-1] and err[-1].startswith("run_ruler.py: error:"), err[-1]
+    assert where["h2o"].read_bytes() == before
 
 
 def test_fullkv_needle_questions_are_the_same_in_both_protocols(sharp_model_dir, tmp_path):
