@@ -47,8 +47,7 @@ UNIT_MAKERS = {"head_allocation": make_head_allocation, "layer_allocation": make
 
 @dataclass(frozen=True)
 class Method(Component):
-    """Base of all methods. Exactly one of budget and budget_ratio is set, except for methods that keep
-    everything.
+    """Base of all methods. Exactly one of budget and budget_ratio is set, except for methods keeping everything.
 
     budget: tokens kept per layer per head of each prompt, observation window included.
     budget_ratio: the budget as a fraction of each prompt's length, in (0, 1) (1 only with a decode budget); it must
@@ -211,9 +210,8 @@ class Method(Component):
             self.prefill_attention.check_model(model)
 
     def normalized(self, model: ModelShape) -> "Method":
-        """The same method with each unit's setting given at what its default resolves to on this model written
-        as that default (Capability.normalized), and a path setting naming the packaged file it reads by default
-        left out (Component.with_packaged_defaults), so the run is named by its effective configuration."""
+        """The same method with each unit's setting at its model default written as that default, and a path to its
+        packaged file left out (Component.with_packaged_defaults): a run is named by its effective configuration."""
         method = self.with_packaged_defaults(model)
         changes = {}
         for axis in CAPABILITY_AXES:
