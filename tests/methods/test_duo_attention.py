@@ -171,11 +171,24 @@ def test_the_sample_is_the_official_layout_and_its_labels_every_token_after_the_
     assert "".join(got[i - 1] for i in answer.nonzero().squeeze(1).tolist()) == keys[0] + keys[1]
 
 
+def attention_inputs(block, h: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [1, Hq, n, D] of a Llama decoder layer on hidden states h [1, n, d]: RoPE applied, K/V repeated to the
+    query heads."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    attn, n = block.self_attn, h.shape[1]
+    heads, kv_heads = attn.num_heads, attn.num_key_value_heads
+    x = block.input_layernorm(h)
+    q = attn.q_proj(x).view(1, n, heads, -1).transpose(1, 2)
+    k = attn.k_proj(x).view(1, n, kv_heads, -1).transpose(1, 2)
+    v = attn.v_proj(x).view(1, n, kv_heads, -1).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    return q, k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
+
+
 def gated_hidden(model, ids: torch.Tensor, alpha: torch.Tensor | None, sink: int, recent: int) -> torch.Tensor:
     """float64 final hidden states [n, d] from the weights: each head's attention output alpha x full causal +
     (1 - alpha) x streaming (keys j < sink or i - j < recent), alpha [L, Hkv] per KV head (None: full)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     m = model.model
     heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
     group, n = heads // kv_heads, len(ids)
@@ -187,12 +200,7 @@ def gated_hidden(model, ids: torch.Tensor, alpha: torch.Tensor | None, sink: int
     with torch.no_grad():
         for layer, block in enumerate(m.layers):
             attn = block.self_attn
-            x = block.input_layernorm(h)
-            q = attn.q_proj(x).view(1, n, heads, -1).transpose(1, 2)
-            k = attn.k_proj(x).view(1, n, kv_heads, -1).transpose(1, 2)
-            v = attn.v_proj(x).view(1, n, kv_heads, -1).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            q, k, v = attention_inputs(block, h, cos, sin)
             logits = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
             full = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1) @ v
             stream = torch.softmax(logits.masked_fill(~band, float("-inf")), dim=-1) @ v
@@ -288,8 +296,6 @@ def reference(model, tokens: list[int], streaming: set[tuple[int, int]]) -> list
     """float64 logits of every decode forward (the prompt's last, then one per token) from the weights: the prompt
     attends causally in full; a decode query of a streaming KV head's group attends to the first SINKS positions
     and the last WINDOW held before it plus itself (then the oldest leaves: sinks + the last WINDOW stay)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     m = model.model
     heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
     group = heads // kv_heads
@@ -304,12 +310,7 @@ def reference(model, tokens: list[int], streaming: set[tuple[int, int]]) -> list
     with torch.no_grad():
         for layer, block in enumerate(m.layers):
             attn = block.self_attn
-            x = block.input_layernorm(h)
-            q = attn.q_proj(x).view(1, n, heads, -1).transpose(1, 2)
-            k = attn.k_proj(x).view(1, n, kv_heads, -1).transpose(1, 2)
-            v = attn.v_proj(x).view(1, n, kv_heads, -1).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            q, k, v = attention_inputs(block, h, cos, sin)
             visible = torch.stack([band if (layer, head // group) in streaming else causal for head in range(heads)])
             logits = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
             probs = torch.softmax(logits.masked_fill(~visible[None], float("-inf")), dim=-1)
