@@ -35,10 +35,15 @@ def template_edges(tokenizer) -> tuple[list[int], list[int]]:
 
 
 def edge_lengths(tokens: Sequence[int], prefix_ids: list[int], suffix_ids: list[int]) -> tuple[int, int]:
-    """(prefix, suffix) tokens of a prompt: the template's, where the prompt starts (ends) with them exactly, else 0."""
+    """(prefix, suffix) tokens of a prompt: the template's prefix where the prompt starts with it exactly, else 0;
+    the suffix from the last place the template's suffix starts after the prefix to the end (an answer prefix after
+    the assistant header, as RULER's, comes after compression in the authors' protocol too), else 0."""
     prefix = len(prefix_ids) if list(tokens[:len(prefix_ids)]) == prefix_ids else 0
-    ends = suffix_ids and len(tokens) - prefix >= len(suffix_ids) and list(tokens[-len(suffix_ids):]) == suffix_ids
-    return prefix, len(suffix_ids) if ends else 0
+    width = len(suffix_ids)
+    for start in range(len(tokens) - width, prefix - 1, -1) if width else ():
+        if list(tokens[start:start + width]) == suffix_ids:
+            return prefix, len(tokens) - start
+    return prefix, 0
 
 
 @dataclass(frozen=True)

@@ -126,14 +126,16 @@ def test_kept_sets_are_one_threshold_over_every_layer_head_and_position(smollm2,
     assert cache.kv_bytes() == sum(counts) * 2 * model.config.hidden_size // model.config.num_attention_heads * 4
 
 
-def test_the_default_protocol_keeps_the_context_entries_of_the_question_as_decode_protocol(smollm2):
-    """The same context with the template's suffix in the prompt (the default protocol) and fed after compression
-    (--question_as_decode: the prompt ends with the context): the repeat passes read the same keys at the same
+@pytest.mark.parametrize("answer_prefix", ["", " The hives:"])
+def test_the_default_protocol_keeps_the_context_entries_of_the_question_as_decode_protocol(smollm2, answer_prefix):
+    """The same context with the template's suffix in the prompt (the default protocol; with an answer prefix after
+    the assistant header, as RULER's prompts end) and fed after compression (--question_as_decode: the prompt ends
+    with the context): the repeat passes read the same keys at the same
     positions, so the context scores agree to float32 rounding (1e-4) and the kept context entries are the same (a
     difference only at a score tied with the cut to 1e-4); the suffix is kept in every head."""
     model, tokenizer = smollm2
     text = STORY.split("\n", 1)[1].split("<|im_end|>")[0]              # the story's user text, no template
-    tokens = chat_prompt(tokenizer, text)
+    tokens = chat_prompt(tokenizer, text) + tokenizer(answer_prefix, add_special_tokens=False).input_ids
     caches = {}
     for protocol, prompt in (("default", tokens), ("question_as_decode", None)):
         method = make_method("kvzip", budget_ratio=0.3, chunk_size=CHUNK)
@@ -145,7 +147,8 @@ def test_the_default_protocol_keeps_the_context_entries_of_the_question_as_decod
             cache = patch.new_cache([prompt], tokenizer)
             model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
         caches[protocol] = cache
-    assert plan.suffix > 0 and caches["question_as_decode"].reconstruction.plans[0].suffix == 0
+    tail = len(tokenizer(answer_prefix, add_special_tokens=False).input_ids)
+    assert plan.suffix == 6 + tail and caches["question_as_decode"].reconstruction.plans[0].suffix == 0
     default, later = caches["default"], caches["question_as_decode"]
     layers = model.config.num_hidden_layers
     got = np.stack([default.reconstruction.scores[layer][0, :, plan.prefix:stop].numpy() for layer in range(layers)])
