@@ -63,11 +63,10 @@ class CompressedCache(Cache):
 
     def __init__(self, method: CompressionMethod, num_layers: int, num_kv_heads: int, num_query_heads: int,
                  model_name: str = "", rotation: Optional[KeyRotation] = None, layer_windows: tuple = (),
-                 softcap: Optional[float] = None, threshold: Optional[float] = None, shape: Optional[ModelShape] = None):
+                 softcap: Optional[float] = None, shape: Optional[ModelShape] = None):
         """rotation: the model's RoPE on keys (the model glue's `key_rotation`), needed by quantizers that store
         keys before RoPE; layer_windows: per layer its sliding window W or None (global; (): every layer global);
-        softcap: the model's attention logit soft-cap (Gemma2) or None; threshold: decode-time threshold eviction's
-        (head_allocation threshold with threshold_decoding: core/threshold.py), None: none; shape: the model's shape
+        softcap: the model's attention logit soft-cap (Gemma2) or None; shape: the model's shape
         the method was checked against (the scorers read it: ScoreContext.model), None: one made of these arguments."""
         super().__init__()
         self.method = method
@@ -96,7 +95,7 @@ class CompressedCache(Cache):
             raise ValueError(f"{method.name}: the paired store holds no sliding-window layer and applies no soft-cap")
         # A sliding layer's store drops what leaves the window: one that cannot is replaced by full precision.
         self.sliding_class = self.store_class if "reselect" in self.store_class.abilities else FullPrecisionStore
-        self.decoding = decoder_for(method, self.layers, self.model_shape, self.stored_heads, rotation, threshold)
+        self.decoding = decoder_for(method, self.layers, self.model_shape, self.stored_heads, rotation)
         self.setup: Optional[StoreSetup] = None
         self.stopped_bytes: dict[int, int] = {}   # per prompt that stopped early, its bytes then (record_stop)
         self.reconstruction: Optional[Reconstruction] = None   # a reconstructing method's repeat passes (KVzip)

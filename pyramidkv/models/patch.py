@@ -169,16 +169,10 @@ class CompressionPatch:
         cache = CompressedCache(self.method, config.num_hidden_layers, config.num_key_value_heads,
                                 config.num_attention_heads, model_name=getattr(config, "_name_or_path", "") or "",
                                 rotation=rotation, layer_windows=self.shape.layer_windows, softcap=self.shape.softcap,
-                                threshold=self.decode_threshold(), shape=self.shape)
+                                shape=self.shape)
         if self.method.reconstructs and prompts is not None:
             cache.reconstruction = self.method.reconstruction(prompts, tokenizer)
         return cache
-
-    def decode_threshold(self) -> Optional[float]:
-        """The threshold the cache applies while decoding (head_allocation threshold with threshold_decoding), or
-        None."""
-        heads = self.method.head_allocation
-        return heads.threshold if heads.sets_budget and heads.threshold_decoding else None
 
     def _provide_cache(self, module, args, kwargs):
         cache = kwargs.get("past_key_values")
