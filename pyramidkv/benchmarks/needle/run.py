@@ -50,7 +50,7 @@ def summarize(rows: list[dict], model: str, method) -> dict:
     """results.json: each score is its mean over all cells as a percent (0..100); average is AVERAGE_METRIC's
     (named by "average_metric")."""
     from pyramidkv.methods import method_spec
-    from pyramidkv.runner.cli import budget_value
+    from pyramidkv.runner.labels import budget_value
 
     scores = _cell_scores(rows)
     by_length: dict[str, dict] = {}
@@ -85,6 +85,13 @@ class Needle(Benchmark):
     description = __doc__
     key = "key"
     input_paths = ("haystack_dir",)
+    selection_args = {
+        "s_len": "which needle cells run (each row is keyed by context length and depth)",
+        "e_len": "which needle cells run (same reason)",
+        "step": "which needle cells run (same reason)",
+        "num_depths": "which needle cells run (same reason)",
+        "questions_per_context": "which predictions file runs (needle_q{K}.jsonl; rows keyed per question)",
+    }
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("needle in a haystack")

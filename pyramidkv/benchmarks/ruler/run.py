@@ -57,6 +57,12 @@ class Ruler(Benchmark):
     key = "index"
     batch_by_length = True   # score_run takes the rows in the samples' order
     input_paths = ("data_file", "data_dir", "squad_file", "hotpot_file")
+    selection_args = {
+        "tasks": "which task files run (one predictions file per task and length)",
+        "context_lengths": "which task files run (same reason)",
+        "num_samples": "how many samples run; each prediction row is keyed and checked on its own",
+        "questions_per_context": "which task files run ({task}_{length}_q{K}.jsonl; rows keyed per question)",
+    }
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         r = parser.add_argument_group("RULER")
@@ -285,7 +291,7 @@ def score_run(out_dir: Path, sets: Sequence[SampleSet], model_name: str, method)
     """Scores of the finished sample sets -> results.json and results.csv (both written atomically)."""
     from pyramidkv.benchmarks.ruler.scoring import score_task
     from pyramidkv.methods import method_spec
-    from pyramidkv.runner.cli import budget_value
+    from pyramidkv.runner.labels import budget_value
     from pyramidkv.runner.results import read_unique_rows
 
     scores, counts, shares, turn_scores = {}, {}, {}, {}

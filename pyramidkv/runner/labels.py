@@ -1,0 +1,67 @@
+"""How a run is named: its folder (`run_dir`: {save_dir}/{model}_{budget}/{method label}), the budget and model
+parts of that name, the budget as results.json records it, and the method label of a recorded run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from pyramidkv.methods import Method
+
+
+def budget_label(method: Method) -> str:
+    """The budget part of the output folder name: 128, r0.25, threshold (the budget is an outcome), or full."""
+    if method.head_allocation.sets_budget:
+        return "threshold"
+    budget, ratio = method.budget_pair()
+    if budget is not None:
+        return str(budget)
+    if ratio is not None:
+        return f"r{ratio:g}"
+    return "full"
+
+
+def budget_value(method: Method):
+    """The budget as results.json records it: an int, "r<ratio>", "threshold" (an outcome: the rows and RULER's
+    kept_share record what was achieved), or None for the full cache."""
+    if method.head_allocation.sets_budget:
+        return "threshold"
+    budget, ratio = method.budget_pair()
+    if budget is not None:
+        return budget
+    if ratio is not None:
+        return f"r{ratio:g}"
+    return None
+
+
+def recorded_method_label(meta: dict, folder: Path) -> str:
+    """The method label (as results.json and the folder name give it: snapkv_merge=pivot) of a run from its
+    run_meta.json's method_spec; the method folder's name where the record has none."""
+    from pyramidkv.methods import parse_method_spec
+
+    spec = meta.get("method_spec") if isinstance(meta, dict) else None
+    if isinstance(spec, str):
+        try:
+            return parse_method_spec(spec).label()
+        except (ValueError, TypeError):
+            pass
+    return Path(folder).name
+
+
+def model_label(model_path: str) -> str:
+    return Path(model_path.rstrip("/")).name
+
+
+# The method folder's suffix of a run with the question fed as decode steps (--question_as_decode).
+QUESTION_AS_DECODE_SUFFIX = "_question_as_decode"
+
+
+def run_dir(save_dir: str, model_path: str, method: Method, question_as_decode: bool = False,
+            shared_context: Optional[str] = None) -> Path:
+    """{save_dir}/{model}_{budget}/{method.label()}: the public harness's layout for a method at its
+    defaults; settings other than the defaults are appended to the method folder (Component.label:
+    snapkv_window_size=8_pooling=avg, adakv_floor_ratio=0.5, snapkv_head_allocation=adakv-floor_ratio=0.3),
+    and QUESTION_AS_DECODE_SUFFIX when the question is fed as decode steps, `_{mode}` under --shared_context."""
+    folder = method.label() + (QUESTION_AS_DECODE_SUFFIX if question_as_decode else "")
+    folder += f"_{shared_context}" if shared_context else ""
+    return Path(save_dir) / f"{model_label(model_path)}_{budget_label(method)}" / folder
