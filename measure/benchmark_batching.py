@@ -121,7 +121,8 @@ def main() -> int:
 
     from pyramidkv.benchmarks.ruler.run import Ruler, build_parser
     from pyramidkv.models.loading import load_model
-    from pyramidkv.runner.cli import apply_num_threads, check_model_args, check_run_args, method_from_args
+    from pyramidkv.runner.cli import apply_num_threads, check_run_args
+    from pyramidkv.runner.method_args import check_model_args, method_from_args
 
     benchmark = Ruler()
     runner_parser = build_parser()

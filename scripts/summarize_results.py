@@ -31,7 +31,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from pyramidkv.runner.arguments import ArgumentParser
-from pyramidkv.runner.cli import QUESTION_AS_DECODE_SUFFIX
+from pyramidkv.runner.labels import QUESTION_AS_DECODE_SUFFIX
 from pyramidkv.runner.results import (
     PREDICTION_KEYS, atomic_write_text, read_jsonl, read_unique_rows,
 )

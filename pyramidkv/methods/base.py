@@ -42,9 +42,11 @@ from pyramidkv.sizing import FlatSizing, Sizing, Tokens, make_sizing
 GQA_LAYOUTS = ("kv_head", "query_head")
 GQA_REDUCTIONS = ("mean", "max", "sum")
 CAPABILITY_AXES = ("decode", "selection", "channels", "pages", "layer_sharing")
+# Every unit axis, in the order a method's refusals name two units that need different stores (capabilities first).
 UNIT_MAKERS = {"sizing": make_sizing, "head_allocation": make_head_allocation, "layer_allocation": make_layer_allocation,
-               "merge": make_merge_rule, "quant_method": make_quantizer, "prefill_attention": make_sparse_prefill,
-               **{axis: (lambda name, axis=axis: make_capability(axis, name)) for axis in CAPABILITY_AXES}}
+               "merge": make_merge_rule, "prefill_attention": make_sparse_prefill,
+               **{axis: (lambda name, axis=axis: make_capability(axis, name)) for axis in CAPABILITY_AXES},
+               "quant_method": make_quantizer}
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ class Quest(Method):
     pages: Optional[QuestPages] = QuestPages()
 
     def validate(self) -> None:
-        super().validate()
         for setting, default in (("merge", None), ("decode", None), ("selection", type(self.selection)())):
             if getattr(self, setting) != default:
                 raise ValueError(f"quest evicts nothing; it takes no {setting} (got {getattr(self, setting)!r}); add "
@@ -38,3 +37,4 @@ class Quest(Method):
                              f"budget_ratio, page_budget / page_budget_ratio), got {self.sizing.settings()}")
         if self.pages is None:
             raise ValueError("quest is its page selection; it cannot be turned off (use fullkv)")
+        super().validate()

@@ -13,7 +13,8 @@ and its alias, `--max_capacity_prompts 128 --budget 64`, are refused by runner/a
 also refuses shortened flags and numbers not in ASCII). A benchmark's own flag keeps its name and meaning
 (RULER's `--seed` seeds its generator); where it has a setting's bare name it also has a name of its own
 (`--generator_seed`), and typed under the shared name while the method has that setting (`--merge cam`,
-whose seed is `--merge_seed`) it is refused (`check_shared_names`). kvpress's `compression_ratio`, the
+whose seed is `--merge_seed`) it is refused (runner/method_args.py's `check_shared_names`, beside
+`method_from_args`, which builds the method from the flags given). kvpress's `compression_ratio`, the
 fraction removed, is `1 - budget_ratio` (methods/settings.py). `--method NAME --help` shows NAME's settings only.
 """
 
@@ -23,14 +24,11 @@ import argparse
 import dataclasses
 import functools
 import typing
-from typing import Optional
-from pathlib import Path
 
-from pyramidkv.components import parse_setting, setting_help
-from pyramidkv.methods import METHODS, Method, canonical, get_method_class
-from pyramidkv.components import flat_settings
-from pyramidkv.methods.settings import (AXES, AXIS_BY_FIELD, COMPRESSION_RATIO, SWITCHES, bare_unit_names,
-                                        LEGACY_THRESHOLD, build_method, default_units, read_settings, split_spec)
+from pyramidkv.components import flat_settings, parse_setting, setting_help
+from pyramidkv.methods import METHODS, get_method_class
+from pyramidkv.methods.settings import (AXES, AXIS_BY_FIELD, COMPRESSION_RATIO, LEGACY_THRESHOLD, SWITCHES,
+                                        bare_unit_names, default_units, split_spec)
 from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
 from pyramidkv.models.patch import ATTENTION_IMPLEMENTATIONS, MODEL_GLUE
 from pyramidkv.models.loading import supported_models
@@ -52,6 +50,18 @@ FLAG_ALIASES = {
     "gqa_layout": ("--kv_cache_granularity",),
     "gqa_reduce": ("--gqa_score_agg",),
 }
+# The method flags of the command line before the method spec was recorded (bbca7cf): a run_meta.json written then
+# lists them among its fingerprint's arguments, and run_folder.fingerprint_differences compares them through the
+# method section, which holds what they set. A record of that command line, not a list to extend: a setting added
+# since never reaches the arguments (run_fingerprint leaves every setting flag out).
+FLAGS_BEFORE_THE_SPEC = frozenset({
+    "method", "max_capacity_prompts", "max_capacity_prompts_ratio", "window_sizes", "kernel_sizes", "pooling", "beta",
+    "num_sinks", "gqa_layout", "gqa_reduce", "gqa_pooling", "skip_layers", "head_allocation", "layer_allocation",
+    "floor", "normalize", "head_path", "head_beta", "attention_threshold", "b_bound_ratio", "merge",
+    "similarity_threshold", "merge_fraction", "merge_budget", "start_budget_ratio", "merge_sampling", "merge_seed",
+    "quant_method", "nbits", "q_group_size", "quant_residual_length", "quant_outlier_fraction", "quant_sink_tokens",
+    "quant_datatype", "quant_rank", "quant_decode_rank", "decode_budget", "decode_interval",
+})
 # What --help adds after a setting's own text when it has a public-harness alias.
 ALIAS_HELP = {
     "key_channel_ratio": "--pruning_ratio: the public ThinK harness's lambda, the same share pruned",
@@ -341,167 +351,3 @@ def apply_num_threads(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.num_threads)
 
 
-def method_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> Method:
-    """The method of --method (a name or a spec) and the setting flags given. On a bad setting: ValueError
-    naming the flags (or spec items) that cause it, as the user typed them."""
-    name, items = split_spec(args.method)
-    cls = get_method_class(name)
-    typed = getattr(parser, "typed_flags", {}) if parser is not None else {}
-    labels = {key: key for key, _ in items}                         # how messages name each given setting
-    shown = {key: f"{key}={raw} (in --method {args.method})" for key, raw in items}   # ... with its value
-    settings = read_settings(cls, items, lambda key: labels.get(key, key))
-    for key in getattr(args, "_setting_dests", []):
-        value = getattr(args, key, None)
-        if value is None:
-            continue
-        flag = typed.get(key, f"--{key}")
-        if key in settings:
-            raise ValueError(f"{shown[key]} and {flag} {value} set the same setting; give it once")
-        settings[key] = None if value == "none" else value
-        labels[key], shown[key] = flag, f"{flag} {value}"
-    label = lambda key: labels.get(key, key)  # noqa: E731
-    try:
-        method = build_method(cls, settings, label)
-    except ValueError as error:
-        # The settings the error is about: those whose removal makes it go away, else those whose removal changes it.
-        without = {key: _error_without(cls, settings, key) for key in settings}
-        culprits = [key for key, other in without.items() if other == ""] or [
-            key for key, other in without.items() if other != str(error)]
-        named = [shown[key] for key in culprits if f"{labels[key]} " not in f"{error} "]
-        raise ValueError(f"{', '.join(named)}: {error}" if named else str(error)) from None
-    return canonical(method)
-
-
-def _error_without(cls, settings: dict, key: str) -> str:
-    """The error building the method gives without one setting ('' if none): a setting whose removal changes
-    the error is one the error is about."""
-    try:
-        build_method(cls, {k: v for k, v in settings.items() if k != key})
-    except ValueError as e:
-        return str(e)
-    return ""
-
-
-def recorded_method_label(meta: dict, folder: Path) -> str:
-    """The method label (as results.json and the folder name give it: snapkv_merge=pivot) of a run from its
-    run_meta.json's method_spec; the method folder's name where the record has none."""
-    from pyramidkv.methods import parse_method_spec
-
-    spec = meta.get("method_spec") if isinstance(meta, dict) else None
-    if isinstance(spec, str):
-        try:
-            return parse_method_spec(spec).label()
-        except (ValueError, TypeError):
-            pass
-    return Path(folder).name
-
-
-def recorded_budget(meta: dict):
-    """The budget (as results.json records it: 128, "r0.25", "threshold", None) of a run from its run_meta.json:
-    its method_spec's sizing; where the record has no readable spec, its description's budget or budget_ratio."""
-    from pyramidkv.methods import parse_method_spec
-
-    spec = meta.get("method_spec") if isinstance(meta, dict) else None
-    if isinstance(spec, str):
-        try:
-            method = parse_method_spec(spec)
-            return method.sizing.recorded(method)
-        except (ValueError, TypeError):
-            pass
-    described = (meta.get("method") if isinstance(meta, dict) else None) or {}
-    ratio = described.get("budget_ratio")
-    return described.get("budget") if ratio is None else f"r{ratio:g}"
-
-
-def model_label(model_path: str) -> str:
-    return Path(model_path.rstrip("/")).name
-
-
-# The method folder's suffix of a run with the question fed as decode steps (--question_as_decode).
-QUESTION_AS_DECODE_SUFFIX = "_question_as_decode"
-
-
-def run_dir(save_dir: str, model_path: str, method: Method, question_as_decode: bool = False,
-            shared_context: Optional[str] = None) -> Path:
-    """{save_dir}/{model}_{budget}/{method.label()}: the public harness's layout for a method at its
-    defaults; settings other than the defaults are appended to the method folder (Component.label:
-    snapkv_window_size=8_pooling=avg, adakv_floor_ratio=0.5, snapkv_head_allocation=adakv-floor_ratio=0.3),
-    and QUESTION_AS_DECODE_SUFFIX when the question is fed as decode steps, `_{mode}` under --shared_context."""
-    folder = method.label() + (QUESTION_AS_DECODE_SUFFIX if question_as_decode else "")
-    folder += f"_{shared_context}" if shared_context else ""
-    return Path(save_dir) / f"{model_label(model_path)}_{method.sizing.folder_part(method)}" / folder
-
-
-def check_model_args(args: argparse.Namespace, method: Method | None = None):
-    """load_model's checks without loading weights: (resolved path, config, device, dtype). With the method:
-    also what the method needs from the model (Method.check_model: head tables, quantizer settings, layers)."""
-    from pyramidkv.models.loading import DTYPES, check_model, resolve_device_map
-    from pyramidkv.models.patch import model_shape
-
-    if getattr(args, "device_map", None) is not None:   # a JSON file is recorded and fingerprinted by its map
-        args.device_map = resolve_device_map(args.device_map)
-    checked = check_model(args.model_path, args.attn_implementation, args.device, args.dtype, args.model_class,
-                          getattr(args, "device_map", None))
-    config, dtype = checked[1], checked[3]
-    if method is not None and config is not None:
-        method.check_model(model_shape(config, DTYPES[dtype].itemsize, args.attn_implementation))
-    return checked
-
-
-def effective_method(method: Method, model_check) -> Method:
-    """The method as it runs on the checked model: a setting given at what its default resolves to there written
-    as the default (Method.normalized: cross_layer_start=15 of a 30-layer model is minicache's default)."""
-    from pyramidkv.models.loading import DTYPES
-    from pyramidkv.models.patch import model_shape
-
-    config, dtype = model_check[1], model_check[3]
-    return method if config is None else method.normalized(model_shape(config, DTYPES[dtype].itemsize))
-
-
-def method_inputs(method: Method, config) -> dict[str, str]:
-    """{name: path} of the files the method reads for the model of `config` (None: those it names)."""
-    from pyramidkv.models.patch import model_shape
-
-    return method.files_read(model_shape(config) if config is not None else None)
-
-
-def run_fingerprint(args: argparse.Namespace, method: Method, model_check, extra: dict | None = None,
-                    inputs: dict[str, str] | None = None) -> dict:
-    """The generation fingerprint of this invocation (see pyramidkv/runner/run_folder.py); `inputs`: the files
-    it reads (run_folder.input_files), by default the method's."""
-    from pyramidkv.runner.run_folder import generation_fingerprint, input_digests, input_files, model_fingerprint
-
-    path, config, device, dtype = model_check
-    if inputs is None:
-        inputs = input_files(method_inputs(method, config))
-    # The method's settings are in the fingerprint's method section (its full description), whichever flags or
-    # spec gave them: spelling out a default value is the same configuration as leaving it out.
-    setting_args = {"method", *getattr(args, "_setting_dests", ())}
-    arguments = {k: v for k, v in vars(args).items() if k not in setting_args and not k.startswith("_")}
-    return generation_fingerprint(arguments, method, model_fingerprint(path),
-                                  {"device": device.split(":")[0], "dtype": dtype}, extra, input_digests(inputs))
-
-
-def check_shared_names(parser: argparse.ArgumentParser, method: Method) -> None:
-    """One name, one meaning: a benchmark flag the user typed under a name that is also a setting of the
-    method as chosen (RULER's --seed with the merge rule cam, whose seed is --merge_seed) is refused, naming
-    the benchmark's other name for it and the setting's qualified name. ValueError."""
-    benchmark_flags = getattr(parser, "benchmark_flags", set())
-    for dest, option in getattr(parser, "given", {}).items():
-        if option not in benchmark_flags:
-            continue
-        name = option.lstrip("-")
-        owners = [f"{method.name}'s {name}" for f in dataclasses.fields(method) if f.name == name]
-        for axis in AXES:
-            unit = getattr(method, axis.field)
-            if unit is not None and name in {f.name for f in dataclasses.fields(unit)}:
-                qualified = axis.qualified(name)
-                owners.append(f"the {axis.kind} {unit.name}'s {name}" + (f" (write --{qualified})"
-                                                                         if qualified != name else ""))
-        if owners:
-            action = parser._option_string_actions[option]
-            other = next((o for o in action.option_strings if o != option), None)
-            benchmark = getattr(parser, "benchmark_name", "the benchmark")
-            raise ValueError(f"{option} names two settings here: {benchmark}'s {dest}"
-                             f"{f' (write {other})' if other else ''} and {' and '.join(owners)}; write the one you "
-                             f"mean")

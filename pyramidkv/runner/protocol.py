@@ -37,11 +37,10 @@ from pyramidkv.runner.shared import (  # noqa: F401 (Question: the adapters')
 from pyramidkv.runner.arguments import ArgumentParser
 from pyramidkv.runner.divergence import check_kl_flags
 from pyramidkv.runner.batching import achieved, batches, load_run_model  # noqa: F401 (achieved: the adapters')
-from pyramidkv.runner.cli import (
-    INPUT_ERRORS, QUESTION_AS_DECODE_SUFFIX, HelpScope, add_model_and_method_args,
-    check_model_args, check_run_args, check_shared_names, effective_method, fail, method_from_args, method_inputs,
-    model_label, run_dir,
-    run_fingerprint,
+from pyramidkv.runner.cli import INPUT_ERRORS, HelpScope, add_model_and_method_args, check_run_args, fail
+from pyramidkv.runner.labels import QUESTION_AS_DECODE_SUFFIX, model_label, run_dir
+from pyramidkv.runner.method_args import (
+    check_model_args, check_shared_names, effective_method, method_from_args, method_inputs,
 )
 
 
@@ -91,6 +90,12 @@ class Benchmark:
     batch_by_length = False
     # The flags (dests) that name a file or folder the run reads: fingerprinted by content (run_folder.input_files).
     input_paths: tuple[str, ...] = ()
+    # The flags (dests) that only choose which samples run, each with why that cannot change a prediction (each
+    # row is keyed and checked on its own): left out of the run's fingerprint (run_folder.py), so a resumed run
+    # may choose more samples, or others. Every other flag of the benchmark is fingerprinted.
+    selection_args: dict[str, str] = {}
+    # The flags (dests) that only change what is done with the predictions once made (a scoring switch), likewise.
+    scoring_args: dict[str, str] = {}
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """The benchmark's own flags (its --save_dir included)."""
@@ -252,7 +257,9 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
         return 0
 
     from pyramidkv.models.loading import generation_config
-    from pyramidkv.runner.run_folder import check_writable, exit_on_disk_full, input_files, open_run_folder
+    from pyramidkv.runner.run_folder import (
+        check_writable, exit_on_disk_full, input_files, open_run_folder, run_fingerprint,
+    )
 
     try:
         from transformers import AutoTokenizer
@@ -279,10 +286,12 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
             if (out_dir / sample_file.file_name).is_file():
                 benchmark.check_resume(out_dir / sample_file.file_name, sample_file)
         inputs = input_files({**method_inputs(method, config), **benchmark_inputs(benchmark, args)})
-        fingerprint = run_fingerprint(args, method, model_check, benchmark.fingerprint_extra(args, tokenizer), inputs)
+        ignored = not_generating_args(benchmark)
+        fingerprint = run_fingerprint(args, method, model_check, benchmark.fingerprint_extra(args, tokenizer), inputs,
+                                      ignored)
         lock = open_run_folder(out_dir, fingerprint, args.overwrite,
                                {action.dest: action.default for action in parser._actions},
-                               method.settings_at_default())
+                               method.settings_at_default(), ignored)
     except INPUT_ERRORS as e:
         fail(parser, e)
 
@@ -309,6 +318,12 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
     if result is not None:
         print(benchmark.format(result))
     return 0
+
+
+def not_generating_args(benchmark: Benchmark) -> dict[str, str]:
+    """{dest: why} of the benchmark's flags that cannot change a prediction (its selection and scoring flags), which
+    the run's fingerprint leaves out beside the runner's own (run_folder.NON_GENERATING_ARGS)."""
+    return {**benchmark.selection_args, **benchmark.scoring_args}
 
 
 def benchmark_inputs(benchmark: Benchmark, args: argparse.Namespace) -> dict[str, str]:

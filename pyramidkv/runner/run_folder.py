@@ -2,14 +2,17 @@
 
 * `check_writable`: the save folder can be written (checked at start-up, before any model loads).
 * `RunLock`: one run at a time per folder; a lock whose holder died on this host is taken over.
-* `generation_fingerprint` / `open_run_folder`: a rerun into a folder that holds results must
+* `run_fingerprint` (`generation_fingerprint`) / `open_run_folder`: a rerun into a folder that holds results must
   have the same generation fingerprint (method settings, every argument that can change a
   prediction, the model files, device kind and dtype); otherwise it is refused with the
-  differing settings named. `--overwrite` clears the folder's results instead.
+  differing settings named. `--overwrite` clears the folder's results instead. Which arguments cannot change a
+  prediction: the runner's own, listed here, and those each benchmark declares (runner/protocol.py's
+  `Benchmark.selection_args` and `scoring_args`); no benchmark or method flag is named here.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import errno
 import hashlib
@@ -22,45 +25,26 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Optional
 
-# Arguments that cannot change a prediction, so a resumed run may differ in them. Everything else
-# a runner's parser defines (including flags added later) is part of the fingerprint.
+# The runner's own arguments that cannot change a prediction (the protocol's, runner/cli.py's run flags, and the
+# folder and batch size every benchmark supplies), so a resumed run may differ in them. A benchmark declares its
+# own (Benchmark.selection_args: which samples run; Benchmark.scoring_args) and the protocol passes them as
+# `not_generating`. Everything else a runner's parser defines (including flags added later) is part of the
+# fingerprint.
 NON_GENERATING_ARGS = {
     "save_dir": "the folder itself",
     "overwrite": "how to treat old results, not how to make new ones",
     "num_threads": "CPU threads: same arithmetic, other speed",
     "decode_threads": "CPU threads of the decode steps (same reason)",
-    "eval": "score afterwards",
     "print_run_dir": "prints the folder and exits",
     "prepare_only": "checks, prepares and exits",
     "eval_batch_size": "left-padded batches are built to give each prompt's own output "
                        "(tested in tests/core/test_memory_and_batch.py); a resumed run may use another size",
-    "num_samples": "how many samples run; each prediction row is keyed and checked on its own",
-    "max_num_examples": "how many samples run (same reason)",
-    "tasks": "which task files run (one predictions file per task and length)",
-    "context_lengths": "which task files run (same reason)",
-    "datasets": "which dataset files run (one predictions file per dataset)",
-    "s_len": "which needle cells run (each row is keyed by context length and depth)",
-    "e_len": "which needle cells run (same reason)",
-    "step": "which needle cells run (same reason)",
-    "num_depths": "which needle cells run (same reason)",
-    "questions_per_context": "which task files run ({task}_{length}_q{K}.jsonl; rows keyed per question)",
     "save_compressed": "writes each compressed context to a file as well",
     "load_compressed": "a saved compressed context is the cache compressing again gives, bit for bit "
                        "(tests/generation/test_cache_file.py)",
 }
 # Arguments fingerprinted by their resolved value instead (auto -> cpu/cuda, default dtype -> its name).
 RESOLVED_ARGS = ("device", "dtype", "model_path")
-# Method flags that fingerprints written before the method spec recorded among the arguments. The method
-# section holds the method's whole configuration, so a stored fingerprint's copies of them are not compared
-# (a run made with `--quant_method kivi` resumes with `--quant_method kivi --nbits 2`).
-LEGACY_METHOD_ARGS = frozenset({
-    "method", "max_capacity_prompts", "max_capacity_prompts_ratio", "window_sizes", "kernel_sizes", "pooling", "beta",
-    "num_sinks", "gqa_layout", "gqa_reduce", "gqa_pooling", "skip_layers", "head_allocation", "layer_allocation",
-    "floor", "normalize", "head_path", "head_beta", "attention_threshold", "b_bound_ratio", "merge",
-    "similarity_threshold", "merge_fraction", "merge_budget", "start_budget_ratio", "merge_sampling", "merge_seed",
-    "quant_method", "nbits", "q_group_size", "quant_residual_length", "quant_outlier_fraction", "quant_sink_tokens",
-    "quant_datatype", "quant_rank", "quant_decode_rank", "decode_budget", "decode_interval",
-})
 
 LOCK_NAME = ".run.lock"
 RUN_META = "run_meta.json"
@@ -214,38 +198,66 @@ def input_digests(files: dict[str, str]) -> dict[str, str]:
 
 
 def generation_fingerprint(args: dict, method, model_files: dict, resolved: dict,
-                           extra: Optional[dict] = None, inputs: Optional[dict] = None) -> dict:
+                           extra: Optional[dict] = None, inputs: Optional[dict] = None,
+                           not_generating: Iterable[str] = ()) -> dict:
     """What decides the predictions: the method's full description, every argument not in
-    NON_GENERATING_ARGS (with RESOLVED_ARGS replaced by `resolved`), the model files, the content of every
-    other file the run reads (`inputs`, input_digests: a table or data file edited in place, or a relative path
-    read from another working directory, shows) and runner-specific `extra` facts (e.g. the needle text)."""
-    arguments = {k: v for k, v in args.items() if k not in NON_GENERATING_ARGS and k not in RESOLVED_ARGS}
+    NON_GENERATING_ARGS nor in the benchmark's `not_generating` (with RESOLVED_ARGS replaced by `resolved`), the
+    model files, the content of every other file the run reads (`inputs`, input_digests: a table or data file
+    edited in place, or a relative path read from another working directory, shows) and runner-specific `extra`
+    facts (e.g. the needle text)."""
+    ignored = {*NON_GENERATING_ARGS, *not_generating, *RESOLVED_ARGS}
+    arguments = {k: v for k, v in args.items() if k not in ignored}
     arguments.update(resolved)
     fingerprint = {"method": method.describe(), "arguments": dict(sorted(arguments.items())),
                    "model_files": model_files, **({"input_files": inputs} if inputs else {}), **(extra or {})}
     return json.loads(json.dumps(fingerprint, default=str))   # the form it has once read back from disk
 
 
+def run_fingerprint(args: argparse.Namespace, method, model_check, extra: Optional[dict] = None,
+                    inputs: Optional[dict[str, str]] = None, not_generating: Iterable[str] = ()) -> dict:
+    """The generation fingerprint of this invocation; `inputs`: the files it reads (input_files), by default the
+    method's; `not_generating`: the benchmark's arguments that cannot change a prediction (Benchmark.selection_args,
+    Benchmark.scoring_args)."""
+    from pyramidkv.runner.method_args import method_inputs
+
+    path, config, device, dtype = model_check
+    if inputs is None:
+        inputs = input_files(method_inputs(method, config))
+    # The method's settings are in the fingerprint's method section (its full description), whichever flags or
+    # spec gave them: spelling out a default value is the same configuration as leaving it out.
+    setting_args = {"method", *getattr(args, "_setting_dests", ())}
+    arguments = {k: v for k, v in vars(args).items() if k not in setting_args and not k.startswith("_")}
+    return generation_fingerprint(arguments, method, model_fingerprint(path),
+                                  {"device": device.split(":")[0], "dtype": dtype}, extra, input_digests(inputs),
+                                  not_generating)
+
+
 def fingerprint_differences(old: dict, new: dict, argument_defaults: Optional[dict] = None,
-                            method_at_default: Iterable[str] = ()) -> list[str]:
+                            method_at_default: Iterable[str] = (), not_generating: Iterable[str] = ()) -> list[str]:
     """Readable 'setting: old -> new' lines for each differing leaf (one level into each section).
 
     An argument the stored fingerprint lacks (a flag added since) counts as equal when the new run leaves it
     at its default (`argument_defaults`), and one only the stored fingerprint has counts as equal when it was
-    not given (None: a flag since removed or folded into the method section), or is in NON_GENERATING_ARGS (found
-    since not to change predictions); the method flags older
-    fingerprints listed among the arguments are compared through the method section instead
-    (LEGACY_METHOD_ARGS). A method setting the stored description lacks (a setting added since, whose
-    default changes nothing) counts as equal when the new run leaves it at its default (`method_at_default`)."""
+    not given (None: a flag since removed or folded into the method section), or is in NON_GENERATING_ARGS or the
+    benchmark's `not_generating` (found since not to change predictions); the method flags older fingerprints
+    listed among the arguments (written before the method spec was recorded: cli.FLAGS_BEFORE_THE_SPEC) are compared
+    through the method section instead, which holds the method's whole configuration (a run made with
+    `--quant_method kivi` resumes with `--quant_method kivi --nbits 2`). A method setting the stored description
+    lacks (a setting added since, whose default changes nothing) counts as equal when the new run leaves it at its
+    default (`method_at_default`)."""
     defaults = json.loads(json.dumps(argument_defaults or {}, default=str))
     at_default = set(method_at_default)
+    ignored = {*NON_GENERATING_ARGS, *not_generating}
     old = _legacy_head_scores(old)
     lines = []
     for section in sorted(set(old) | set(new)):
         a, b = old.get(section), new.get(section)
         if section == "arguments" and isinstance(a, dict) and isinstance(b, dict):
-            a, b = ({k: v for k, v in d.items() if k not in NON_GENERATING_ARGS} for d in (a, b))
-            a = {k: v for k, v in a.items() if (k not in LEGACY_METHOD_ARGS or k in b) and (k in b or v is not None)}
+            a, b = ({k: v for k, v in d.items() if k not in ignored} for d in (a, b))
+            if set(a) - set(b):   # arguments only the stored fingerprint has: equal when a method flag or not given
+                from pyramidkv.runner.cli import FLAGS_BEFORE_THE_SPEC
+
+                a = {k: v for k, v in a.items() if k in b or (k not in FLAGS_BEFORE_THE_SPEC and v is not None)}
             a.update({k: defaults[k] for k in b if k not in a and k in defaults and b[k] == defaults[k]})
         if section == "method" and isinstance(a, dict) and isinstance(b, dict):
             a = {**{k: b[k] for k in b if k not in a and k in at_default}, **_legacy_threshold(_legacy_quest(a))}
@@ -298,7 +310,8 @@ def _result_files(folder: Path) -> list[Path]:
 
 
 def open_run_folder(folder: Path, fingerprint: dict, overwrite: bool = False,
-                    argument_defaults: Optional[dict] = None, method_at_default: Iterable[str] = ()) -> RunLock:
+                    argument_defaults: Optional[dict] = None, method_at_default: Iterable[str] = (),
+                    not_generating: Iterable[str] = ()) -> RunLock:
     """Create and lock the run folder; check that its results came from `fingerprint` (or clear them
     with `overwrite`). Returns the held lock. On refusal nothing is left behind: the lock is
     released and folders this call created are removed again."""
@@ -324,7 +337,7 @@ def open_run_folder(folder: Path, fingerprint: dict, overwrite: bool = False,
                     f"{folder} holds results ({results[0].name}, ...) but no configuration fingerprint in "
                     f"{RUN_META} (written by an older version or by hand), so resuming could mix "
                     f"configurations; rerun with --overwrite or use another --save_dir")
-            diffs = fingerprint_differences(stored, fingerprint, argument_defaults, method_at_default)
+            diffs = fingerprint_differences(stored, fingerprint, argument_defaults, method_at_default, not_generating)
             if diffs:
                 raise RunFolderError(
                     f"{folder} holds results of another configuration ({'; '.join(diffs)}); rerun with "

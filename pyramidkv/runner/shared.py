@@ -76,7 +76,7 @@ def check_cache_file_flags(args) -> None:
 def cache_configuration(benchmark, args, method) -> Path:
     """What made a saved cache, as a relative folder: the run folder's {model}_{budget}/{method label} (without the
     protocol's suffixes, on which a compressed context does not depend). Two configurations never share a file."""
-    from pyramidkv.runner.cli import run_dir
+    from pyramidkv.runner.labels import run_dir
 
     return run_dir("", benchmark.model_label(args), method)
 

@@ -53,7 +53,7 @@ def read_rows(path: Path) -> list[dict]:
 def run_identity(run_dir: Path) -> dict:
     """model, method (its label: snapkv_merge=pivot), budget: from results.json, else run_meta.json, else the
     folder names."""
-    from pyramidkv.runner.cli import recorded_budget, recorded_method_label
+    from pyramidkv.runner.labels import recorded_budget, recorded_method_label
 
     run_dir = Path(run_dir)
     results = run_dir / "results.json"

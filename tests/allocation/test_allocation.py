@@ -174,7 +174,7 @@ def test_fullkv_takes_no_allocation():
 
 def test_run_folders_tell_allocations_apart():
     """Two configurations of one sweep never share a folder; the method's own allocator keeps short names."""
-    from pyramidkv.runner.cli import run_dir
+    from pyramidkv.runner.labels import run_dir
 
     names = {
         ("adakv", ()): "adakv",

@@ -101,8 +101,7 @@ def test_a_head_table_edited_in_place_changes_the_run_fingerprint(tmp_path, smol
     """Resuming a HeadKV run after its table changed under the same path must be refused."""
     import argparse
 
-    from pyramidkv.runner.cli import run_fingerprint
-    from pyramidkv.runner.run_folder import fingerprint_differences
+    from pyramidkv.runner.run_folder import fingerprint_differences, run_fingerprint
 
     table = write_table(tmp_path / "t.json", {f"{l}-{h}": [1.0 + h] for l in range(30) for h in range(9)})
     method = make_method("headkv", budget=64, head_scores=table)

@@ -322,7 +322,9 @@ def test_bad_decode_flags_fail_before_loading(flags, message, tmp_path, capsys, 
 
 
 def test_flags_reach_the_method_folder_name_and_run_meta():
-    from pyramidkv.runner.cli import add_model_and_method_args, method_from_args, run_dir
+    from pyramidkv.runner.cli import add_model_and_method_args
+    from pyramidkv.runner.labels import run_dir
+    from pyramidkv.runner.method_args import method_from_args
 
     parser = argparse.ArgumentParser()
     add_model_and_method_args(parser)

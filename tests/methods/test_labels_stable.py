@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pyramidkv.methods import make_method, parse_method_spec
-from pyramidkv.runner.cli import run_dir
+from pyramidkv.runner.labels import run_dir
 from pyramidkv.runner.run_folder import fingerprint_differences
 
 RECORD = json.loads((Path(__file__).parents[1] / "data" / "labels_67e8965.json").read_text(encoding="utf-8"))

@@ -509,6 +509,7 @@ REFUSED = [dict(zip(AXES, row)) for row in [
     ('fullkv', 'uniform', 'pyramid', None, None, None),
     ('fullkv', 'headkv', 'pyramid', None, None, None),
     ('fullkv', 'threshold', 'uniform', None, None, None),
+    ('snapkv', 'threshold', 'pyramid', None, None, None),   # the threshold sizing's own layer-allocation refusal
     ('streamingllm', 'uniform', 'uniform', None, 'kivi', 36),
     ('streamingllm', 'uniform', 'uniform', 'cam', None, None),
     ('streamingllm', 'threshold', 'uniform', 'pivot', None, None),
@@ -620,7 +621,7 @@ def test_every_refusal_is_one_line_and_some_case_meets_it(product):
                                          f"python -m tests.methods.test_matrix")
 
 
-@pytest.mark.parametrize("head", list(HEAD_ALLOCATIONS))
+@pytest.mark.parametrize("head", AXES["head"])
 @pytest.mark.parametrize("name", list(METHODS))
 def test_full_product_runs_within_its_budget_or_is_refused_in_one_line(tiny, name, head):
     """Every combination of the method and head allocation, as the cases are checked."""

@@ -116,7 +116,8 @@ def test_pyramid_short_prompt_keeps_the_exact_total_in_the_cache(smollm2):
 
 
 def test_cli_accepts_the_new_settings():
-    from pyramidkv.runner.cli import add_model_and_method_args, method_from_args
+    from pyramidkv.runner.cli import add_model_and_method_args
+    from pyramidkv.runner.method_args import method_from_args
     import argparse
 
     parser = argparse.ArgumentParser()

@@ -18,7 +18,7 @@ from pyramidkv.benchmarks.ruler.run import Ruler
 from pyramidkv.benchmarks.ruler.run import main as ruler_main
 from pyramidkv.methods import parse_method_spec
 from pyramidkv.methods.settings import AXES
-from pyramidkv.runner.cli import method_from_args
+from pyramidkv.runner.method_args import method_from_args
 from pyramidkv.runner.protocol import build_parser
 from tests.helpers import ROOT
 

@@ -118,7 +118,7 @@ def test_longbench_and_needle_resume_compare_the_configuration(tiny_model_dir, t
 
 def test_folder_name_carries_non_default_method_settings():
     from pyramidkv import make_method
-    from pyramidkv.runner.cli import run_dir
+    from pyramidkv.runner.labels import run_dir
 
     assert run_dir("s", "m", make_method("snapkv", budget=128)) == Path("s/m_128/snapkv")
     assert run_dir("s", "m", make_method("snapkv", budget=128, window_size=8, kernel_size=5, pooling="avg")) == \
@@ -359,10 +359,13 @@ def test_a_fingerprint_from_before_new_settings_matches_when_they_stay_at_their_
     stored["arguments"]["history_window"] = 64
     assert fingerprint_differences(stored, new, {}, ["page_budget", "page_size"]) == [
         "arguments.history_window: 64 -> '<unset>'"]
-    # An argument stored then, found since not to change predictions (NON_GENERATING_ARGS), is not compared.
+    # An argument stored then, found since not to change predictions (the benchmark's selection_args), is not compared.
+    from pyramidkv.benchmarks.ruler.run import Ruler
+    from pyramidkv.runner.protocol import not_generating_args
+
     stored["arguments"]["history_window"] = None
     stored["arguments"]["questions_per_context"] = 4
-    assert fingerprint_differences(stored, new, {}, ["page_budget", "page_size"]) == []
+    assert fingerprint_differences(stored, new, {}, ["page_budget", "page_size"], not_generating_args(Ruler())) == []
 
 
 def test_a_unit_setting_added_since_matches_at_its_default():

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from pyramidkv.methods import budget_flag_applies, get_method_class, make_method, method_spec, parse_method_spec
-from pyramidkv.runner.cli import recorded_budget, run_dir
+from pyramidkv.runner.labels import recorded_budget, run_dir
 from pyramidkv.runner.run_folder import fingerprint_differences
 from pyramidkv.sizing import KeepAll, Ratio, Threshold, Tokens
 

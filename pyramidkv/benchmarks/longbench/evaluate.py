@@ -104,7 +104,7 @@ def read_predictions(path: Path) -> list[dict]:
 
 def run_identity(run_dir: Path) -> dict:
     """model, method and budget of a run: from run_meta.json, else from {model}_{budget}/{method}."""
-    from pyramidkv.runner.cli import model_label, recorded_budget, recorded_method_label
+    from pyramidkv.runner.labels import model_label, recorded_budget, recorded_method_label
 
     run_dir = Path(run_dir).resolve()
     meta_path = run_dir / "run_meta.json"

@@ -326,6 +326,11 @@ class LongBench(Benchmark):
     description = "Run LongBench v1 with a KV-cache compression method; `--eval` scores the run afterwards."
     key = "_id"
     input_paths = ("data_dir",)
+    selection_args = {
+        "datasets": "which dataset files run (one predictions file per dataset)",
+        "max_num_examples": "how many samples run; each prediction row is keyed and checked on its own",
+    }
+    scoring_args = {"eval": "score afterwards"}
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         d = parser.add_argument_group("LongBench")

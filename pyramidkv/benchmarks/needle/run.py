@@ -84,6 +84,13 @@ class Needle(Benchmark):
     description = __doc__
     key = "key"
     input_paths = ("haystack_dir",)
+    selection_args = {
+        "s_len": "which needle cells run (each row is keyed by context length and depth)",
+        "e_len": "which needle cells run (same reason)",
+        "step": "which needle cells run (same reason)",
+        "num_depths": "which needle cells run (same reason)",
+        "questions_per_context": "which predictions file runs (needle_q{K}.jsonl; rows keyed per question)",
+    }
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("needle in a haystack")

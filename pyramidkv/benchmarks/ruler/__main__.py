@@ -44,7 +44,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from pyramidkv.benchmarks.ruler.generate import PromptFormatter, cache_paths, load_or_generate
         from pyramidkv.benchmarks.ruler.tasks import check_questions_per_context
         from pyramidkv.models.loading import resolve_model_path
-        from pyramidkv.runner.cli import model_label
+        from pyramidkv.runner.labels import model_label
 
         tasks = resolve_tasks(args.tasks)
         if args.num_samples < 1 or any(n < 1 for n in args.context_lengths):

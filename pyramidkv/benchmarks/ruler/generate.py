@@ -180,7 +180,9 @@ def fit_sample(task: str, length: int, index: int, formatter: PromptFormatter, s
                squad_file: Optional[str] = None, hotpot_file: Optional[str] = None,
                questions_per_context: int = 1) -> Fitted:
     """The fitted render of sample `index`: with K > 1 questions, the largest haystack for which the context
-    with the longest question part fits (`prompt` and `prompt_tokens` are then those of the longest)."""
+    with the longest question part fits (`prompt` and `prompt_tokens` are then those of the longest). Every sample
+    is built here: the one place generation checks K (check_questions_per_context; the runner checks its flag
+    before)."""
     check_questions_per_context(task, questions_per_context)
     spec = get_task(task)
     max_new = spec.max_new_tokens
@@ -246,7 +248,6 @@ def context_end(rendered: Rendered) -> int:
 def generate_rows(task: str, length: int, num_samples: int, formatter: PromptFormatter, seed: int = 42,
                   squad_file: Optional[str] = None, hotpot_file: Optional[str] = None,
                   start: int = 0, questions_per_context: int = 1) -> list[dict]:
-    check_questions_per_context(task, questions_per_context)
     return [generate_sample(task, length, i, formatter, seed, squad_file, hotpot_file, questions_per_context)
             for i in range(start, num_samples)]
 
@@ -267,7 +268,7 @@ def _source_fingerprint(path: Optional[str]) -> Optional[dict]:
 
 def cache_paths(cache_dir: Path, model: str, task: str, length: int,
                 questions_per_context: int = 1) -> tuple[Path, Path]:
-    name = f"{task}_{length}" + (f"_q{questions_per_context}" if questions_per_context > 1 else "")
+    name = f"{task}_{length}" + (f"_q{questions_per_context}" if questions_per_context != 1 else "")
     base = Path(cache_dir) / model / name
     return base.with_suffix(".jsonl"), base.with_suffix(".meta.json")
 
@@ -282,18 +283,18 @@ def load_or_generate(task: str, length: int, num_samples: int, formatter: Prompt
     """Rows 0..num_samples-1, from the cache when it was made with the same settings, else generated and cached.
 
     Samples are independent of each other, so a cache with more samples serves a smaller request and a
-    larger request only generates the missing ones. K > 1 questions per context: a cache file of its own.
+    larger request only generates the missing ones. K > 1 questions per context: a cache file of its own (any K but
+    1 is a file of its own: only generation, which checks K in fit_sample, writes one).
     """
     from pyramidkv.runner.results import atomic_write_json, atomic_write_text, read_jsonl
 
-    check_questions_per_context(task, questions_per_context)
     data_path, meta_path = cache_paths(cache_dir, model, task, length, questions_per_context)
     settings = {
         "generator_version": GENERATOR_VERSION, "task": task, "length": length, "seed": seed,
         "prompt": formatter.describe(),
         "source": _source_fingerprint(squad_file if task == "qa_1" else hotpot_file if task == "qa_2" else None),
     }
-    if questions_per_context > 1:   # one question: the settings (and so the cache) of before
+    if questions_per_context != 1:   # one question: the settings (and so the cache) of before
         settings["questions_per_context"] = questions_per_context
     rows: list[dict] = []
     if data_path.is_file() and meta_path.is_file():

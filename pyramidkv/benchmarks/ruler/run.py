@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pyramidkv.benchmarks.ruler.tasks import DEFAULT_TASKS, OFFLINE_TASKS, QA_TASKS, TASKS
+from pyramidkv.benchmarks.ruler.tasks import (
+    DEFAULT_TASKS, OFFLINE_TASKS, QA_TASKS, TASKS, check_questions_per_context,
+)
 from pyramidkv.runner.protocol import (
     Benchmark, Question, Sample, SampleFile, achieved, run_benchmark, write_results,
 )
@@ -57,6 +59,12 @@ class Ruler(Benchmark):
     key = "index"
     batch_by_length = True   # score_run takes the rows in the samples' order
     input_paths = ("data_file", "data_dir", "squad_file", "hotpot_file")
+    selection_args = {
+        "tasks": "which task files run (one predictions file per task and length)",
+        "context_lengths": "which task files run (same reason)",
+        "num_samples": "how many samples run; each prediction row is keyed and checked on its own",
+        "questions_per_context": "which task files run ({task}_{length}_q{K}.jsonl; rows keyed per question)",
+    }
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         r = parser.add_argument_group("RULER")
@@ -114,13 +122,13 @@ class Ruler(Benchmark):
         if unused and not args.data_file:
             raise ValueError(f"{' and '.join(unused)} given but the matching task is not in --tasks")
         self.tasks = resolve_tasks(args.tasks if args.tasks is not None else DEFAULT_TASKS)
-        if args.questions_per_context < 1:
-            raise ValueError(f"--questions_per_context must be >= 1, got {args.questions_per_context}")
-        if args.questions_per_context > 1 and not args.data_file and not args.data_dir:
-            from pyramidkv.benchmarks.ruler.generate import check_questions_per_context
-
-            for task in self.tasks:
-                check_questions_per_context(task, args.questions_per_context)
+        # --questions_per_context: checked here, before any tokenizer loads, and nowhere else in this runner (the
+        # generator checks each sample it builds, generate.fit_sample; a data file's rows, several_questions).
+        k = args.questions_per_context
+        if k < 1:
+            raise ValueError(f"--questions_per_context must be >= 1, got {k}")
+        for task in self.tasks if k > 1 and not args.data_file and not args.data_dir else ():
+            check_questions_per_context(task, k)
 
     def prepare(self, args, tokenizer, config, out_dir):
         window = getattr(config, "max_position_embeddings", None) or sys.maxsize
