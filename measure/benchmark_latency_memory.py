@@ -212,8 +212,8 @@ def main(argv=None) -> None:
     for name, r in rows.items():
         print(f"| {name} | {r['prefill_s']:.3f} | {r['prefill_ratio_plain']:.3f} | {1000 * r['decode_s_per_token']:.1f} | "
               f"{r['decode_ratio_plain']:.3f} | {r['decode_ratio']:.3f} | {1000 * r['decode_s_per_token_mean']:.1f} | "
-              f"{r['kv_bytes_after_prefill'] / 2**20:.2f} | {r['kv_ratio']:.4f} | {r['peak_prefill_kv_bytes'] / 2**20:.2f} | "
-              f"{r['peak_prefill_kv_ratio']:.4f} | {r['peak_kv_bytes'] / 2**20:.2f} | {r['peak_kv_ratio']:.4f} |")
+              f"{r['kv_bytes_after_prefill'] / 2**20:.2f} | {r['kv_ratio']:.4f} | "
+              f"{r['peak_prefill_kv_bytes'] / 2**20:.2f} | {r['peak_prefill_kv_ratio']:.4f} | {r['peak_kv_bytes'] / 2**20:.2f} | {r['peak_kv_ratio']:.4f} |")
     if any("page" in name or "quest" in name or "minicache" in name or "cross_layer" in name for name in rows):
         print("\n| method | held KV MiB | x fullkv | of which page metadata MiB | read MiB / decode step | x fullkv | "
               "MiniCache directions + magnitudes + retained + indices MiB |")

@@ -171,44 +171,45 @@ class DecodeCompressor:
             self.stats.replace(layer_idx, [torch.cat([a for *_, a in heads]) for heads in held])
 
     def _drop_one(self, layer_idx: int, fire: list[bool]) -> bool:
-        """The per-step rule's steady state (decode_interval 1, TOVA's default), without the rebuild: where every
-        head of every firing prompt holds decode_budget + 1 tokens, in a full-precision store whose prompts keep the
-        same count in every head (no thin rows), with no merge rule and no token statistics, each such head drops
-        its lowest-scored candidate (ties: the older, as select_kept_positions: all but one kept), read from the
-        very context _reselect builds (same tensors, hence the same scores), all heads of a prompt in one gather.
-        Returns False, changing nothing, where that does not hold (the general re-selection runs)."""
+        """The per-step rule's steady state (decode_interval 1, TOVA's default) without the rebuild: where each head
+        of each firing prompt holds decode_budget + 1 tokens in a full-precision store keeping the same count in every
+        head (no thin rows), no merge rule, no statistics, each such head drops its lowest-scored candidate (ties: the
+        older, as select_kept_positions), scored from the very context _reselect builds (same scores), a prompt's
+        heads in one index_select. False, changing nothing, where that does not hold (the general path runs)."""
         store, method = self.stores[layer_idx], self.method
         if method.merge is not None or self.stats is not None or not isinstance(store, FullPrecisionStore) or \
                 any(k.thin is not None or not k.uniform for k in store.kept):
             return False
         held, t = store.held_counts(), store.tail_len
-        m = self.budget + 1
-        if any(f and set(h) != {m} for f, h in zip(fire, held)):
+        full = self.budget + 1
+        if any(f and set(h) != {full} for f, h in zip(fire, held)):
             return False
         tail_keys, tail_values = store.tail()
         heads, kept = store.heads, []
         for b, k in enumerate(store.kept):
             length, dim = k.lengths[0], k.keys.shape[-1]
+            m = length + t
             start = store.tail_start[b]
             tail = torch.arange(start, start + t, device=k.positions.device, dtype=k.positions.dtype)
             keys = torch.cat([k.keys.view(heads, length, dim), tail_keys[b]], dim=1)        # [H, m, D]
             values = torch.cat([k.values.view(heads, length, dim), tail_values[b]], dim=1)
             positions = torch.cat([k.positions.view(heads, length), tail.expand(heads, t)], dim=1)
+            keys, values, positions = keys.reshape(-1, dim), values.reshape(-1, dim), positions.reshape(-1)
+            count = m
             if fire[b]:
-                index = self._lowest(layer_idx, b, keys, values, positions)
-                if index is None:
+                rows = self._lowest(layer_idx, b, keys.view(heads, m, dim), values.view(heads, m, dim),
+                                    positions.view(heads, m))
+                if rows is None:
                     return False
-                keys, values, positions = (x.gather(1, index.view(*index.shape, *[1] * (x.dim() - 2)).expand(
-                    -1, -1, *x.shape[2:])) for x in (keys, values, positions))
-            kept.append(KeptKV(keys.reshape(-1, keys.shape[-1]), values.reshape(-1, values.shape[-1]),
-                               [keys.shape[1]] * heads, positions.reshape(-1)))
+                keys, values, positions = keys.index_select(0, rows), values.index_select(0, rows), positions[rows]
+                count = m - 1
+            kept.append(KeptKV(keys, values, [count] * heads, positions))
         store.replace(kept, max_tail=self.interval)
         return True
 
     def _lowest(self, layer_idx: int, b: int, keys, values, positions) -> Optional[torch.Tensor]:
-        """Prompt b's held rows [H, m, ...] (m = decode_budget + 1, no padding): per head the row indices [H, m - 1]
-        it keeps (all but its lowest-scored candidate), None where a score is NaN or the budget is below window +
-        sinks (the general path decides, or refuses, those)."""
+        """Prompt b's held rows [H, m, ...] (m = decode_budget + 1): the rows of [H * m] that stay (all but each head's
+        lowest-scored candidate); None where a score is NaN or budget < window + sinks (the general path decides)."""
         method = self.method
         m = keys.shape[1]
         window = min(method.window_size, m)
@@ -227,7 +228,8 @@ class DecodeCompressor:
             return None
         lowest = sinks + candidates.argmin(dim=-1, keepdim=True)                    # [H, 1]: first of equal minima
         every = torch.arange(m - 1, device=keys.device).expand(keys.shape[0], -1)
-        return every + (every >= lowest).long()
+        offsets = torch.arange(0, keys.shape[0] * m, m, device=keys.device)[:, None]
+        return (every + (every >= lowest) + offsets).view(-1)
 
     def _context(self, layer_idx: int, b: int, heads: list[HeldHead]) -> tuple[DecodeScoreContext, list[int]]:
         """Prompt b's held tokens in the prefill layout (DecodeScoreContext), and each head's left padding."""
