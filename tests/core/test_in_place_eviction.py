@@ -93,3 +93,26 @@ def test_drop_one_equals_the_rebuild(model, monkeypatch, settings, lengths):
     assert sum(calls) > STEPS, "the in-place path ran (else the test compares the rebuild with itself)"
     monkeypatch.setattr(DecodeCompressor, "_drop_one", lambda self, layer_idx, fire: False)
     assert_equal_runs(got, run(model, prompts, method))
+
+
+@pytest.mark.parametrize("lengths", [[40], [40, 17, 31]])
+@pytest.mark.parametrize("layout", ["kv_head", "query_head"])
+def test_threshold_eviction_equals_the_per_head_rebuild(model, monkeypatch, lengths, layout):
+    """Threshold decoding (the DMS rule, a per-token scorer reading keys and the attention input): the index_select
+    eviction against the per-head rebuild it replaced (taken where the store is not plain full precision)."""
+    from pyramidkv.allocation.threshold import ThresholdHeads
+    from pyramidkv.capabilities import Selection
+    from pyramidkv.core import threshold
+    from tests.allocation.test_threshold import KeyAndInput
+
+    method = KeyAndInput(window_size=6, head_allocation=ThresholdHeads(threshold=0.1),
+                         selection=Selection(num_sinks=2), gqa_layout=layout)
+    prompts = prompts_of(lengths)
+    got = run(model, prompts, method)
+    assert got[2][0][1] is not None and len({n for layer in got[2][0][1] for n in layer}) > 1, "heads differ"
+
+    class NotFullPrecision:   # isinstance(store, FullPrecisionStore) fails: the per-head rebuild runs
+        pass
+
+    monkeypatch.setattr(threshold, "FullPrecisionStore", NotFullPrecision)
+    assert_equal_runs(got, run(model, prompts, method))
