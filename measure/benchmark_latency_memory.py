@@ -17,7 +17,10 @@ q = G * floor((k - R) / G) quantized at nbits per value with an fp16 scale and z
 channel and values per token, k - q residual tokens in fp16), and the decode time as a ratio to the same
 spec without its quantizer where that row is in the run (`decode_ratio_unquantized`).
 
-Timing: a warm-up round, then `--repeats` rounds that visit every method in turn (so drifting
+Timing: `--clock wall` (default) times with time.perf_counter; `--clock cpu` with time.thread_time, the CPU time
+of the calling thread, which on a machine shared with other jobs moves far less with their load than the wall clock
+(use it with `--threads 1`: other threads' work is not counted; on CUDA it misses the device's time and is refused).
+A warm-up round, then `--repeats` rounds that visit every method in turn (so drifting
 machine load hits all alike); each round is one prefill and `--new_tokens` greedy decode steps
 (median step, and the mean: compression during decoding makes some steps slower). Figures are
 medians over rounds. On CUDA each row also gets its peak GPU memory (`peak_gpu_bytes`:
@@ -59,6 +62,7 @@ from pyramidkv.runner.arguments import ArgumentParser
 from pyramidkv.runner.results import atomic_write_json
 
 PLAIN = "plain"  # the unpatched model's row
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}   # --clock
 # Parts of kv_bytes_breakdown stored in the model's dtype (the others are packed codes, fp16 scales, int64 indices).
 MODEL_DTYPE_PARTS = {"residual", "page_metadata", "directions", "magnitudes", "retained"}
 def sync(device: str) -> None:
@@ -71,20 +75,21 @@ def dynamic_cache_bytes(cache: DynamicCache) -> int:
 
 
 @torch.no_grad()
-def measure_once(model, ids, method: Optional[Method], new_tokens: int, device: str, tokenizer=None) -> dict:
+def measure_once(model, ids, method: Optional[Method], new_tokens: int, device: str, tokenizer=None,
+                 clock=time.perf_counter) -> dict:
     """One prefill and `new_tokens` greedy decode steps, patched with `method` (None: the unpatched model);
-    returns the timings and the KV bytes (the prefill of a reconstructing method, KVzip, includes its repeat
-    passes, built with `tokenizer`)."""
+    returns the timings (read from `clock`) and the KV bytes (the prefill of a reconstructing method, KVzip,
+    includes its repeat passes, built with `tokenizer`)."""
     patch = None if method is None else compress(model, method)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
     try:
         cache = DynamicCache() if patch is None else patch.new_cache(ids.tolist(), tokenizer)
         sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         out = model(ids, past_key_values=cache, use_cache=True)
         sync(device)
-        prefill = time.perf_counter() - t0
+        prefill = clock() - t0
         stored = (lambda: dynamic_cache_bytes(cache)) if patch is None else cache.kv_bytes
         kv_bytes = stored()
         breakdown = cache.kv_bytes_breakdown() if hasattr(cache, "kv_bytes_breakdown") else {"residual": kv_bytes}
@@ -96,10 +101,10 @@ def measure_once(model, ids, method: Optional[Method], new_tokens: int, device: 
         token = out.logits[:, -1:].argmax(-1)
         for _ in range(new_tokens):
             sync(device)
-            t0 = time.perf_counter()
+            t0 = clock()
             out = model(token, past_key_values=cache, use_cache=True)
             sync(device)
-            decode_times.append(time.perf_counter() - t0)
+            decode_times.append(clock() - t0)
             token = out.logits[:, -1:].argmax(-1)
             peak_all = max(peak_all, stored())  # outside the timed region
             read.append(cache.decode_read_bytes() if patch is not None else stored())
@@ -143,13 +148,14 @@ def kivi_formula_bytes_fp16(cache, method: Method, config) -> Optional[int]:
     return total
 
 
-def measure_all(model, ids, methods: dict, new_tokens: int, repeats: int, device: str, tokenizer=None) -> dict:
+def measure_all(model, ids, methods: dict, new_tokens: int, repeats: int, device: str, tokenizer=None,
+                clock=time.perf_counter) -> dict:
     """methods: row name -> Method (None: unpatched). Round-robin over the methods `repeats` times (after one warm-up round), so a change in machine
     load hits every method alike; the median of each figure per method."""
     samples = {name: [] for name in methods}
     for round_idx in range(repeats + 1):
         for name, method in methods.items():
-            result = measure_once(model, ids, method, new_tokens if round_idx else 1, device, tokenizer)
+            result = measure_once(model, ids, method, new_tokens if round_idx else 1, device, tokenizer, clock)
             if round_idx:
                 samples[name].append(result)
     return {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in samples.items()}
@@ -169,6 +175,9 @@ def main(argv=None) -> None:
     parser.add_argument("--new_tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
+    parser.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
+                        help="wall: elapsed time (perf_counter); cpu: CPU time of this thread (thread_time), with "
+                             "--threads 1 the figure a shared machine's load moves least")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON on stdout")
     args = parser.parse_args(argv)
@@ -177,6 +186,8 @@ def main(argv=None) -> None:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.clock == "cpu" and args.device.startswith("cuda"):
+        parser.error("--clock cpu counts this thread's CPU time, not the device's: use --clock wall on CUDA")
     specs = ["fullkv"] + [m for m in args.methods if m != "fullkv"]
     try:
         built = {spec: method_from_spec(spec, args.max_capacity_prompts, args.gqa_layout) for spec in specs}
@@ -190,19 +201,19 @@ def main(argv=None) -> None:
     device = str(next(model.parameters()).device)
     ids = prompt_ids(tokenizer, args.context_length).to(device)
     built = {PLAIN: None, **built}
-    rows = measure_all(model, ids, built, args.new_tokens, args.repeats, device, tokenizer)
+    rows = measure_all(model, ids, built, args.new_tokens, args.repeats, device, tokenizer, CLOCKS[args.clock])
     add_ratios(rows)
     print(f"\nn = {args.context_length} tokens, budget {args.max_capacity_prompts}, {args.attn_implementation}, "
           f"{device}, {args.gqa_layout}, {args.new_tokens} new tokens, median of {args.repeats} interleaved rounds, "
-          f"{torch.get_num_threads()} threads\n")
-    print("| method | prefill s | x plain | decode ms/token | x plain | x fullkv | mean ms/token | KV MiB | "
+          f"{torch.get_num_threads()} threads, {args.clock} clock\n")
+    print("| method | prefill s | x plain | decode ms/token | x plain | x fullkv | mean ms/token | KV MiB | x fullkv | "
           "peak prefill KV MiB | x fullkv | peak KV MiB (whole run) | x fullkv |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         print(f"| {name} | {r['prefill_s']:.3f} | {r['prefill_ratio_plain']:.3f} | {1000 * r['decode_s_per_token']:.1f} | "
               f"{r['decode_ratio_plain']:.3f} | {r['decode_ratio']:.3f} | {1000 * r['decode_s_per_token_mean']:.1f} | "
-              f"{r['kv_bytes_after_prefill'] / 2**20:.2f} | {r['peak_prefill_kv_bytes'] / 2**20:.2f} | "
-              f"{r['kv_ratio']:.4f} | {r['peak_kv_bytes'] / 2**20:.2f} | {r['peak_kv_ratio']:.4f} |")
+              f"{r['kv_bytes_after_prefill'] / 2**20:.2f} | {r['kv_ratio']:.4f} | "
+              f"{r['peak_prefill_kv_bytes'] / 2**20:.2f} | {r['peak_prefill_kv_ratio']:.4f} | {r['peak_kv_bytes'] / 2**20:.2f} | {r['peak_kv_ratio']:.4f} |")
     if any("page" in name or "quest" in name or "minicache" in name or "cross_layer" in name for name in rows):
         print("\n| method | held KV MiB | x fullkv | of which page metadata MiB | read MiB / decode step | x fullkv | "
               "MiniCache directions + magnitudes + retained + indices MiB |")

@@ -80,6 +80,7 @@ class DecodeCompressor:
         self.group = num_query_heads // stored_heads  # query heads per stored head
         self.compressions = [0] * self.num_layers   # how often each layer was compressed
         self.peak_kv_bytes = 0                      # the most bytes stored at any moment while decoding
+        self.layer_bytes = [0] * self.num_layers    # each layer's stored bytes, recounted when it changes
         self.pad_lens: list[int] = []
         self.queries: list[Optional[torch.Tensor]] = [None] * self.num_layers        # [B, Hq, <= buffer_size, D]
         self.stats = None                           # what decode_score reads besides the tokens
@@ -91,7 +92,11 @@ class DecodeCompressor:
             self.stats.softcap = softcap
 
     def stored_bytes(self) -> int:
-        return sum(store.nbytes() for store in self.stores if store is not None)
+        """Every layer's bytes now: the running per-layer counts (a layer is recounted after each change to it)."""
+        return sum(self.layer_bytes)
+
+    def _recount(self, layer_idx: int) -> None:
+        self.layer_bytes[layer_idx] = self.stores[layer_idx].nbytes()
 
     # ---- hooks called by the cache ----------------------------------------------------------
     def observe_prefill(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor,
@@ -114,6 +119,7 @@ class DecodeCompressor:
         fire = [max(lengths) >= self.limit for lengths in self.stores[layer_idx].kept_counts()]
         if any(fire):
             self._compress(layer_idx, fire)
+        self._recount(layer_idx)
 
     def after_attend(self, layer_idx: int, queries: torch.Tensor, *new) -> None:
         """After a decode step's attention at one layer (queries [B, Hq, q, D] of the new tokens; `new`: their keys,
@@ -121,10 +127,12 @@ class DecodeCompressor:
         self.queries[layer_idx] = torch.cat([self.queries[layer_idx], queries], dim=2)[:, :, -self.buffer_size:]
         if self.stats is not None:
             self.stats.step(layer_idx, self.stores[layer_idx], queries)
+        self._recount(layer_idx)   # the step's append
         fire = [max(held) >= self.limit for held in self.stores[layer_idx].held_counts()]
         if any(fire):
             self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
             self._compress(layer_idx, fire)
+            self._recount(layer_idx)
         if layer_idx == self.num_layers - 1:
             self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
 
@@ -140,6 +148,9 @@ class DecodeCompressor:
 
     def _compress(self, layer_idx: int, fire: list[bool]) -> None:
         """Re-select the prompts in `fire`; every prompt's tail is folded into its kept set."""
+        if self._drop_one(layer_idx, fire):
+            self.compressions[layer_idx] += 1
+            return
         held = [self._held(layer_idx, b) for b in range(len(fire))]
         self._replace(layer_idx, [self._reselect(layer_idx, b, heads) if fire[b] else heads
                                   for b, heads in enumerate(held)])
@@ -150,6 +161,7 @@ class DecodeCompressor:
         statistics); what stays is folded into the kept sets, as a re-selection does."""
         self._replace(layer_idx, [[(k[p >= f], v[p >= f], p[p >= f], None if a is None else a[p >= f])
                                    for k, v, p, a in self._held(layer_idx, b)] for b, f in enumerate(first)])
+        self._recount(layer_idx)
 
     def _replace(self, layer_idx: int, held: list[list[HeldHead]]) -> None:
         """Per prompt its held heads become the store's kept sets (and their statistics the kept rows')."""
@@ -157,6 +169,67 @@ class DecodeCompressor:
                                        max_tail=self.interval)
         if self.stats is not None:
             self.stats.replace(layer_idx, [torch.cat([a for *_, a in heads]) for heads in held])
+
+    def _drop_one(self, layer_idx: int, fire: list[bool]) -> bool:
+        """The per-step rule's steady state (decode_interval 1, TOVA's default) without the rebuild: where each head
+        of each firing prompt holds decode_budget + 1 tokens in a full-precision store keeping the same count in every
+        head (no thin rows), no merge rule, no statistics, each such head drops its lowest-scored candidate (ties: the
+        older, as select_kept_positions), scored from the very context _reselect builds (same scores), a prompt's
+        heads in one index_select. False, changing nothing, where that does not hold (the general path runs)."""
+        store, method = self.stores[layer_idx], self.method
+        if method.merge is not None or self.stats is not None or not isinstance(store, FullPrecisionStore) or \
+                any(k.thin is not None or not k.uniform for k in store.kept):
+            return False
+        held, t = store.held_counts(), store.tail_len
+        full = self.budget + 1
+        if any(f and set(h) != {full} for f, h in zip(fire, held)):
+            return False
+        tail_keys, tail_values = store.tail()
+        heads, kept = store.heads, []
+        for b, k in enumerate(store.kept):
+            length, dim = k.lengths[0], k.keys.shape[-1]
+            m = length + t
+            start = store.tail_start[b]
+            tail = torch.arange(start, start + t, device=k.positions.device, dtype=k.positions.dtype)
+            keys = torch.cat([k.keys.view(heads, length, dim), tail_keys[b]], dim=1)        # [H, m, D]
+            values = torch.cat([k.values.view(heads, length, dim), tail_values[b]], dim=1)
+            positions = torch.cat([k.positions.view(heads, length), tail.expand(heads, t)], dim=1)
+            keys, values, positions = keys.reshape(-1, dim), values.reshape(-1, dim), positions.reshape(-1)
+            count = m
+            if fire[b]:
+                rows = self._lowest(layer_idx, b, keys.view(heads, m, dim), values.view(heads, m, dim),
+                                    positions.view(heads, m))
+                if rows is None:
+                    return False
+                keys, values, positions = keys.index_select(0, rows), values.index_select(0, rows), positions[rows]
+                count = m - 1
+            kept.append(KeptKV(keys, values, [count] * heads, positions))
+        store.replace(kept, max_tail=self.interval)
+        return True
+
+    def _lowest(self, layer_idx: int, b: int, keys, values, positions) -> Optional[torch.Tensor]:
+        """Prompt b's held rows [H, m, ...] (m = decode_budget + 1): the rows of [H * m] that stay (all but each head's
+        lowest-scored candidate); None where a score is NaN or budget < window + sinks (the general path decides)."""
+        method = self.method
+        m = keys.shape[1]
+        window = min(method.window_size, m)
+        sinks = min(method.selection.num_sinks, m - window)
+        if self.budget < window + sinks:
+            return None
+        buffered = self.queries[layer_idx][b:b + 1]
+        w = min(buffered.shape[2], m)
+        real = torch.ones(1, 1, m, dtype=torch.bool, device=keys.device)[:, 0]
+        ctx = DecodeScoreContext(
+            layer_idx, self.num_layers, buffered[:, :, buffered.shape[2] - w:].to(keys.dtype), keys[None], values[None],
+            real, softcap=self.softcap, positions=positions[None], rotation=self.rotation, model=self.model)
+        scores = scores_per_stored_head(method.decode_score(ctx), method, keys.shape[0], ctx.queries.shape[1])[0]
+        candidates = scores[:, sinks:m - window]
+        if bool(candidates.isnan().any()):
+            return None
+        lowest = sinks + candidates.argmin(dim=-1, keepdim=True)                    # [H, 1]: first of equal minima
+        every = torch.arange(m - 1, device=keys.device).expand(keys.shape[0], -1)
+        offsets = torch.arange(0, keys.shape[0] * m, m, device=keys.device)[:, None]
+        return (every + (every >= lowest) + offsets).view(-1)
 
     def _context(self, layer_idx: int, b: int, heads: list[HeldHead]) -> tuple[DecodeScoreContext, list[int]]:
         """Prompt b's held tokens in the prefill layout (DecodeScoreContext), and each head's left padding."""

@@ -22,6 +22,7 @@ import torch
 from pyramidkv.allocation.base import ModelShape
 from pyramidkv.core.context import CompressionMethod, ScoreContext
 from pyramidkv.core.decoding import DecodeCompressor
+from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.scoring import scores_per_stored_head
 
@@ -45,9 +46,11 @@ class ThresholdDecoder:
         self.compressions = [0] * self.num_layers   # decode steps at which a layer evicted something
         self.evicted = [0] * self.num_layers        # (prompt, head, token) entries evicted while decoding, per layer
         self.peak_kv_bytes = 0
+        self.layer_bytes = [0] * self.num_layers    # each layer's stored bytes, recounted when it changes
 
     def stored_bytes(self) -> int:
-        return sum(store.nbytes() for store in self.stores if store is not None)
+        """Every layer's bytes now: the running per-layer counts (a layer is recounted after each change to it)."""
+        return sum(self.layer_bytes)
 
     # ---- hooks called by the cache ----------------------------------------------------------
     def observe_prefill(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor,
@@ -72,6 +75,7 @@ class ThresholdDecoder:
         self.pending[layer_idx] = pending
 
     def after_prefill(self, layer_idx: int) -> None:
+        self.layer_bytes[layer_idx] = self.stores[layer_idx].nbytes()
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
 
     def after_attend(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor = None,
@@ -98,11 +102,11 @@ class ThresholdDecoder:
             held_scores = torch.cat([pending[b][1].to(scores.device), scores[b][:, keep_new]], dim=1)
             leaving = held_positions <= start + q_len - 1 - self.window
             pending[b] = (held_positions[~leaving], held_scores[:, ~leaving])
-            # per head the positions that leave with a score below the threshold: [H] lists
-            fails = held_scores[:, leaving] < self.threshold
-            drops.append([held_positions[leaving][fails[h]] for h in range(fails.shape[0])])
-        if any(d.numel() for heads in drops for d in heads):
+            # the positions that leave [P], and per head which of them leave with a score below the threshold [H, P]
+            drops.append((held_positions[leaving], held_scores[:, leaving] < self.threshold))
+        if any(bool(fails.any()) for _, fails in drops):
             self._evict(layer_idx, drops)
+        self.layer_bytes[layer_idx] = self.stores[layer_idx].nbytes()   # the step's append, and any eviction
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
 
     def drop_before(self, layer_idx: int, first: list[int]) -> None:
@@ -114,19 +118,41 @@ class ThresholdDecoder:
             pending[b] = (positions[positions >= f], scores[:, positions >= f])
         store.replace([KeptKV.from_heads([(k[p >= f], v[p >= f], p[p >= f]) for k, v, p in store.held(b)])
                        for b, f in enumerate(first)])
+        self.layer_bytes[layer_idx] = store.nbytes()
 
     # ---- eviction ---------------------------------------------------------------------------
-    def _evict(self, layer_idx: int, drops: list[list[torch.Tensor]]) -> None:
-        """Per prompt, per stored head, the positions to drop; every prompt's held tokens become its kept rows."""
+    def _evict(self, layer_idx: int, drops: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Per prompt (positions [P], fails [H, P]): head h drops positions[fails[h]]; every prompt's held tokens
+        become its kept rows, head by head in position order (kept rows, then the tail's). In a full-precision store
+        without thin rows, a prompt's rows that stay are taken in one index_select of its kept and tail rows."""
         store = self.stores[layer_idx]
-        kept = []
-        for b, heads in enumerate(drops):
-            rows = []
-            for (k, v, p), gone in zip(store.held(b), heads):
-                stay = ~torch.isin(p, gone) if gone.numel() else torch.ones_like(p, dtype=torch.bool)
-                self.evicted[layer_idx] += int((~stay).sum())
-                rows.append((k[stay], v[stay], p[stay]))
-            kept.append(KeptKV.from_heads(rows))
+        fast = isinstance(store, FullPrecisionStore) and all(k.thin is None for k in store.kept)
+        kept, (tail_keys, tail_values) = [], store.tail() if fast else (None, None)
+        for b, (positions, fails) in enumerate(drops):
+            if not fast:   # the per-head rebuild
+                rows = []
+                for h, (k, v, p) in enumerate(store.held(b)):
+                    stay = ~torch.isin(p, positions[fails[h]])
+                    self.evicted[layer_idx] += int((~stay).sum())
+                    rows.append((k[stay], v[stay], p[stay]))
+                kept.append(KeptKV.from_heads(rows))
+                continue
+            held, t = store.kept[b], tail_keys.shape[2]
+            heads, device, dim = len(held.lengths), held.positions.device, held.keys.shape[-1]
+            tail = torch.arange(store.tail_start[b], store.tail_start[b] + t, device=device, dtype=held.positions.dtype)
+            every = torch.arange(heads, device=device)
+            owner = torch.cat([every.repeat_interleave(torch.tensor(held.lengths, device=device)),
+                               every.repeat_interleave(t)])                        # the head of each row
+            where = torch.cat([held.positions, tail.repeat(heads)])               # its position
+            span = int(torch.cat([where, positions]).max()) + 1 if where.numel() + positions.numel() else 1
+            head, column = fails.nonzero(as_tuple=True)
+            stay = ~torch.isin(owner * span + where, head * span + positions[column])
+            self.evicted[layer_idx] += int((~stay).sum())
+            rows = torch.sort(owner, stable=True).indices                          # head by head, in position order
+            rows = rows[stay[rows]]
+            kept.append(KeptKV(torch.cat([held.keys, tail_keys[b].reshape(-1, dim)]).index_select(0, rows),
+                               torch.cat([held.values, tail_values[b].reshape(-1, dim)]).index_select(0, rows),
+                               torch.bincount(owner[rows], minlength=heads).tolist(), where[rows]))
         store.replace(kept)
         self.compressions[layer_idx] += 1
 

@@ -1,0 +1,118 @@
+"""Per-step eviction in place equals the rebuild it replaces, step for step: TOVA's one eviction a step (and any
+decode_interval-1 rule) through DecodeCompressor._drop_one against the general re-selection, and threshold
+decoding's eviction against its per-head rebuild, on a float64 tiny random Llama: the same held positions in every
+layer and head after every forward, the same stored keys and values, the same tokens and bytes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from pyramidkv import make_method
+from pyramidkv.core.decoding import DecodeCompressor
+from pyramidkv.generation import generate
+from tests.conftest import tiny_llama
+
+STEPS = 40
+
+
+class TokenIds:
+    pad_token_id = 0
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def model():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield copy.deepcopy(tiny_llama(layers=2, vocab=96, std=0.2)).double()
+    torch.set_num_threads(threads)
+
+
+def run(model, prompts, method, steps=STEPS):
+    """Per forward, per prompt, per layer: every head's (held positions, stored keys, stored values); the tokens;
+    the final bytes."""
+    states = []
+
+    def record(module, args, kwargs, output):
+        cache = kwargs["past_key_values"]
+        states.append([[[(p.tolist(), k.clone(), v.clone()) for p, k, v in cache.stored_kv(layer, b)]
+                        for layer in range(len(cache.layers))] for b in range(len(prompts))])
+
+    hook = model.register_forward_hook(record, with_kwargs=True)
+    try:
+        out = generate(model, TokenIds(), prompts, method, steps, stop_token_ids=[])
+    finally:
+        hook.remove()
+    return states, [g.text for g in out], [(g.kv_bytes_per_prompt, g.held_tokens) for g in out]
+
+
+def assert_equal_runs(got, want):
+    (states, tokens, nbytes), (states_ref, tokens_ref, nbytes_ref) = got, want
+    assert tokens == tokens_ref and nbytes == nbytes_ref and len(states) == len(states_ref)
+    for step, (a, b) in enumerate(zip(states, states_ref)):
+        for prompt, (layers, layers_ref) in enumerate(zip(a, b)):
+            for layer, (heads, heads_ref) in enumerate(zip(layers, layers_ref)):
+                for head, ((p, k, v), (p_ref, k_ref, v_ref)) in enumerate(zip(heads, heads_ref)):
+                    where = f"forward {step}, prompt {prompt}, layer {layer}, head {head}"
+                    assert p == p_ref, f"{where}: held {sorted(set(p) ^ set(p_ref))} differ"
+                    assert torch.equal(k, k_ref) and torch.equal(v, v_ref), f"{where}: stored K/V differ"
+
+
+def prompts_of(lengths):
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 96, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("settings", [
+    dict(name="tova", budget=24),                                       # TOVA's own rule
+    dict(name="tova", budget=24, window_size=3, num_sinks=2),           # protected window and sinks
+    dict(name="snapkv", budget=24, window_size=4, decode_budget=20, decode_interval=1),  # another scorer
+    dict(name="tova", budget=24, gqa_layout="query_head"),
+])
+@pytest.mark.parametrize("lengths", [[40], [40, 17, 31]])   # one prompt; a left-padded batch, one under budget
+def test_drop_one_equals_the_rebuild(model, monkeypatch, settings, lengths):
+    settings = dict(settings)
+    method = make_method(settings.pop("name"), **settings)
+    prompts = prompts_of(lengths)
+    calls = []
+    original = DecodeCompressor._drop_one
+
+    def counted(self, layer_idx, fire):
+        done = original(self, layer_idx, fire)
+        calls.append(done)
+        return done
+
+    monkeypatch.setattr(DecodeCompressor, "_drop_one", counted)
+    got = run(model, prompts, method)
+    assert sum(calls) > STEPS, "the in-place path ran (else the test compares the rebuild with itself)"
+    monkeypatch.setattr(DecodeCompressor, "_drop_one", lambda self, layer_idx, fire: False)
+    assert_equal_runs(got, run(model, prompts, method))
+
+
+@pytest.mark.parametrize("lengths", [[40], [40, 17, 31]])
+@pytest.mark.parametrize("layout", ["kv_head", "query_head"])
+def test_threshold_eviction_equals_the_per_head_rebuild(model, monkeypatch, lengths, layout):
+    """Threshold decoding (the DMS rule, a per-token scorer reading keys and the attention input): the index_select
+    eviction against the per-head rebuild it replaced (taken where the store is not plain full precision)."""
+    from pyramidkv.allocation.threshold import ThresholdHeads
+    from pyramidkv.capabilities import Selection
+    from pyramidkv.core import threshold
+    from tests.allocation.test_threshold import KeyAndInput
+
+    method = KeyAndInput(window_size=6, head_allocation=ThresholdHeads(threshold=0.1),
+                         selection=Selection(num_sinks=2), gqa_layout=layout)
+    prompts = prompts_of(lengths)
+    got = run(model, prompts, method)
+    assert got[2][0][1] is not None and len({n for layer in got[2][0][1] for n in layer}) > 1, "heads differ"
+
+    class NotFullPrecision:   # isinstance(store, FullPrecisionStore) fails: the per-head rebuild runs
+        pass
+
+    monkeypatch.setattr(threshold, "FullPrecisionStore", NotFullPrecision)
+    assert_equal_runs(got, run(model, prompts, method))
