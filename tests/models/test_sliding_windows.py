@@ -83,7 +83,7 @@ def test_a_sliding_layer_holds_only_its_window(model_type):
     >= newest - W + 1 (at most W), a global one its 12 plus every new token."""
     model = tiny(model_type)
     prompt = ids()
-    windows = model_shape(model.config).layer_windows
+    windows = model_shape(model.config).form.windows
     assert windows == ((WINDOW, None) * 2 if model_type == "gemma2" else (WINDOW,) * LAYERS)
     with compress(model, make_method("snapkv", budget=12, window_size=4)) as patch:
         cache = patch.new_cache()
@@ -109,7 +109,7 @@ def test_a_sliding_layer_holds_only_its_window(model_type):
 
 def test_a_window_beyond_the_context_is_global():
     model = tiny("gemma2", sliding_window=8192)
-    assert model_shape(model.config).layer_windows == ()
+    assert model_shape(model.config).form.windows == ()
 
 
 def test_scorer_attention_is_gemma2s_own():
@@ -130,7 +130,7 @@ def test_scorer_attention_is_gemma2s_own():
 
     def recording(self, ctx):
         if ctx.layer_idx == 1:
-            seen["capped"] = scoring.window_attention(ctx.queries, ctx.keys, ctx.real, 4, softcap=ctx.softcap)
+            seen["capped"] = scoring.window_attention(ctx.queries, ctx.keys, ctx.real, 4, form=ctx.form)
             seen["uncapped"] = scoring.window_attention(ctx.queries, ctx.keys, ctx.real, 4)
         return original(self, ctx)
 
