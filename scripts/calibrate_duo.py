@@ -287,7 +287,8 @@ def on_the_fly_scores(model, tokenizer, args, text: list[int]) -> np.ndarray:
     glue = MODEL_GLUE[config.model_type]
     if not hasattr(glue, "project"):
         raise ValueError(f"{config.model_type}: --on_the_fly needs the queries before RoPE (a rotate-half family)")
-    scale = glue.attention_form(config, "sdpa").scale or 1.0 / math.sqrt(config.hidden_size // config.num_attention_heads)
+    scale = glue.attention_form(config, "sdpa").scale or \
+        1.0 / math.sqrt(config.hidden_size // config.num_attention_heads)
     rotation = glue.key_rotation(model)
     layers = decoder(model).layers
     heads = config.num_key_value_heads or config.num_attention_heads

@@ -75,7 +75,8 @@ class MiniCacheSharing(Capability):
                              f"cross_layer_retain < {most:.4f}")
         layers = model.num_layers
         form = model.form
-        sliding = [l for lower in self.pairs(layers) for l in (lower, lower + 1) if l < layers and form.window(l) is not None]
+        sliding = [l for lower in self.pairs(layers) for l in (lower, lower + 1)
+                   if l < layers and form.window(l) is not None]
         if sliding or form.capped:
             what = f"sliding-window layers ({', '.join(map(str, sliding))})" if sliding else "a soft-capped attention"
             raise ValueError(f"cross_layer_merge: this model has {what}, which a merged layer pair cannot hold (its "
