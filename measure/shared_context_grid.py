@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 
 from pyramidkv.benchmarks.ruler import run as ruler
-from pyramidkv.methods import get_method_class, takes_budget
+from pyramidkv.methods import budget_flag_applies, get_method_class
 from pyramidkv.runner.arguments import ArgumentParser
 
 PROTOCOLS = ("own_prompt", "multi_request")
@@ -83,7 +83,7 @@ def main() -> None:
                                                           for t in args.tasks) + " | TTFT turn 1 s | TTFT later s |",
              "|---" * (5 + 2 * len(args.tasks)) + "|"]
     for method in args.methods:
-        budgets = args.budgets if takes_budget(get_method_class(method.split(":")[0])) else [None]
+        budgets = args.budgets if budget_flag_applies(get_method_class(method.split(":")[0])) else [None]
         for budget in budgets:
             for protocol in args.protocols:
                 argv = cell_argv(args, method, budget, protocol)

@@ -215,6 +215,17 @@ class AttentionForm:
 
 
 @dataclass(frozen=True)
+class Conflict:
+    """`setting` (a method setting, flat names included) refused next to a unit when `applies(method)`; `why`
+    may name the method's values as `{m.<setting>}` (str.format with m = the method). A capability's refusal
+    reads "<unit> does not combine with <setting>=<value> (<why>)"; a sizing's is `why` itself."""
+
+    setting: str
+    applies: Callable[[object], bool]
+    why: str
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """What a component's checks may need to know about the model being compressed (no weights)."""
 
@@ -375,7 +386,9 @@ class Component:
             if setting in self.unlabelled:
                 continue
             flat = self.flat_units.get(setting)
-            if flat is not None:
+            if flat is not None and hasattr(value, "label_parts"):   # a unit whose kinds say what they show
+                parts.extend(f"{name}={_text(v)}" for name, v in value.label_parts(defaults[setting], self.unlabelled))
+            elif flat is not None:
                 flat = type(value) if value is not None else type(defaults[setting]) if defaults[setting] else flat
                 before, after = flat_settings(flat, defaults[setting]), flat_settings(flat, value)
                 parts.extend(f"{name}={_text(v)}" for name, v in after.items()
@@ -390,6 +403,9 @@ class Component:
 def flat_settings(cls: "type[Component]", unit: "Component | None") -> dict:
     """A flat unit's settings as its owner shows them: {switch: on/off (when not a field), every field}; a unit
     that is off (None) as its switch at switch_off and its other fields at their defaults."""
+    view = getattr(cls, "flat_view", None)
+    if view is not None:   # a unit whose kinds show their own settings (a method's sizing)
+        return view(unit)
     fields = dataclasses.fields(cls)
     names = [f.name for f in fields]
     out = {}

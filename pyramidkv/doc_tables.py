@@ -2,6 +2,7 @@
 
     file                   heading                               source
     docs/methods.md        ## The method table                   the registry (`method_table`, methods/__main__.py)
+    docs/methods.md        ## Budget kinds (the sizing)          SIZINGS (pyramidkv/sizing), one row per kind
     docs/architecture.md   ## The engine (`pyramidkv/core/`)     each core module's docstring, first paragraph
     docs/models.md         ## Supported models                   MODEL_GLUE (models/patch.py), one row per family
     README.md              ## Models                             the same table
@@ -49,6 +50,25 @@ def core_table(core: Path = CORE) -> str:
     return "\n".join(lines)
 
 
+def sizing_table() -> str:
+    """One row per kind of SIZINGS, in its order: its settings, whether --max_capacity_prompts sets it, whether
+    its count is an outcome, whether it evicts, and the first paragraph of its module's docstring."""
+    import dataclasses
+    import sys as _sys
+
+    from pyramidkv.sizing import SIZINGS
+
+    lines = ["| kind | settings | `--max_capacity_prompts` sets it | count is an outcome | evicts | what |",
+             "|---|---|---|---|---|---|"]
+    for name, cls in SIZINGS.items():
+        settings = ", ".join(f"`{f.name}`" for f in dataclasses.fields(cls)) or "none"
+        flag = "yes" if cls.budget_kind else "a unit that reads a budget (quest's pages)" if "budget_names" in vars(cls) else "no"
+        doc = summary(_sys.modules[cls.__module__].__doc__ or "")
+        lines.append(f"| `{name}` | {settings} | {flag} | {'yes' if cls.outcome else 'no'} | "
+                     f"{'yes' if cls.evicts else 'no'} | {doc} |")
+    return "\n".join(lines)
+
+
 def model_table(glues: dict | None = None) -> str:
     """One row per family of MODEL_GLUE, in its order: the name (its causal-LM class less ForCausalLM), the
     config's model_type (the --model_class value), the transformers class loaded, the attention classes
@@ -66,6 +86,7 @@ def model_table(glues: dict | None = None) -> str:
 # (file under the repository root, the heading the table stands under, what writes the table)
 TABLES: list[tuple[str, str, Callable[[], str]]] = [
     ("docs/methods.md", "## The method table", method_table),
+    ("docs/methods.md", "## Budget kinds (the sizing)", sizing_table),
     ("docs/architecture.md", "## The engine (`pyramidkv/core/`)", core_table),
     ("docs/models.md", "## Supported models", model_table),
     ("README.md", "## Models", model_table),

@@ -38,5 +38,5 @@ method_takes_budget() {
     local repo
     repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
     PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python3}" -c "import sys; from pyramidkv.methods import \
-METHODS, takes_budget; c = METHODS.get(sys.argv[1].lower()); sys.exit(0 if c is None or takes_budget(c) else 1)" "$1"
+METHODS, budget_flag_applies; c = METHODS.get(sys.argv[1].lower()); sys.exit(0 if c is None or budget_flag_applies(c) else 1)" "$1"
 }

@@ -25,8 +25,8 @@ IFS='|' read -r -a _sweep_variants <<< "$VARIANTS"
 # Methods that take no budget (fullkv, minicache, minference, and threshold eviction's kvzap, duo_attention: read
 # from the registry) run once per variant (a threshold sweep: VARIANTS="--threshold -4|--threshold -6").
 _sweep_repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-_no_budget=$(PYTHONPATH="$_sweep_repo${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python}" -c 'from pyramidkv.methods import METHODS, takes_budget
-print(" ".join(n for n, c in METHODS.items() if not takes_budget(c)))')
+_no_budget=$(PYTHONPATH="$_sweep_repo${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python}" -c 'from pyramidkv.methods import METHODS, budget_flag_applies
+print(" ".join(n for n, c in METHODS.items() if not budget_flag_applies(c)))')
 for method in $METHODS; do
   if [ "$method" = "fullkv" ]; then continue; fi
   if [[ " $_no_budget " == *" $method "* ]]; then

@@ -21,6 +21,7 @@ FLOORS = {
     "pyramidkv.merging": 1,
     "pyramidkv.quantization": 1,
     "pyramidkv.sparse_prefill": 1,
+    "pyramidkv.sizing": 1,          # how many tokens a head keeps: tokens, ratio, keep_all, threshold
     "pyramidkv.capabilities": 1,   # page selection, key channels, layer sharing, decode budget, selection knobs
     "pyramidkv.core": 2,            # the engine: context, scoring, selection, prefill, stores, decoding, cache
     "pyramidkv.methods": 3,

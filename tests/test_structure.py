@@ -29,10 +29,12 @@ def test_a_method_has_at_most_16_settings_and_its_base_file_260_lines():
     assert len((PACKAGE / "methods" / "base.py").read_text(encoding="utf-8").splitlines()) <= 260
 
 
-def test_the_engine_reads_at_most_20_names_of_a_method():
+def test_the_engine_reads_at_most_21_names_of_a_method():
+    """20 before the sizing unit; the sizing replaced prompt_budget, and `units` lets the store kinds iterate the
+    units the method holds instead of naming them."""
     names = protocol_names(CompressionMethod)
     assert "score" in names and "decode" in names     # the reader sees the protocol's names
-    assert len(names) <= 20, names
+    assert len(names) <= 21, names
 
 
 def test_core_reads_no_capability_field_of_the_method():

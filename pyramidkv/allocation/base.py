@@ -46,7 +46,6 @@ class HeadAllocation(Allocation):
     """How a layer's selected tokens are split across its stored heads."""
 
     global_over_layers: ClassVar[bool] = False  # True: shares are fixed over all layers and heads at once
-    sets_budget: ClassVar[bool] = False         # True: no budget; each head keeps what its scores pass (threshold)
     needs_scores: ClassVar[bool] = False        # True: the split depends on every layer's scores (selected_over_layers)
 
     def selected_per_head(self, scores: torch.Tensor, selected: int, layer_idx: int, model: ModelShape,

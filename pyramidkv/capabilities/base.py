@@ -22,19 +22,9 @@ inline (pyramidkv/components.py, flat units). It declares
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Optional
+from typing import ClassVar, Optional
 
-from pyramidkv.components import Component, ModelShape
-
-
-@dataclass(frozen=True)
-class Conflict:
-    """`setting` (a method setting, flat names included) refused next to the unit when `applies(method)`; `why`
-    may name the method's values as `{m.<setting>}` (str.format with m = the method)."""
-
-    setting: str
-    applies: Callable[[object], bool]
-    why: str
+from pyramidkv.components import Component, Conflict, ModelShape
 
 
 @dataclass(frozen=True)
@@ -45,6 +35,9 @@ class Capability(Component):
     store_kind: ClassVar[Optional[str]] = None
     store_abilities: ClassVar[tuple[str, ...]] = ()
     conflicts: ClassVar[tuple[Conflict, ...]] = ()
+    # {budget setting: the unit's own} when the unit reads a budget per step on a method that keeps every token
+    # (Quest's pages: quest:budget=64 is page_budget=64; pyramidkv/sizing/keep_all.py)
+    reads_budget: ClassVar[dict[str, str]] = {}
 
     def check_with(self, method) -> None:
         """ValueError if the unit cannot do what it says inside `method` (beyond the conflict table)."""
@@ -62,9 +55,7 @@ class Capability(Component):
 def fixed_budget(method) -> "int | None":
     """The tokens each head of an evicting method keeps of a long prompt, when that is one number for every
     prompt (a budget, not a ratio); None otherwise."""
-    if method is None or not method.needs_budget or method.budget_aliases:
-        return None
-    return method.budget
+    return None if method is None else method.sizing.fixed_count()
 
 
 def prompt_kept(method, prompt_len: int) -> int:

@@ -57,7 +57,7 @@ class DecodeBudget(Capability):
         if self.decode_budget is None:
             raise ValueError(f"decode_budget must be an integer >= 1 (tokens per head held while decoding), "
                              f"got None")
-        if not method.needs_budget:
+        if not method.sizing.evicts:
             raise ValueError(f"{method.name} keeps every token and has no scorer to choose which to keep while "
                              f"decoding; it takes no decode_budget (got {self.decode_budget}); use e.g. "
                              f"streamingllm, h2o or snapkv with decode_budget")

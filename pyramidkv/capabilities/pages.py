@@ -37,6 +37,7 @@ class QuestPages(Capability):
     title = "Quest page selection"
     switch = "page_budget"
     store_kind = "paged"
+    reads_budget = {"budget": "page_budget", "budget_ratio": "page_budget_ratio"}
     # Decode-time attention statistics (H2O, Scissorhands with decode_budget) are refused by the paged store,
     # which lacks that ability: they would count attention Quest never computed.
     conflicts = (Conflict("key_channel_ratio", lambda m: m.channels is not None, "Quest pages full-width keys"),)
@@ -114,7 +115,7 @@ class QuestPages(Capability):
                                  f"reads anyway; " + (f"use page_budget_ratio >= {self.least_tokens / prompt_len:.4g}"
                                                       if self.least_tokens <= prompt_len else
                                                       "the prompt holds fewer pages: lower page_min_count"))
-        if method is None or not method.needs_budget or method.budget_aliases or fixed_budget(method) is not None:
+        if method is None or not method.sizing.evicts or fixed_budget(method) is not None:
             return
         kept = prompt_kept(method, prompt_len)
         tokens = self.budget_for(prompt_len)

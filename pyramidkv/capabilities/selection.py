@@ -51,7 +51,7 @@ class Selection(Capability):
                              f"would be random; use random_fraction >= {1 / selected:.4g} or a larger budget")
 
     def check_with(self, method) -> None:
-        if not method.needs_budget and (self.num_sinks or self.random_fraction):
+        if not method.sizing.evicts and (self.num_sinks or self.random_fraction):
             raise ValueError(f"{method.name} keeps every token; it takes no num_sinks or random_fraction "
                              f"(got num_sinks={self.num_sinks}, random_fraction={self.random_fraction:g})")
         budget = fixed_budget(method)
@@ -60,26 +60,17 @@ class Selection(Capability):
                                                                f"sinks {self.num_sinks}")
 
     def check_model(self, model: ModelShape, method=None) -> None:
-        budget, context = fixed_budget(method), model.context_window
-        if budget is not None and context and budget >= context:
-            raise ValueError(f"budget (max_capacity_prompts) {budget} is at least the model's context window ({context} "
-                             f"tokens): no prompt would be compressed (that is fullkv); use a budget below {context}")
-        if method is None or not method.needs_budget or method.budget_aliases or not context:
+        context = model.context_window
+        if method is None or not method.sizing.evicts or not context:
             return
         if method.protected_tokens >= context:
             raise ValueError(f"window_size {method.window_size} + num_sinks {self.num_sinks} = {method.protected_tokens} "
                              f"tokens every head keeps whatever their scores is at least the model's context window "
                              f"({context} tokens): every token of any prompt would be kept (that is fullkv); use "
                              f"window_size + num_sinks < {context}")
-        ratio = method.budget_ratio
-        if ratio is not None and method.decode is None and prompt_kept(method, context) >= context:
-            raise ValueError(f"budget_ratio (max_capacity_prompts_ratio) {ratio!r} keeps round({ratio!r} x {context}) = "
-                             f"{context} tokens of a prompt as long as the model's context window ({context} tokens), "
-                             f"so no prompt would be compressed (that is fullkv); use a budget_ratio <= "
-                             f"{(context - 1) / context:.6g}")
 
     def check_prompt(self, prompt_len: int, method=None) -> None:
-        if method is None or not method.needs_budget or fixed_budget(method) is not None:
+        if method is None or not method.sizing.evicts or fixed_budget(method) is not None:
             return
         kept = prompt_kept(method, prompt_len)
         if kept < prompt_len:

@@ -61,12 +61,10 @@ def left_padding_lengths(attention_mask: Optional[torch.Tensor], batch_size: int
 class CompressedCache(Cache):
     """A transformers `Cache` whose prompt part is compressed by a method at prefill."""
 
-    def __init__(self, method: CompressionMethod, shape: ModelShape, rotation: Optional[KeyRotation] = None,
-                 threshold: Optional[float] = None):
+    def __init__(self, method: CompressionMethod, shape: ModelShape, rotation: Optional[KeyRotation] = None):
         """shape: the model's shape the method was checked against (ScoreContext.model), with its attention form
         (`form`: scale, soft-cap, sliding windows), which every store and scorer reads from here; rotation: the
-        model's RoPE on keys (the glue's `key_rotation`), needed by quantizers that store keys before RoPE;
-        threshold: decode-time threshold eviction's (head_allocation threshold with threshold_decoding), None: none."""
+        model's RoPE on keys (the glue's `key_rotation`), needed by quantizers that store keys before RoPE."""
         super().__init__()
         self.method = method
         self.model_shape = shape
@@ -93,7 +91,7 @@ class CompressedCache(Cache):
             raise ValueError(f"{method.name}: the paired store holds no sliding-window layer and applies no soft-cap")
         # A sliding layer's store drops what leaves the window: one that cannot is replaced by full precision.
         self.sliding_class = self.store_class if "reselect" in self.store_class.abilities else FullPrecisionStore
-        self.decoding = decoder_for(method, self.layers, self.model_shape, self.stored_heads, rotation, threshold)
+        self.decoding = decoder_for(method, self.layers, self.model_shape, self.stored_heads, rotation)
         self.setup: Optional[StoreSetup] = None
         self.stopped_bytes: dict[int, int] = {}   # per prompt that stopped early, its bytes then (record_stop)
         self.reconstruction: Optional[Reconstruction] = None   # a reconstructing method's repeat passes (KVzip)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from pyramidkv.merging.base import MergeRule
     from pyramidkv.quantization.base import Quantizer
     from pyramidkv.sparse_prefill.base import PrefillPattern, SparsePrefill
+    from pyramidkv.sizing import Sizing
 
 
 @dataclass
@@ -114,6 +115,7 @@ class CompressionMethod(Protocol):
     window_size: int
     gqa_layout: str                         # "kv_head" | "query_head"
     gqa_reduce: str                         # "mean" | "max" | "sum"
+    sizing: "Sizing"                        # tokens a head keeps: per_prompt(n, method), decode_threshold()
     selection: "Selection"                  # sinks and the random share of the one selection rule
     merge: Optional["MergeRule"]
     quant_method: Optional["Quantizer"]
@@ -121,6 +123,7 @@ class CompressionMethod(Protocol):
     channels: Optional["ThinKChannels"]     # ThinK's thin keys (None: full width)
     pages: Optional["QuestPages"]           # Quest's decode-time pages (None: dense decode attention)
     layer_sharing: Optional["MiniCacheSharing"]  # MiniCache's merged layer pairs (None: none)
+    units: list                             # every unit on the method's axes that is on (store kinds, abilities)
 
     @property
     def layer_budgets_need_scores(self) -> bool:
@@ -131,9 +134,6 @@ class CompressionMethod(Protocol):
 
     def decode_score(self, ctx: DecodeScoreContext) -> torch.Tensor:
         """Importance of each held token at a decode-time re-selection (score()'s layout)."""
-
-    def prompt_budget(self, real_len: int) -> int:
-        """The per-layer budget (window included) for a prompt of real_len tokens (real_len: kept whole)."""
 
     def layer_budgets(self, budget: int, num_layers: int, prompt_len: int,
                       layer_scores: Optional[list[torch.Tensor]] = None) -> list:

@@ -99,7 +99,7 @@ class PromptCompressor:
         return 0 if self.edges is None else sum(self.edges[b])
 
     def nominal_budget(self, b: int) -> int:
-        return self.extra(b) + self.method.prompt_budget(self.real_lens[b] - self.extra(b))
+        return self.extra(b) + self.method.sizing.per_prompt(self.real_lens[b] - self.extra(b), self.method)
 
     def compressed(self, b: int) -> bool:
         return self.real_lens[b] > self.nominal_budget(b)

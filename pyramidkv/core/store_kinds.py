@@ -18,8 +18,7 @@ STORES: dict[str, type[LayerStore]] = {"full_precision": FullPrecisionStore, "pa
 def store_abilities(method: CompressionMethod) -> tuple[str, ...]:
     """The optional store abilities a configuration needs: its units' (a decode budget: reselect), and attention
     statistics when a decode budget re-selects by them (H2O, Scissorhands)."""
-    units = (method.decode, method.selection, method.channels, method.pages, method.layer_sharing)
-    needed = tuple(ability for unit in units if unit is not None for ability in unit.store_abilities)
+    needed = tuple(ability for unit in method.units for ability in getattr(unit, "store_abilities", ()))
     if method.decode is not None and (method.accumulates_attention or method.history_window is not None):
         needed += ("attention_statistics",)
     return needed
@@ -27,7 +26,4 @@ def store_abilities(method: CompressionMethod) -> tuple[str, ...]:
 
 def store_kind(method: CompressionMethod) -> str:
     """The store kind the method's units name (the first of them; a method refuses two different ones)."""
-    for unit in (method.pages, method.layer_sharing, method.quant_method):
-        if unit is not None:
-            return unit.store_kind
-    return "full_precision"
+    return next((unit.store_kind for unit in method.units if getattr(unit, "store_kind", None)), "full_precision")

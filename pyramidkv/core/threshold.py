@@ -1,4 +1,4 @@
-"""Threshold eviction while decoding (head_allocation threshold with threshold_decoding, allocation/threshold.py).
+"""Threshold eviction while decoding (a threshold sizing with threshold_decoding: pyramidkv/sizing/threshold.py).
 
 The prefill decided every prompt token before the recent window (W = the method's window_size): kept in a stored
 head iff its score there >= threshold. The window's tokens, and every token appended later, are PENDING: each was
@@ -131,10 +131,10 @@ class ThresholdDecoder:
         self.compressions[layer_idx] += 1
 
 
-def decoder_for(method: CompressionMethod, stores: list, model: ModelShape, stored_heads: int, rotation=None,
-                threshold: Optional[float] = None):
-    """The cache's decode-time compressor: a threshold decoder (threshold: not None, given by the model patch for
-    head_allocation threshold with threshold_decoding), a DecodeCompressor (decode_budget), or None."""
+def decoder_for(method: CompressionMethod, stores: list, model: ModelShape, stored_heads: int, rotation=None):
+    """The cache's decode-time compressor: a threshold decoder (the method's sizing applies a threshold while
+    decoding), a DecodeCompressor (decode_budget), or None."""
+    threshold = method.sizing.decode_threshold()
     if threshold is not None:
         return ThresholdDecoder(method, stores, model, threshold, rotation)
     if method.decode is None:

@@ -415,7 +415,7 @@ def _check_layout(path, spec: str, fresh: CompressedCache, cache: CompressedCach
     budgets, plans = expected.planned_budgets()
     if (budgets, plans) != (prompt.layer_budgets, prompt.head_plans):
         refuse(f"its layer budgets are {prompt.layer_budgets}, the method's {budgets}")
-    if cache.decoding is not None or not isinstance(method.head_allocation, UniformHeads):
+    if cache.decoding is not None or not isinstance(method.head_allocation, UniformHeads) or method.sizing.outcome:
         return
     for layer, store in enumerate(cache.layers):
         if store is None or cache.form.window(layer) is not None:

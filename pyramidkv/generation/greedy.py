@@ -26,7 +26,7 @@ class Generation:
     prompt_tokens: int          # real (unpadded) prompt length (context + question when fed as decode steps)
     new_tokens: int
     kv_bytes_per_prompt: int    # stored K/V bytes for this prompt after generation, all layers
-    # Where the budget is an outcome (head_allocation threshold): per layer and stored head the tokens held when
+    # Where the budget is an outcome (threshold eviction): per layer and stored head the tokens held when
     # the prompt stopped, and how many it had seen then (prompt + fed tokens); None otherwise.
     held_tokens: Optional[list[list[int]]] = None
     seen_tokens: Optional[int] = None
@@ -238,7 +238,7 @@ class _BytesAtStop(StoppingCriteria):
             answer = input_ids[row, self.width + question:].tolist()
             if answer and (answer[-1] in self.stops or len(answer) >= self.max_new_tokens):
                 self.cache.record_stop(row)
-                if self.cache.method.head_allocation.sets_budget and row not in self.held:
+                if self.cache.method.sizing.outcome and row not in self.held:
                     self.held[row] = _held_now(self.cache, row)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -250,9 +250,9 @@ def _held_now(cache, row: int) -> tuple[list[list[int]], int]:
 
 
 def _held(cache, row: int, at_stop: dict) -> tuple[Optional[list[list[int]]], Optional[int]]:
-    """What a Generation records of a budget that is an outcome (head_allocation threshold): held and seen tokens
+    """What a Generation records of a budget that is an outcome (threshold eviction): held and seen tokens
     when the prompt stopped (now, if it has not); (None, None) for a method with a budget."""
-    if not cache.method.head_allocation.sets_budget:
+    if not cache.method.sizing.outcome:
         return None, None
     return at_stop.get(row) or _held_now(cache, row)
 

@@ -34,7 +34,6 @@ RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multik
 NEEDLE, SHARED = "needle", "shared_context"
 TASKS = RULER_TASKS + (NEEDLE, SHARED)
 SHARED_TASK, SHARED_QUESTIONS, SHARED_MODE = "niah_multikey_1", 4, "multi_request"
-READ_METHODS = ("quest",)
 DECODE_BUDGET_METHODS = ("scissorhands", "tova")
 BUDGET_SETTINGS = ("budget", "budget_ratio", "compression_ratio", "page_budget", "page_budget_ratio", "decode_budget")
 
@@ -106,8 +105,8 @@ def base_spec(spec: str) -> str:
 
 def entries_of(spec: str, ratios, context_length: int) -> list[Entry]:
     """The entries of one --methods spec (NAME or NAME:setting=value,...) under the grid's ratios."""
-    from pyramidkv.methods import get_method_class, method_spec, split_spec, takes_budget
-    from pyramidkv.methods.settings import build_method, read_settings
+    from pyramidkv.methods import get_method_class, method_spec, sizing_of, split_spec
+    from pyramidkv.methods.settings import build_method, default_units, read_settings
 
     name, items = split_spec(spec)
     cls = get_method_class(name)
@@ -115,17 +114,19 @@ def entries_of(spec: str, ratios, context_length: int) -> list[Entry]:
     if set(given) & set(BUDGET_SETTINGS):
         raise ValueError(f"--methods {spec}: the grid sets the budget ({', '.join(sorted(set(given) & set(BUDGET_SETTINGS)))} "
                          f"given); give the method without it and the fractions kept with --ratios")
-    if not takes_budget(cls, given.get("head_allocation")):
+    sizing, units = sizing_of(cls, given), default_units(cls)
+    if not sizing.reads_budget_flag(units):
         method = build_method(cls, given)
-        treatment = "outcome" if method.head_allocation.sets_budget else "fixed"
+        treatment = "outcome" if method.sizing.outcome else "fixed"
         return [Entry(method_spec(method), cls.name, treatment, None)]
+    treatment = "read" if sizing.budget_names(units) else "ratio"   # quest: the ratio is the page budget read
     out = []
     for ratio in ratios:
-        budget = {"page_budget_ratio" if cls.name in READ_METHODS else "budget_ratio": ratio}
+        budget = {"budget_ratio": ratio}
         if cls.name in DECODE_BUDGET_METHODS:
             budget["decode_budget"] = max(1, round(ratio * context_length))
         method = build_method(cls, {**given, **budget})
-        out.append(Entry(method_spec(method), cls.name, "read" if cls.name in READ_METHODS else "ratio", ratio))
+        out.append(Entry(method_spec(method), cls.name, treatment, ratio))
     return out
 
 

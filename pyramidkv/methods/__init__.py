@@ -27,7 +27,8 @@ from pyramidkv.methods.pyramidkv import PyramidKV
 from pyramidkv.methods.qfilter import QFilter
 from pyramidkv.methods.quest import Quest
 from pyramidkv.methods.scissorhands import Scissorhands
-from pyramidkv.methods.settings import build_method, method_from_spec, method_spec, split_spec, takes_budget
+from pyramidkv.methods.settings import (budget_flag_applies, build_method, method_from_spec, method_spec, sizing_of,
+                                        split_spec)
 from pyramidkv.methods.snapkv import SnapKV
 from pyramidkv.methods.streamingllm import StreamingLLM
 from pyramidkv.methods.think import ThinK
@@ -144,5 +145,5 @@ def parse_method_spec(spec: str, budget: Optional[int] = None, **defaults) -> Me
         raise ValueError(f"method spec {spec!r}: {e}") from None
 
 
-__all__ = ["METHODS", "Method", "takes_budget", "ScoreContext", "make_method", "register_method", "get_method_class", "method_options",
+__all__ = ["METHODS", "Method", "budget_flag_applies", "sizing_of", "ScoreContext", "make_method", "register_method", "get_method_class", "method_options",
            "parse_method_spec", "method_spec", "canonical"]

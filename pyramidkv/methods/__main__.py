@@ -22,7 +22,7 @@ def method_table() -> str:
             if f.name in Method.flat_units:   # a capability: its settings where this method's default differs
                 unit = Method.flat_units[f.name]
                 before, after = flat_settings(unit, base[f.name]), flat_settings(unit, f.default)
-                shown.extend(f"`{k}={v!r}`" for k, v in after.items() if v != before[k])
+                shown.extend(f"`{k}={v!r}`" for k, v in after.items() if v != before.get(k) and v is not None)
             elif f.name not in COMMON or f.default != base[f.name]:
                 shown.append(f"`{f.name}={f.default!r}`")
         settings = ", ".join(shown)

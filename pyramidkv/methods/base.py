@@ -1,6 +1,7 @@
 """What a compression method is: a scorer plus units on composable axes, with its defaults in one dataclass.
 
-A method answers three questions:
+A method answers three questions, for the tokens its `sizing` keeps (pyramidkv/sizing: a budget in tokens, a
+ratio, everything, or what passes a threshold):
   * `score(ctx)`: how important each prompt token is (higher = keep), the one function to write;
   * its `layer_allocation`: how many tokens each layer keeps (`layer_budgets`);
   * its `head_allocation`: how a layer's tokens are split across its heads (`head_budgets`).
@@ -31,34 +32,35 @@ from pyramidkv.components import Component
 from pyramidkv.core.context import DecodeScoreContext, ScoreContext
 from pyramidkv.merging import make_merge_rule
 from pyramidkv.merging.base import MergeRule
-from pyramidkv.methods.composition import check_allocation, check_budget, check_nothing_evicted, check_units
+from pyramidkv.methods.composition import check_allocation, check_nothing_evicted, check_units
 from pyramidkv.quantization import make_quantizer
 from pyramidkv.quantization.base import Quantizer
 from pyramidkv.sparse_prefill import make_sparse_prefill
 from pyramidkv.sparse_prefill.base import SparsePrefill
+from pyramidkv.sizing import FlatSizing, Sizing, Tokens, make_sizing
 
 GQA_LAYOUTS = ("kv_head", "query_head")
 GQA_REDUCTIONS = ("mean", "max", "sum")
 CAPABILITY_AXES = ("decode", "selection", "channels", "pages", "layer_sharing")
-UNIT_MAKERS = {"head_allocation": make_head_allocation, "layer_allocation": make_layer_allocation,
+UNIT_MAKERS = {"sizing": make_sizing, "head_allocation": make_head_allocation, "layer_allocation": make_layer_allocation,
                "merge": make_merge_rule, "quant_method": make_quantizer, "prefill_attention": make_sparse_prefill,
                **{axis: (lambda name, axis=axis: make_capability(axis, name)) for axis in CAPABILITY_AXES}}
 
 
 @dataclass(frozen=True)
-class Method(Component):
-    """Base of all methods. Exactly one of budget and budget_ratio is set, except for methods keeping everything.
+class Method(Component, metaclass=FlatSizing):
+    """Base of all methods.
 
-    budget: tokens kept per layer per head of each prompt, observation window included.
-    budget_ratio: the budget as a fraction of each prompt's length, in (0, 1) (1 only with a decode budget); it must
-        give at least the window on every prompt.
+    sizing: how many tokens each head keeps (pyramidkv/sizing), chosen by the setting given: budget (tokens),
+        budget_ratio (a fraction of each prompt), threshold (what passes it); a method that keeps every token
+        has keep_all.
     window_size: the most recent prompt tokens, always kept (the observation window of the scorers
         that read attention).
     gqa_layout: kv_head keeps one set per KV head (scores reduced over the query group with
         gqa_reduce); query_head repeats K/V to the query heads first, as the published baselines do
         (costs g x the memory).
     gqa_reduce: how a query group's scores become one KV head's: mean, max or sum.
-    head_allocation: how a layer's budget is split across its heads, or none kept by score (pyramidkv.allocation).
+    head_allocation: how a layer's budget is split across its heads (pyramidkv.allocation).
     layer_allocation: how the budget is split across layers (pyramidkv.allocation).
     merge: what happens to evicted tokens: none drops them; a merge rule (pyramidkv.merging) folds them
         into the kept ones without changing which are kept.
@@ -79,7 +81,6 @@ class Method(Component):
     label_separator = "_"
     unlabelled = ("budget", "budget_ratio")
     setting_labels = {"budget": "budget (max_capacity_prompts)", "budget_ratio": "budget_ratio (max_capacity_prompts_ratio)"}
-    needs_budget: ClassVar[bool] = True
     # What the scorer reads besides q/k/v (core/context.py): the attention each held token accumulates while
     # decoding (H2O), the column sums of the prompt's attention from the prefill pass itself (H2O), each held
     # token's attention from the last w queries (Scissorhands), the model's RoPE (Expected Attention).
@@ -93,11 +94,9 @@ class Method(Component):
     token_scores: ClassVar[bool] = False    # a token's score reads that token alone (threshold decoding needs it)
     score_bounds: ClassVar[Optional[tuple[float, float]]] = None   # [low, high] every score lies in, if known
     refuses: ClassVar[dict[str, str]] = {}  # setting -> why it is refused (composition.check_refused; not in --help)
-    flat_units = {axis: capability_class(axis) for axis in CAPABILITY_AXES}
-    budget_aliases: ClassVar[dict[str, str]] = {}   # settings under another unit's name (Quest: page_budget)
+    flat_units = {"sizing": Sizing, **{axis: capability_class(axis) for axis in CAPABILITY_AXES}}
 
-    budget: Optional[int] = None
-    budget_ratio: Optional[float] = None
+    sizing: Sizing = Tokens()
     window_size: int = 32
     gqa_layout: str = "kv_head"
     gqa_reduce: str = "mean"
@@ -142,7 +141,7 @@ class Method(Component):
         other layer's entry is its stored heads' counts. layer_scores (per layer [H, candidates]) only for
         allocations that need them."""
         protected, whole = self.protected_tokens, self.whole_layers(num_layers)
-        if self.head_allocation.sets_budget:   # threshold: the window and sinks, then each head what passes
+        if self.sizing.outcome:   # threshold: the window and sinks, then each head what passes
             return [prompt_len if layer in whole else protected for layer in range(num_layers)]
         selected = self.layer_allocation.selected_per_layer(budget - protected, num_layers, prompt_len,
                                                             prompt_len - protected, layer_scores)
@@ -159,9 +158,11 @@ class Method(Component):
 
     def head_budgets(self, scores: torch.Tensor, layer_budget: int, layer_idx: int, model: ModelShape) -> list[int]:
         """Tokens kept by each stored head of a layer (window, sinks included; sum H x layer_budget); scores [H, cands]."""
+        protected = self.protected_tokens
+        if self.sizing.outcome:   # threshold: each head what passes
+            return [protected + count for count in self.sizing.selected_per_head(scores)]
         if isinstance(self.head_allocation, UniformHeads):
             return [layer_budget] * scores.shape[0]
-        protected = self.protected_tokens
         selected = self.head_allocation.selected_per_head(scores, layer_budget - protected, layer_idx, model, protected)
         return [protected + count for count in selected]
 
@@ -170,25 +171,25 @@ class Method(Component):
         """Tokens every compressed head keeps whatever their scores: the window and the sinks."""
         return self.window_size + self.selection.num_sinks
 
-    # --- budget handling ---------------------------------------------------------------------
     def prompt_budget(self, real_len: int) -> int:
-        """The per-layer budget for a prompt of `real_len` tokens (all of it for a method that keeps every token)."""
-        if not self.needs_budget:
-            return real_len
-        if self.head_allocation.sets_budget:   # threshold: every token but the sinks may go (the window's later)
-            return self.selection.num_sinks
-        if self.budget is not None:
-            return self.budget
-        return max(self.protected_tokens, round(self.budget_ratio * real_len), 1)
-
-    def budget_pair(self) -> tuple[Optional[int], Optional[float]]:
-        """(budget, budget_ratio) as the run folder and results name them (Quest: its page budget)."""
-        return tuple(self.setting(self.budget_aliases.get(name, name)) for name in ("budget", "budget_ratio"))
+        """The per-layer budget for a prompt of `real_len` tokens (its sizing's count; all of it for keep_all)."""
+        return self.sizing.per_prompt(real_len, self)
 
     def __getattr__(self, name: str):   # only for names that are no attribute: a capability's settings
         if name.startswith("_"):
             raise AttributeError(name)
         return self.setting(name)
+
+    def held_units(self) -> list[tuple[str, Component]]:
+        """(the setting that turns it on, unit) for every unit on the method's axes that is on, in field order: a
+        capability by its switch (page_budget), another unit by its axis (quant_method)."""
+        return [(getattr(unit, "switch", "") or axis, unit) for axis in UNIT_MAKERS
+                if (unit := getattr(self, axis)) is not None]
+
+    @property
+    def units(self) -> list[Component]:
+        """Every unit the method holds (what core/store_kinds.py asks for store kinds and abilities)."""
+        return [unit for _, unit in self.held_units()]
 
     @property
     def capabilities(self) -> list[Capability]:
@@ -201,6 +202,7 @@ class Method(Component):
         settings the head dim or dtype defeat, ..."""
         self.head_allocation.check_model(model)
         self.layer_allocation.check_model(model)
+        self.sizing.check_model(model, self)
         if self.quant_method is not None:
             self.quant_method.check_model(model.head_dim, model.dtype_bytes, model.context_window)
             self.quant_method.check_layers(model.form.windows)
@@ -227,14 +229,7 @@ class Method(Component):
             unit.check_prompt(prompt_len, self)
         if self.prefill_attention is not None:
             self.prefill_attention.check_prompt(prompt_len)
-        if self.budget_ratio is not None:
-            share = round(self.budget_ratio * prompt_len)
-            if share < max(self.window_size, 1):
-                needed = max(self.window_size, 1) / prompt_len
-                raise ValueError(f"budget_ratio (max_capacity_prompts_ratio) {self.budget_ratio:g} gives "
-                                 f"round({self.budget_ratio:g} x {prompt_len}) = {share} tokens on a {prompt_len}-token "
-                                 f"prompt, below the {max(self.window_size, 1)} the budget must hold (window_size "
-                                 f"{self.window_size}); use a ratio >= {needed:.4g} or a smaller window_size")
+        self.sizing.check_prompt(prompt_len, self)
 
     def validate(self) -> None:
         if self.gqa_layout not in GQA_LAYOUTS:
@@ -249,12 +244,10 @@ class Method(Component):
             raise ValueError(f"prefill_attention={self.prefill_attention.name!r} does not combine with {self.name}: its "
                              f"uniform level counts every key a prompt row attends, not a sparse head's")
         if self.quant_method is not None:
-            self.quant_method.check_budget(self.budget if self.needs_budget else None)
-        if not self.needs_budget or self.budget_aliases:
+            self.quant_method.check_budget(self.sizing.fixed_count())
+        if not self.sizing.evicts:   # the checks of a method that keeps every token: its own validate (fullkv.py)
             check_nothing_evicted(self)
-        if not self.needs_budget:   # the checks of a method that keeps every token: its own validate (fullkv.py)
             return
+        self.sizing.check_with(self)
         if self.merge is not None:
             self.merge.check_method(self)
-        if not (self.budget_aliases or self.head_allocation.sets_budget):
-            check_budget(self)

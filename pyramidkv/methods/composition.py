@@ -39,8 +39,7 @@ def check_units(method) -> None:
             if conflict.applies(method):
                 raise ValueError(f"{unit.title} does not combine with {conflict.setting}="
                                  f"{shown(method.setting(conflict.setting))} ({conflict.why.format(m=method)}); use one of them")
-    namers = [(name, unit) for name, unit in (("page_budget", method.pages), ("cross_layer_merge", method.layer_sharing),
-                                              ("quant_method", method.quant_method)) if unit is not None]
+    namers = [(name, unit) for name, unit in method.held_units() if getattr(unit, "store_kind", None)]
     if len(namers) > 1:
         (_, first), (second, other) = namers[:2]
         raise ValueError(f"{first.title} does not combine with {second}={shown(method.setting(second))} ({first.title} "
@@ -66,83 +65,10 @@ def check_nothing_evicted(method) -> None:
                              f"tokens an evicting method keeps); got {setting}={getattr(method, setting)!r}, leave it out")
 
 
-def check_budget(method) -> None:
-    """ValueError (one line) unless exactly one of budget and budget_ratio is set, in range, the budget holding the
-    window and the sinks."""
-    if (method.budget is None) == (method.budget_ratio is None):
-        raise ValueError(f"{method.name} needs exactly one of budget (max_capacity_prompts) or budget_ratio "
-                         f"(max_capacity_prompts_ratio); got budget={method.budget}, budget_ratio={method.budget_ratio}")
-    if method.budget is not None:
-        if method.budget < 1:
-            raise ValueError(f"budget (max_capacity_prompts) must be an integer >= 1, got {method.budget!r}")
-        if method.budget < method.protected_tokens:
-            raise ValueError(f"budget (max_capacity_prompts) {method.budget} is smaller than window_size "
-                             f"{method.window_size} + num_sinks {method.selection.num_sinks}; the budget includes the "
-                             f"window and the sinks, so it must be >= {method.protected_tokens}")
-    elif not (0.0 < method.budget_ratio <= 1.0):
-        raise ValueError(f"budget_ratio (max_capacity_prompts_ratio) must be in (0, 1], got {method.budget_ratio!r}")
-    elif method.budget_ratio == 1.0 and method.decode is None:
-        raise ValueError(f"budget_ratio (max_capacity_prompts_ratio) 1 keeps every prompt token: no prompt would be "
-                         f"compressed (that is fullkv); allowed: 0 < budget_ratio < 1 (1 only with a decode_budget, "
-                         f"which compresses while decoding)")
-
-
-def check_threshold(method, threshold) -> None:
-    """ValueError (one line) unless a threshold is given on the method's scores and some score can fall below it:
-    no default fits every scorer, so only a method whose own default is calibrated for its score (kvzap's) runs
-    without one; a method that knows the range of its scores (`score_bounds`) refuses one outside it."""
-    if threshold is None:
-        raise ValueError(f"head_allocation='threshold' on {method.name} needs a threshold on {method.name}'s raw "
-                         f"scores (no default fits every scorer: a token stays iff its score >= threshold); give one "
-                         f"with threshold=X (--threshold X), a value inside the range of {method.name}'s scores")
-    if method.score_bounds is None:
-        return
-    low, high = method.score_bounds
-    if not low < threshold <= high:
-        keeps = "every token (that is fullkv)" if threshold <= low else "no token outside the window and sinks"
-        raise ValueError(f"threshold {threshold!r}: every score of {method.name} lies in [{low:g}, {high:g}], so it "
-                         f"would keep {keeps}; allowed: {low:g} < threshold <= {high:g}")
-
-
 def check_allocation(method) -> None:
-    """ValueError (one line) if the head allocation cannot work with the method's other settings: one that spans
-    every layer beside a layer allocation; threshold eviction (no budget) with a budget, a method keeping every
-    token, a merge rule, or, deciding tokens while decoding, a scorer that reads more than the token or another
-    decode-time rule."""
+    """ValueError (one line) if a head allocation that spans every layer is beside a layer allocation. (What a
+    sizing cannot compose with is its own table: pyramidkv/sizing.)"""
     heads = method.head_allocation
-    if (heads.global_over_layers or heads.sets_budget) and method.layer_allocation.name != "uniform":
+    if heads.global_over_layers and method.layer_allocation.name != "uniform":
         raise ValueError(f"head_allocation={heads.name!r} decides every layer's tokens itself; it cannot be combined "
                          f"with layer_allocation={method.layer_allocation.name!r} (use layer_allocation='uniform')")
-    if not heads.sets_budget:
-        return
-    if not method.needs_budget:
-        raise ValueError(f"{method.name} keeps every token; head_allocation='threshold' evicts by score: use a scoring "
-                         f"method (e.g. kvzap, snapkv) with it")
-    for setting in ("budget", "budget_ratio"):
-        if getattr(method, setting) is not None:
-            raise ValueError(f"head_allocation='threshold' keeps each token whose score passes its threshold, so the "
-                             f"budget is an outcome: leave out "
-                             f"{method.setting_labels.get(setting, setting)}, got {getattr(method, setting)!r}")
-    if method.merge is not None:
-        raise ValueError(f"head_allocation='threshold' drops what fails its threshold; it does not combine with "
-                         f"merge={method.merge.name!r}")
-    if method.selection.random_fraction:
-        raise ValueError(f"head_allocation='threshold' keeps exactly what passes its threshold; it does not combine "
-                         f"with random_fraction={method.selection.random_fraction:g}")
-    if method.layer_sharing is not None:
-        raise ValueError("head_allocation='threshold' decides each layer by its own scores; it does not combine with "
-                         "cross_layer_merge (a merged pair selects on the sum of two layers' scores)")
-    check_threshold(method, heads.threshold)
-    if not heads.threshold_decoding:
-        return
-    if not method.token_scores:
-        raise ValueError(f"threshold_decoding decides each token when it leaves the window by the score it got on "
-                         f"entering, which needs a score that reads the token alone; {method.name}'s reads other "
-                         f"tokens' queries or keys: use threshold_decoding=false (decide the prompt only) or a per-token "
-                         f"scorer (kvzap, qfilter, kvzip_head, duo_attention)")
-    for setting, unit in (("decode_budget", method.decode), ("page_budget", method.pages),
-                          ("cross_layer_merge", method.layer_sharing), ("quant_method", method.quant_method),
-                          ("key_channel_ratio", method.channels)):
-        if unit is not None:
-            raise ValueError(f"threshold_decoding evicts tokens while decoding; it does not combine with {setting} "
-                             f"(use threshold_decoding=false to decide the prompt only)")

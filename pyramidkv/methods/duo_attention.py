@@ -8,7 +8,7 @@ official format (`full_attention_heads.tsv`: L rows of Hkv tab-separated floats,
 scripts/calibrate_duo.py (the authors' gate optimisation) or scored on the fly (kvpress's variant); the share
 `streaming_share` of the L x Hkv heads with the lowest gates stream.
 
-On the threshold engine (allocation/threshold.py): every token of a retrieval head scores 1.0, of a streaming head
+On the threshold engine (sizing/threshold.py): every token of a retrieval head scores 1.0, of a streaming head
 0.0, kept iff >= 0.5 once out of the window; sinks and window are the selection's sinks and the method's window.
 """
 
@@ -23,8 +23,8 @@ from typing import ClassVar, Optional
 import numpy as np
 import torch
 
-from pyramidkv.allocation.base import HeadAllocation, ModelShape
-from pyramidkv.allocation.threshold import ThresholdHeads
+from pyramidkv.allocation.base import ModelShape
+from pyramidkv.sizing import Sizing, Threshold
 from pyramidkv.capabilities import Selection
 from pyramidkv.core.context import ScoreContext
 from pyramidkv.methods.base import Method
@@ -145,7 +145,7 @@ class DuoAttention(Method):
 
     window_size: int = 256
     selection: Selection = Selection(num_sinks=64)
-    head_allocation: HeadAllocation = ThresholdHeads(threshold=0.5)
+    sizing: Sizing = Threshold(threshold=0.5)
     streaming_share: float = 0.5
     duo_pattern: Optional[str] = None
     duo_selection: str = "quantile"
@@ -159,10 +159,11 @@ class DuoAttention(Method):
                              "allowed: 0 < streaming_share <= 1")
         if self.duo_selection not in SELECTIONS:
             raise ValueError(f"duo_selection must be one of {'|'.join(SELECTIONS)}, got {self.duo_selection!r}")
-        if not isinstance(self.head_allocation, ThresholdHeads) or not 0.0 < self.head_allocation.threshold <= 1.0:
-            raise ValueError(f"duo_attention scores a retrieval head's tokens 1 and a streaming head's 0: "
-                             f"head_allocation must be threshold with 0 < threshold <= 1, got "
-                             f"{self.head_allocation.label()!r}")
+        if not isinstance(self.sizing, Threshold) or self.sizing.threshold is None \
+                or not 0.0 < self.sizing.threshold <= 1.0:
+            got = ", ".join(f"{k}={v!r}" for k, v in self.sizing.settings().items() if v is not None) or "none"
+            raise ValueError(f"duo_attention scores a retrieval head's tokens 1 and a streaming head's 0: it evicts "
+                             f"by a threshold with 0 < threshold <= 1, got {got}")
         super().validate()
 
     def streaming(self, model: Optional[ModelShape]) -> torch.Tensor:

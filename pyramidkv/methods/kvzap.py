@@ -1,6 +1,6 @@
 """KVzap (Jégou and Jeblick, 2026, arXiv 2601.07891): a small per-layer predictor reads each token's attention
 input (the hidden state after the layer's input norm) and predicts, per KV head, the log of the importance KVzip+
-would give that token; with threshold eviction (DMS's rule, pyramidkv/allocation/threshold.py) a token outside the
+would give that token; with threshold eviction (DMS's rule, pyramidkv/sizing/threshold.py) a token outside the
 recent window stays iff its predicted log score >= threshold.
 
 The predictor is `Linear(E, Hkv)` (`kvzap_model="linear"`) or `Linear(E, 512) -> GELU -> Linear(512, Hkv)` ("mlp"),
@@ -18,10 +18,10 @@ from typing import ClassVar, Optional
 
 import torch
 
-from pyramidkv.allocation.base import HeadAllocation, ModelShape
-from pyramidkv.allocation.threshold import ThresholdHeads
+from pyramidkv.allocation.base import ModelShape
 from pyramidkv.core.context import ScoreContext
 from pyramidkv.methods.base import Method
+from pyramidkv.sizing import Sizing, Threshold
 from pyramidkv.methods.calibrated import artifact_path, checked_artifact
 
 KVZAP_MODELS = ("linear", "mlp")
@@ -66,8 +66,8 @@ def _predictor(where, tensors: dict, record: dict, model: ModelShape) -> dict[st
 class KVzap(Method):
     """KVzap's scorer: per KV head the predicted log importance of each token, from its attention input alone.
     Threshold eviction by default (kvpress's DMSPress(KVzapPress)): a token out of the last window_size tokens
-    stays iff its score >= threshold; no sinks. Any other head allocation takes a budget (kvpress's kvzap_mlp_head
-    is head_allocation=uniform, kvzap_mlp_layer head_allocation=adakv).
+    stays iff its score >= threshold; no sinks. Given a budget it keeps that many by score (kvpress's kvzap_mlp_head
+    is budget=N, kvzap_mlp_layer budget=N with head_allocation=adakv).
 
     kvzap_model: the predictor, linear (Linear(E, Hkv) per layer) or mlp (Linear(E, 512) -> GELU ->
         Linear(512, Hkv) per layer).
@@ -80,7 +80,7 @@ class KVzap(Method):
     token_scores: ClassVar[bool] = True
     path_settings = ("kvzap_path",)
     window_size: int = 128
-    head_allocation: HeadAllocation = ThresholdHeads(threshold=DEFAULT_THRESHOLD)
+    sizing: Sizing = Threshold(threshold=DEFAULT_THRESHOLD)
     kvzap_model: str = "linear"
     kvzap_path: Optional[str] = None
 
@@ -95,7 +95,7 @@ class KVzap(Method):
         if self.decode is not None:
             raise ValueError(f"{self.name} does not combine with decode_budget={self.decode.decode_budget}: a "
                              f"re-selection re-scores held tokens, whose attention inputs are gone; use "
-                             f"head_allocation=threshold (threshold_decoding decides each token as it leaves the window)")
+                             f"threshold eviction (threshold_decoding decides each token as it leaves the window)")
         super().validate()
 
     def packaged_files(self, model: Optional[ModelShape]) -> dict[str, str]:

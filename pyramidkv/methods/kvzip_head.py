@@ -4,7 +4,7 @@ KVzip pair score (kvzip's repeat-pass attention, maximised over the query group)
 calibration sample got there (scripts/kvzip_head_scores.py; several samples: their elementwise maximum), and every
 token of a head scores its head's score. No repeat pass runs at inference.
 
-With one threshold (head_allocation "threshold") a head above it keeps the whole prompt outside the window and one
+With one threshold (threshold=X, pyramidkv/sizing/threshold.py) a head above it keeps the whole prompt outside the window and one
 below keeps none of it: the authors' rule (kept heads keep all of the context, the others none). With
 head_allocation "global" (the default, as kvzip) the best heads are kept whole and one boundary head keeps only
 part: its most recent tokens (the tie order inside a head is by position).

@@ -11,9 +11,14 @@ by its field when no other axis and no method has a field of that name
 qualified name (`head_beta`). A bare name that units on two axes share (`seed`: CaM and GEAR) must be
 qualified when both are chosen; otherwise it goes to the one chosen unit that has it.
 
-Aliases: a method's budget aliases (Quest: `budget` is its `page_budget`) and kvpress's `compression_ratio`,
-the fraction of the cache removed, read as `budget_ratio = 1 - compression_ratio` (refused with a budget or
-budget_ratio). A name is given once (an alias and its setting together are refused).
+The sizing (pyramidkv/sizing) is flat too, and its kind is chosen by the setting given: `budget` (tokens),
+`budget_ratio` (ratio), `threshold` / `threshold_decoding` (threshold); two kinds at once are refused. On a method
+that keeps every token a unit reading a budget per step takes the budget names (Quest: `budget` is its
+`page_budget`); the legacy `head_allocation=threshold` of older specs chooses the threshold kind.
+
+Aliases: kvpress's `compression_ratio`, the fraction of the cache removed, read as `budget_ratio = 1 -
+compression_ratio` (refused with a budget or budget_ratio). A name is given once (an alias and its setting
+together are refused).
 
 The spec `NAME[:setting=value,...]` uses these names; values are read by each field's type (integers in ASCII
 digits, finite numbers in ASCII, booleans true/false, none for None; a string holding `,` `=` `:` or `"` is
@@ -35,9 +40,10 @@ from pyramidkv.allocation import HEAD_ALLOCATIONS, LAYER_ALLOCATIONS, make_head_
 from pyramidkv.capabilities import CAPABILITIES, make_capability
 from pyramidkv.components import flat_settings, parse_setting, setting_text
 from pyramidkv.merging import MERGE_RULES, make_merge_rule
-from pyramidkv.methods.base import Method
+from pyramidkv.methods.base import CAPABILITY_AXES, Method
 from pyramidkv.quantization import QUANTIZERS, make_quantizer
 from pyramidkv.sparse_prefill import SPARSE_PREFILLS, make_sparse_prefill
+from pyramidkv.sizing import SIZING_SETTINGS, SIZINGS, Sizing, choose_sizing, make_sizing
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,7 @@ _AXIS_FIELDS: dict[tuple, dict[str, list[str]]] = {}
 
 
 AXES = (
+    Axis("sizing", SIZINGS, "", "sizing", make_sizing, flat=True),
     Axis("head_allocation", HEAD_ALLOCATIONS, "head_", "head allocation", make_head_allocation),
     Axis("layer_allocation", LAYER_ALLOCATIONS, "layer_", "layer allocation", make_layer_allocation),
     Axis("merge", MERGE_RULES, "merge_", "merge rule", make_merge_rule),
@@ -160,7 +167,8 @@ def resolve(cls: type[Method], key: str, chosen: dict[str, Optional[type]]) -> t
         return qualified[key]
     having = [axis for axis in AXES if key in axis.fields()]
     if not having:
-        raise ValueError(f"{cls.name} has no setting {key!r}; its settings are: {', '.join(own)}, plus those of "
+        names = [*SIZING_SETTINGS, *(name for name in own if name != "sizing")]
+        raise ValueError(f"{cls.name} has no setting {key!r}; its settings are: {', '.join(names)}, plus those of "
                          f"its units ({_unit_settings_hint(own)})")
     picked = [axis for axis in having if chosen[axis.field] is not None
               and key in {f.name for f in dataclasses.fields(chosen[axis.field])}]
@@ -193,7 +201,12 @@ def build_method(cls: type[Method], settings: dict, label=None) -> Method:
     label = label or (lambda name: name)
     own_fields = _method_fields(cls)
     settings = _resolve_aliases(cls, settings, label)
+    sizing = {k: settings.pop(k) for k in list(settings) if k in SIZING_SETTINGS}
     own = {k: v for k, v in settings.items() if k in own_fields}
+    if sizing or isinstance(own.get("sizing"), str):
+        own["sizing"] = choose_sizing(own.get("sizing", own_fields["sizing"].default), sizing, label, cls.name)
+        if own["sizing"].outcome:   # the threshold decides the heads' shares
+            own.setdefault("head_allocation", "uniform")
     chosen = {axis.field: _chosen_unit(axis, own.get(axis.field, own_fields[axis.field].default)) for axis in AXES}
     per_axis: dict[str, dict] = {axis.field: {} for axis in AXES}
     names: dict[tuple[str, str], str] = {}
@@ -244,16 +257,19 @@ def _resolve_aliases(cls: type[Method], settings: dict, label) -> dict:
     the switches that are no field (cross_layer_merge=true -> layer_sharing='minicache', false -> None)."""
     out, given = {}, {}
     if COMPRESSION_RATIO in settings:
-        budgets = [f"{label(k)}={settings[k]!r}" for k in ("budget", "budget_ratio", *cls.budget_aliases.values())
+        budgets = [f"{label(k)}={settings[k]!r}" for k in ("budget", "budget_ratio", *budget_names(cls).values())
                    if k in settings]
         if budgets:
             raise ValueError(f"{label(COMPRESSION_RATIO)}={settings[COMPRESSION_RATIO]!r} and {' and '.join(budgets)} "
                              f"both give the budget "
                              f"({COMPRESSION_RATIO} is kvpress's fraction removed, 1 - budget_ratio); give one")
+    names = budget_names(cls)
     for key, value in settings.items():
         if key == COMPRESSION_RATIO:
             key, value = "budget_ratio", _complement(value, label(key))
-        target = cls.budget_aliases.get(key, key)
+        if (key, str(value).lower()) == LEGACY_THRESHOLD:
+            key = "sizing"
+        target = names.get(key, key)
         axis = SWITCHES.get(key) or FIELD_SWITCHES.get(target)
         if axis is not None and (key in SWITCHES or value == axis.unit.switch_off):  # on / off by its switch
             target = axis.field
@@ -266,6 +282,9 @@ def _resolve_aliases(cls: type[Method], settings: dict, label) -> dict:
         out[target], given[target] = value, key
     return out
 
+
+# Specs before threshold eviction became a sizing chose it as head_allocation=threshold: read as sizing=threshold.
+LEGACY_THRESHOLD = ("head_allocation", "threshold")
 
 # kvpress's compression ratio, the fraction of the cache removed: an alias of budget_ratio = 1 - it.
 COMPRESSION_RATIO = "compression_ratio"
@@ -338,7 +357,7 @@ def annotation_of(cls: type[Method], key: str, chosen: dict[str, Optional[type]]
         return bool
     if key == COMPRESSION_RATIO:
         return float
-    key = key if key in _method_fields(cls) else cls.budget_aliases.get(key, key)
+    key = key if key in _method_fields(cls) else budget_names(cls).get(key, key)
     axis, setting = resolve(cls, key, chosen)
     owner = cls if axis is None else chosen[axis.field]
     if owner is None or setting not in {f.name for f in dataclasses.fields(owner)}:
@@ -350,6 +369,8 @@ def read_settings(cls: type[Method], items: list[tuple[str, str]], label=None) -
     """Text values of a spec (or command line) read by their fields' types: {name: value}."""
     label = label or (lambda name: name)
     own_fields = _method_fields(cls)
+    items = [("sizing", raw) if (key, str(raw).strip().lower()) == LEGACY_THRESHOLD else (key, raw)
+             for key, raw in items]
     seen: set = set()
     for key, _ in items:
         if key in seen:
@@ -381,10 +402,13 @@ def method_spec(method: Method) -> str:
             if value != default:
                 parts.append((name, value))
             continue
+        if isinstance(value, Sizing):
+            parts.extend(value.changes(default))
+            continue
         if axis.flat:
             unit = type(value) if value is not None else type(default) if default is not None else axis.unit
             before, after = flat_settings(unit, default), flat_settings(unit, value)
-            aliases = {v: k for k, v in type(method).budget_aliases.items()}
+            aliases = {v: k for k, v in budget_names(type(method)).items()}
             parts.extend((aliases.get(k, k), v) for k, v in after.items() if v != before.get(k))
             continue
         if value is None:
@@ -407,15 +431,42 @@ def _quote(text: str) -> str:
     return json.dumps(text) if (not text or any(c in text for c in ',=:"') or text != text.strip()) else text
 
 
-def takes_budget(cls: type[Method], head_allocation=None) -> bool:
-    """Whether the method takes a budget with `head_allocation` (a name or unit; None: its default): not one keeping
-    every token (fullkv, minicache, ...), nor one whose head allocation decides the counts itself (threshold: kvzap's
-    and duo_attention's default)."""
-    heads = head_allocation if head_allocation is not None else \
-        next(f.default for f in dataclasses.fields(cls) if f.name == "head_allocation")
-    if isinstance(heads, str):
-        heads = HEAD_ALLOCATIONS.get(heads.lower())
-    return cls.needs_budget and not getattr(heads, "sets_budget", False)
+def default_units(cls: type[Method]) -> list:
+    """The capability units a method class has on by default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    return [defaults[axis] for axis in CAPABILITY_AXES if defaults[axis] is not None]
+
+
+def budget_names(cls: type[Method]) -> dict[str, str]:
+    """{budget name: the unit setting it stands for} on a method whose default sizing lends the budget to a unit
+    (quest: budget -> page_budget); {} otherwise."""
+    default = {f.name: f.default for f in dataclasses.fields(cls)}["sizing"]
+    return default.budget_names(default_units(cls))
+
+
+def sizing_of(cls: type[Method], settings: Optional[dict] = None) -> Sizing:
+    """The sizing `cls` gets from `settings` (read_settings' {name: value}) without a budget given by a runner:
+    the kind they name over the class default (the legacy head_allocation=threshold included)."""
+    settings = settings or {}
+    default = {f.name: f.default for f in dataclasses.fields(cls)}["sizing"]
+    if isinstance(settings.get("head_allocation"), str) and settings["head_allocation"].lower() == "threshold":
+        default = make_sizing("threshold")
+    given = {k: v for k, v in settings.items() if k in SIZING_SETTINGS and k not in budget_names(cls)}
+    if COMPRESSION_RATIO in settings:
+        given.setdefault("budget_ratio", None)   # kvpress's fraction removed names a ratio
+    try:
+        return choose_sizing(settings.get("sizing", default), given)
+    except (TypeError, ValueError):
+        return default
+
+
+def budget_flag_applies(cls: type[Method], settings: Optional[dict] = None) -> bool:
+    """Whether the runners' budget flag (--max_capacity_prompts) sets a budget of `cls` given `settings`: its sizing
+    (or a unit reading a budget, quest's pages) takes one, and the settings give none."""
+    settings = settings or {}
+    if {"budget", "budget_ratio", COMPRESSION_RATIO} & set(settings):
+        return False
+    return sizing_of(cls, settings).reads_budget_flag(default_units(cls))
 
 
 def method_from_spec(cls: type[Method], items: list[tuple[str, str]], budget: Optional[int] = None,
@@ -424,8 +475,7 @@ def method_from_spec(cls: type[Method], items: list[tuple[str, str]], budget: Op
     nor budget_ratio, each of `defaults` when the method has that setting and the spec does not give it."""
     settings = read_settings(cls, items)
     own = _method_fields(cls)
-    if budget is not None and takes_budget(cls, settings.get("head_allocation")) and \
-            not {"budget", "budget_ratio", COMPRESSION_RATIO} & set(settings):
+    if budget is not None and budget_flag_applies(cls, settings):
         settings["budget"] = budget
     for key, value in defaults.items():
         if key in own and key not in settings:

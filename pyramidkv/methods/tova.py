@@ -56,6 +56,9 @@ class TOVA(Method):
             raise ValueError("tova evicts while decoding (one token per step once a layer holds its budget); "
                              "decode_budget=None would never evict: give decode_budget >= 1 or leave it out (the "
                              "budget)")
+        if self.sizing.outcome:
+            raise ValueError("tova evicts by the newest query's attention as it decodes, to a token budget; it does not "
+                             "combine with threshold eviction (a count that is an outcome): give budget or budget_ratio")
         if self.decode.decode_budget is None and self.budget is None:
             raise ValueError(f"tova with budget_ratio (max_capacity_prompts_ratio) {self.budget_ratio!r} needs "
                              f"decode_budget (the tokens a layer holds while decoding, one number for every prompt); "

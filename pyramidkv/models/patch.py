@@ -164,16 +164,10 @@ class CompressionPatch:
         method (KVzip) repeats."""
         needed = self.method.quant_method is not None or self.method.needs_rotation
         rotation = self.glue.key_rotation(self.model) if needed else None
-        cache = CompressedCache(self.method, self.shape, rotation=rotation, threshold=self.decode_threshold())
+        cache = CompressedCache(self.method, self.shape, rotation=rotation)
         if self.method.reconstructs and prompts is not None:
             cache.reconstruction = self.method.reconstruction(prompts, tokenizer)
         return cache
-
-    def decode_threshold(self) -> Optional[float]:
-        """The threshold the cache applies while decoding (head_allocation threshold with threshold_decoding), or
-        None."""
-        heads = self.method.head_allocation
-        return heads.threshold if heads.sets_budget and heads.threshold_decoding else None
 
     def _provide_cache(self, module, args, kwargs):
         cache = kwargs.get("past_key_values")

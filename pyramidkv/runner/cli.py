@@ -30,7 +30,7 @@ from pyramidkv.components import parse_setting, setting_help
 from pyramidkv.methods import METHODS, Method, canonical, get_method_class
 from pyramidkv.components import flat_settings
 from pyramidkv.methods.settings import (AXES, AXIS_BY_FIELD, COMPRESSION_RATIO, SWITCHES, bare_unit_names,
-                                        build_method, read_settings, split_spec)
+                                        LEGACY_THRESHOLD, build_method, default_units, read_settings, split_spec)
 from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
 from pyramidkv.models.patch import ATTENTION_IMPLEMENTATIONS, MODEL_GLUE
 from pyramidkv.models.loading import supported_models
@@ -142,6 +142,8 @@ def setting_flags(taken: set[str] = frozenset(), scope: HelpScope | None = None)
             continue
         axis = AXIS_BY_FIELD.get(key)
         choices = tuple(axis.registry) + ("none",) if axis is not None else ()
+        if key == LEGACY_THRESHOLD[0]:   # --head_allocation threshold, from before threshold eviction was a sizing
+            choices += (LEGACY_THRESHOLD[1],)
         flags = [f for f in (*FLAG_ALIASES.get(key, ()), f"--{key}") if f not in taken]
         if not owners:
             out.append(SettingFlag(key, tuple(flags), annotations[key], "", choices, shown=False))
@@ -154,10 +156,13 @@ def setting_flags(taken: set[str] = frozenset(), scope: HelpScope | None = None)
         out.append(SettingFlag(key, tuple(flags), annotations[key], f"{text} [{_defaults_text(owners)}]", choices,
                                shown=shown))
     if "--compression_ratio" not in taken:
-        budgeted = scope is None or "budget_ratio" in {f.name for f in dataclasses.fields(scope.cls)}
+        budgeted = scope is None or scope.cls.sizing.evicts
         out.append(SettingFlag(COMPRESSION_RATIO, ("--compression_ratio",), float, COMPRESSION_HELP, shown=budgeted))
     bare = bare_unit_names(method_fields)
     for axis in AXES:
+        if axis.flat and len(axis.registry) > 1:   # the sizing: a kind per setting given
+            out.extend(_kind_flags(axis, taken, scope))
+            continue
         if axis.flat:
             out.extend(_capability_flags(axis, taken, scope))
             continue
@@ -210,6 +215,26 @@ def _capability_flags(axis, taken: set[str], scope: HelpScope | None = None) -> 
         text += f" ({ALIAS_HELP[setting]})" if setting in ALIAS_HELP else ""
         out.append(SettingFlag(setting, flags, annotation, f"{text} [{_defaults_text(defaults)}]",
                                shown=not refused and (is_on or setting == unit.switch)))
+    return out
+
+
+def _kind_flags(axis, taken: set[str], scope: HelpScope | None = None) -> list[SettingFlag]:
+    """The settings of a flat axis whose kind is chosen by the setting given (the sizing: budget, budget_ratio,
+    threshold, threshold_decoding), each default read from every method's own unit (none where its kind lacks
+    it). With a scope: shown when the method's default sizing evicts (or lends the budget to a unit: quest)."""
+    methods = {scope.cls.name: scope.cls} if scope is not None else METHODS
+    per_method = {name: {f.name: f.default for f in dataclasses.fields(cls)}[axis.field] for name, cls in methods.items()}
+    out = []
+    for kind in axis.registry.values():
+        helps, hints = setting_help(kind), _type_hints(kind)
+        for f in dataclasses.fields(kind):
+            flags = tuple(x for x in (*FLAG_ALIASES.get(f.name, ()), f"--{f.name}") if x not in taken)
+            defaults = {name: unit.settings().get(f.name) for name, unit in per_method.items()}
+            lends = scope is not None and kind.budget_kind and \
+                bool(per_method[scope.cls.name].budget_names(default_units(scope.cls)))
+            shown = scope is None or ((per_method[scope.cls.name].evicts or lends) and f.name not in scope.cls.refuses)
+            out.append(SettingFlag(f.name, flags, hints[f.name], f"{helps.get(f.name, '')} [{_defaults_text(defaults)}]",
+                                   shown=shown))
     return out
 
 
@@ -357,31 +382,6 @@ def _error_without(cls, settings: dict, key: str) -> str:
     return ""
 
 
-def budget_label(method: Method) -> str:
-    """The budget part of the output folder name: 128, r0.25, threshold (the budget is an outcome), or full."""
-    if method.head_allocation.sets_budget:
-        return "threshold"
-    budget, ratio = method.budget_pair()
-    if budget is not None:
-        return str(budget)
-    if ratio is not None:
-        return f"r{ratio:g}"
-    return "full"
-
-
-def budget_value(method: Method):
-    """The budget as results.json records it: an int, "r<ratio>", "threshold" (an outcome: the rows and RULER's
-    kept_share record what was achieved), or None for the full cache."""
-    if method.head_allocation.sets_budget:
-        return "threshold"
-    budget, ratio = method.budget_pair()
-    if budget is not None:
-        return budget
-    if ratio is not None:
-        return f"r{ratio:g}"
-    return None
-
-
 def recorded_method_label(meta: dict, folder: Path) -> str:
     """The method label (as results.json and the folder name give it: snapkv_merge=pivot) of a run from its
     run_meta.json's method_spec; the method folder's name where the record has none."""
@@ -394,6 +394,23 @@ def recorded_method_label(meta: dict, folder: Path) -> str:
         except (ValueError, TypeError):
             pass
     return Path(folder).name
+
+
+def recorded_budget(meta: dict):
+    """The budget (as results.json records it: 128, "r0.25", "threshold", None) of a run from its run_meta.json:
+    its method_spec's sizing; where the record has no readable spec, its description's budget or budget_ratio."""
+    from pyramidkv.methods import parse_method_spec
+
+    spec = meta.get("method_spec") if isinstance(meta, dict) else None
+    if isinstance(spec, str):
+        try:
+            method = parse_method_spec(spec)
+            return method.sizing.recorded(method)
+        except (ValueError, TypeError):
+            pass
+    described = (meta.get("method") if isinstance(meta, dict) else None) or {}
+    ratio = described.get("budget_ratio")
+    return described.get("budget") if ratio is None else f"r{ratio:g}"
 
 
 def model_label(model_path: str) -> str:
@@ -412,7 +429,7 @@ def run_dir(save_dir: str, model_path: str, method: Method, question_as_decode: 
     and QUESTION_AS_DECODE_SUFFIX when the question is fed as decode steps, `_{mode}` under --shared_context."""
     folder = method.label() + (QUESTION_AS_DECODE_SUFFIX if question_as_decode else "")
     folder += f"_{shared_context}" if shared_context else ""
-    return Path(save_dir) / f"{model_label(model_path)}_{budget_label(method)}" / folder
+    return Path(save_dir) / f"{model_label(model_path)}_{method.sizing.folder_part(method)}" / folder
 
 
 def check_model_args(args: argparse.Namespace, method: Method | None = None):

@@ -248,7 +248,7 @@ def fingerprint_differences(old: dict, new: dict, argument_defaults: Optional[di
             a = {k: v for k, v in a.items() if (k not in LEGACY_METHOD_ARGS or k in b) and (k in b or v is not None)}
             a.update({k: defaults[k] for k in b if k not in a and k in defaults and b[k] == defaults[k]})
         if section == "method" and isinstance(a, dict) and isinstance(b, dict):
-            a = {**{k: b[k] for k in b if k not in a and k in at_default}, **_legacy_quest(a)}
+            a = {**{k: b[k] for k in b if k not in a and k in at_default}, **_legacy_threshold(_legacy_quest(a))}
             a = {k: {**{s: b[k][s] for s in b[k] if s not in v and f"{k}.{s}" in at_default}, **v}   # a unit's
                  if isinstance(v, dict) and isinstance(b.get(k), dict) else v for k, v in a.items()}  # new setting
         if isinstance(a, dict) and isinstance(b, dict):
@@ -280,6 +280,17 @@ def _legacy_quest(method: dict) -> dict:
         return method
     return {**method, "budget": None, "budget_ratio": None, "page_budget": method.get("budget"),
             "page_budget_ratio": method.get("budget_ratio")}
+
+
+def _legacy_threshold(method: dict) -> dict:
+    """A threshold configuration recorded while threshold eviction was a head allocation ({"head_allocation":
+    {"name": "threshold", "threshold": t, "threshold_decoding": d}}), as it reads now: the sizing's flat settings
+    beside a uniform head allocation."""
+    heads = method.get("head_allocation")
+    if not isinstance(heads, dict) or heads.get("name") != "threshold":
+        return method
+    return {**method, "head_allocation": {"name": "uniform"}, "threshold": heads.get("threshold"),
+            "threshold_decoding": heads.get("threshold_decoding")}
 
 
 def _result_files(folder: Path) -> list[Path]:

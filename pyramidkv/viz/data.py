@@ -99,7 +99,7 @@ def allocation_variants(name: str, **settings) -> dict[str, Method]:
     return {f"{name} layer={layer} head={head}": make_method(name, layer_allocation=layer, head_allocation=head,
                                                              **settings)
             for layer in LAYER_ALLOCATIONS for head, head_cls in HEAD_ALLOCATIONS.items()
-            if not head_cls.sets_budget and (layer == "uniform" or not head_cls.global_over_layers)}
+            if layer == "uniform" or not head_cls.global_over_layers}
 
 
 # ---- model helpers ---------------------------------------------------------------------------------
@@ -247,7 +247,7 @@ class ScoreCurve:
 
 def score_curve(model, prompt: Prompt, method: Method, layer: int, head: int) -> ScoreCurve:
     """The method's score for every prompt position of one stored head, with the cache's kept set."""
-    if not method.needs_budget:
+    if not method.sizing.evicts:
         raise ValueError(f"{method.name} keeps every token and has no scores; pick a compressing method")
     layer = check_index("layer", layer, num_layers(model))
     run = prefill(model, prompt, method, capture_layers=[layer])

@@ -53,7 +53,7 @@ def read_rows(path: Path) -> list[dict]:
 def run_identity(run_dir: Path) -> dict:
     """model, method (its label: snapkv_merge=pivot), budget: from results.json, else run_meta.json, else the
     folder names."""
-    from pyramidkv.runner.cli import recorded_method_label
+    from pyramidkv.runner.cli import recorded_budget, recorded_method_label
 
     run_dir = Path(run_dir)
     results = run_dir / "results.json"
@@ -69,12 +69,8 @@ def run_identity(run_dir: Path) -> dict:
     if meta.is_file():
         try:
             data = json.loads(meta.read_text(encoding="utf-8"))
-            method = data.get("method") or {}
-            budget = method.get("budget")
-            if budget is None and method.get("budget_ratio") is not None:
-                budget = f"r{method['budget_ratio']:g}"
             return {"model": data.get("model_version"), "method": recorded_method_label(data, run_dir.resolve()),
-                    "budget": budget}
+                    "budget": recorded_budget(data)}
         except (json.JSONDecodeError, AttributeError):
             pass
     model, _, budget = run_dir.resolve().parent.name.rpartition("_")

@@ -362,7 +362,7 @@ def test_streaming_heads_hold_sinks_and_a_sliding_window(tiny):
     (dict(streaming_share=1.5), "streaming_share must be in (0, 1]"),
     (dict(streaming_share=-0.1), "streaming_share must be in (0, 1]"),
     (dict(duo_selection="topk"), "duo_selection must be one of quantile|argsort"),
-    (dict(head_allocation="uniform"), "head_allocation must be threshold"),
+    (dict(budget=512), "evicts by a threshold with 0 < threshold <= 1"),
     (dict(duo_pattern="/no/such/pattern"), "no such file"),
     (dict(duo_pattern="{wrong}"), "2 rows x 3 gates; this model has 2 layers x 2 KV heads"),
 ])

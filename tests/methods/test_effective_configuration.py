@@ -249,10 +249,11 @@ def test_an_error_names_the_setting_it_is_about(smollm2_path, tmp_path, capsys):
      "window_size 8188 + num_sinks 4 = 8192 tokens"),
     # snapkv's default 0.0 kept every token ("kept 1.000"): no threshold fits every scorer.
     (["--method", "snapkv", "--head_allocation", "threshold", "--threshold_decoding", "false"],
-     "head_allocation='threshold' on snapkv needs a threshold"),
-    (["--method", "qfilter", "--head_allocation", "threshold"], "head_allocation='threshold' on qfilter needs a threshold"),
+     "threshold eviction on snapkv needs a threshold"),
+    (["--method", "qfilter", "--head_allocation", "threshold"], "threshold eviction on qfilter needs a threshold"),
+    (["--method", "qfilter", "--threshold_decoding", "true"], "threshold eviction on qfilter needs a threshold"),
     (["--method", "kvzap", "--threshold", "-1e308"], "threshold -1e+308 is at or below every score a scorer can give"),
-    (["--method", "snapkv", "--head_allocation", "threshold", "--threshold_decoding", "false", "--threshold",
+    (["--method", "snapkv", "--threshold_decoding", "false", "--threshold",
       "-3.5e38"], "threshold -3.5e+38 is at or below every score"),
     (["--method", "kvzip_head", "--head_allocation", "threshold", "--threshold", "-1"],
      "every score of kvzip_head lies in [0, 1], so it would keep every token"),
@@ -275,9 +276,11 @@ def test_a_setting_that_compresses_nothing_is_refused_before_loading(smollm2_pat
     (["--method", "kvzap"], "/kvzap"),                                             # its calibrated default, -3
     (["--method", "kvzap", "--threshold", "-8e37"], "/kvzap_threshold=-8e+37"),
     (["--method", "kvzip_head", "--head_allocation", "threshold", "--threshold", "1"],
-     "/kvzip_head_head_allocation=threshold-threshold=1"),
-    (["--method", "snapkv", "--head_allocation", "threshold", "--threshold_decoding", "false", "--threshold", "0"],
-     "/snapkv_head_allocation=threshold-threshold=0-threshold_decoding=False"),
+     "/kvzip_head_threshold=1_head_allocation=uniform"),
+    (["--method", "kvzip_head", "--head_allocation", "uniform", "--threshold", "1"],
+     "/kvzip_head_threshold=1_head_allocation=uniform"),
+    (["--method", "snapkv", "--threshold_decoding", "false", "--threshold", "0"],
+     "/snapkv_threshold=0_threshold_decoding=False"),
 ])
 def test_the_nearest_settings_that_compress_run(smollm2_path, tmp_path, capsys, argv, expected):
     assert expected in folder(smollm2_path, tmp_path, capsys, *argv)

@@ -54,7 +54,7 @@ from pyramidkv.allocation import HEAD_ALLOCATIONS, LAYER_ALLOCATIONS
 from pyramidkv.components import setting_help
 from pyramidkv.generation import generate
 from pyramidkv.merging import MERGE_RULES
-from pyramidkv.methods import METHODS, make_method
+from pyramidkv.methods import METHODS, budget_flag_applies, make_method
 from pyramidkv.models.patch import model_shape
 from pyramidkv.quantization import QUANTIZERS
 from pyramidkv.sparse_prefill import SPARSE_PREFILLS
@@ -66,7 +66,7 @@ PROMPT_LEN = 64
 BUDGET = 40                                 # more than the largest default window + sinks (32 + 4)
 DECODE_BUDGET, DECODE_INTERVAL = 36, 2      # re-selects right after the prefill and twice while decoding
 NEW_TOKENS = 5                              # the prefill forward and 4 decode steps
-THRESHOLD = 0.0                             # head_allocation threshold: some scorers pass it, some do not
+THRESHOLD = 0.0                             # threshold eviction: some scorers pass it, some do not
                                             # (one with score_bounds: their middle)
 # Small groups and windows so that the prompt is quantized (head_dim 16); residual_length 32 holds ThinK's
 # full-width recent keys (key_recent_size 32).
@@ -76,12 +76,11 @@ QUANTIZER_SETTINGS = {
     "gear": dict(group_size=8, residual_length=32, rank=2, decode_rank=1),
 }
 # Quest evicts nothing: its budget is the tokens of the pages each decode step reads (tests/methods/test_quest.py).
-KEEPS_THE_PROMPT = {"quest"}
 CALIBRATED = ("qfilter_path", "kvzip_head_path")   # calibrated methods' files written for the tiny model
 
 AXES = {
     "method": list(METHODS),
-    "head": list(HEAD_ALLOCATIONS),
+    "head": [*HEAD_ALLOCATIONS, "threshold"],   # threshold: the threshold sizing (a uniform head allocation)
     "layer": list(LAYER_ALLOCATIONS),
     "merge": [None, *MERGE_RULES],
     "quant": [None, *QUANTIZERS],
@@ -156,8 +155,8 @@ def settings(cls, case: dict, tables: dict) -> dict:
     if head == "threshold":   # no budget: each head keeps what passes; decided while decoding where it can be
         chosen.update(threshold=THRESHOLD if cls.score_bounds is None else sum(cls.score_bounds) / 2,
                       threshold_decoding=cls.token_scores)
-    elif cls.needs_budget:   # Quest's reads whole pages, at least 3 of 16: 48
-        chosen["budget"] = 48 if cls.name in KEEPS_THE_PROMPT else BUDGET
+    elif cls.sizing.evicts or budget_flag_applies(cls):   # Quest's reads whole pages, at least 3 of 16: 48
+        chosen["budget"] = BUDGET if cls.sizing.evicts else 48
     if head == "threshold":   # a method's own threshold settings (duo_attention: its pattern)
         chosen.update(tables.get(cls.name, {}))
     if head == "headkv":
@@ -230,10 +229,10 @@ def held_after_each_forward(model, prompt, method) -> tuple[list, list[int]]:
 def prefill_problems(name: str, method, layer: str, held: list[list[int]], budgets: list[int]) -> list[str]:
     """What is wrong with the counts [layer][head] held after the prefill, without decode_budget."""
     n = PROMPT_LEN
-    if not type(method).needs_budget or name in KEEPS_THE_PROMPT:
+    if not method.sizing.evicts:
         return [] if all(c == n for row in held for c in row) else [f"keeps every token, holds {held}"]
     problems = []
-    if method.head_allocation.sets_budget:   # threshold: between the protected tokens and the prompt, per head
+    if method.sizing.outcome:   # threshold: between the protected tokens and the prompt, per head
         protected = min(n, method.window_size + method.num_sinks)
         return [] if all(protected <= c <= n for row in held for c in row) else \
             [f"threshold: every head holds between the {protected} protected tokens and the prompt ({n}): {held}"]
@@ -316,7 +315,7 @@ def check(tiny, case: dict, prefill: list[list[int]] | None) -> tuple[list[str],
         problems = prefill_problems(name, method, layer, states[0], budgets)
         if method.decode is not None:   # its defaults bound decoding
             problems += decode_problems(states, None, method.decode.decode_budget, method.decode.decode_interval)
-        elif getattr(method.head_allocation, "threshold_decoding", False):   # evicts as tokens leave the window
+        elif getattr(method.sizing, "threshold_decoding", False):   # evicts as tokens leave the window
             problems += [f"step {t}: holds {state} after {states[t - 1]}: a head gains the new token and loses at "
                          f"most the one leaving the window" for t, state in enumerate(states)
                          if t and any(not 0 <= c - p <= 1 for row, prev in zip(state, states[t - 1])

@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from pyramidkv import METHODS, compress, load_model, make_method
-from pyramidkv.methods import takes_budget
+from pyramidkv.methods import budget_flag_applies
 from pyramidkv.generation import generate
 from tests.models.families import SMOLLM2_AS
 from tests.prompts import STORY
@@ -85,7 +85,7 @@ def full_story(sharp_llama):
     return ids, logits_and_text(model, tokenizer, ids, make_method("fullkv"))
 
 
-@pytest.mark.parametrize("name", [m for m, cls in METHODS.items() if takes_budget(cls)])   # threshold: no budget
+@pytest.mark.parametrize("name", [m for m, cls in METHODS.items() if budget_flag_applies(cls)])   # threshold: no budget
 def test_budget_at_least_prompt_generates_like_full_cache(sharp_llama, full_story, name):
     """Every step's logits equal fullkv's (a method that drops one token fails by 0.2 or more) and so does the
     text. Losslessness does not depend on the weights: a random model runs it in a second, not in 13 s."""

@@ -270,7 +270,7 @@ def test_help_for_one_method_shows_its_settings_and_values():
 @pytest.mark.parametrize("value, threshold", [("-1e3", -1000.0), ("-.5", -0.5), ("-5", -5.0), ("-2.5E1", -25.0)])
 def test_a_negative_number_in_any_notation_is_a_value(value, threshold):
     """kvzap's thresholds are log scores, negative by nature: argparse's own matcher took -1e3 for a flag."""
-    assert method(["--method", "kvzap", "--threshold", value]).head_allocation.threshold == threshold
+    assert method(["--method", "kvzap", "--threshold", value]).sizing.threshold == threshold
 
 
 @pytest.mark.parametrize("value, says", [

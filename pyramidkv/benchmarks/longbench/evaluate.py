@@ -104,32 +104,28 @@ def read_predictions(path: Path) -> list[dict]:
 
 def run_identity(run_dir: Path) -> dict:
     """model, method and budget of a run: from run_meta.json, else from {model}_{budget}/{method}."""
-    from pyramidkv.runner.cli import model_label, recorded_method_label
+    from pyramidkv.runner.cli import model_label, recorded_budget, recorded_method_label
 
     run_dir = Path(run_dir).resolve()
     meta_path = run_dir / "run_meta.json"
     if meta_path.is_file():
         try:
             meta = json.loads(meta_path.read_text(encoding="utf-8"))
-            method = meta.get("method") or {}
             arguments = meta.get("arguments") or {}
-            budget = method.get("budget")
-            if budget is None and method.get("budget_ratio") is not None:
-                budget = f"r{method['budget_ratio']:g}"
             return {"model": model_label(str(arguments.get("model_path", ""))) or None,
-                    "method": recorded_method_label(meta, run_dir), "budget": budget}
+                    "method": recorded_method_label(meta, run_dir), "budget": recorded_budget(meta)}
         except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
             print(f"warning: {meta_path} is unreadable; naming the run after its folders", file=sys.stderr)
     if run_dir.parent.name in ("pred", OFFICIAL_E_FOLDER):  # the official layout pred[_e]/<model>/
         return {"model": run_dir.name, "method": None, "budget": None}
     model, _, budget = run_dir.parent.name.rpartition("_")
     if budget.isdigit():
-        budget_value = int(budget)
+        recorded = int(budget)
     elif budget in ("full", ""):
-        budget_value = None
+        recorded = None
     else:
-        budget_value = budget
-    return {"model": model or run_dir.parent.name or None, "method": run_dir.name, "budget": budget_value}
+        recorded = budget
+    return {"model": model or run_dir.parent.name or None, "method": run_dir.name, "budget": recorded}
 
 
 def _mean(values: Sequence[Optional[float]]) -> Optional[float]:

@@ -50,7 +50,6 @@ def summarize(rows: list[dict], model: str, method) -> dict:
     """results.json: each score is its mean over all cells as a percent (0..100); average is AVERAGE_METRIC's
     (named by "average_metric")."""
     from pyramidkv.methods import method_spec
-    from pyramidkv.runner.cli import budget_value
 
     scores = _cell_scores(rows)
     by_length: dict[str, dict] = {}
@@ -61,7 +60,7 @@ def summarize(rows: list[dict], model: str, method) -> dict:
             table[str(value)] = _cell_scores(cells)
     return {
         "benchmark": "needle", "model": model, "method": method.label(), "method_spec": method_spec(method),
-        "budget": budget_value(method), "scores": scores, "average": scores[AVERAGE_METRIC],
+        "budget": method.sizing.recorded(method), "scores": scores, "average": scores[AVERAGE_METRIC],
         "average_metric": AVERAGE_METRIC,
         "num_samples": {k: sum(1 for r in rows if k in r) for k in SCORE_KEYS},
         "by_context_length": by_length, "by_depth_percent": by_depth,

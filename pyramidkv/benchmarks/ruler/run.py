@@ -285,7 +285,6 @@ def score_run(out_dir: Path, sets: Sequence[SampleSet], model_name: str, method)
     """Scores of the finished sample sets -> results.json and results.csv (both written atomically)."""
     from pyramidkv.benchmarks.ruler.scoring import score_task
     from pyramidkv.methods import method_spec
-    from pyramidkv.runner.cli import budget_value
     from pyramidkv.runner.results import read_unique_rows
 
     scores, counts, shares, turn_scores = {}, {}, {}, {}
@@ -309,7 +308,7 @@ def score_run(out_dir: Path, sets: Sequence[SampleSet], model_name: str, method)
             shares[s.key] = round(math.fsum(r["kept_share"] for r in rows) / len(rows), 6)
     average = round(math.fsum(scores.values()) / len(scores), 2) if scores else None
     result = {"benchmark": "ruler", "model": model_name, "method": method.label(), "method_spec": method_spec(method),
-              "budget": budget_value(method), "scores": scores, "average": average, "num_samples": counts,
+              "budget": method.sizing.recorded(method), "scores": scores, "average": average, "num_samples": counts,
               **({"kept_share": shares} if shares else {}), **({"turn_scores": turn_scores} if turn_scores else {})}
     header = ["task", "length", "score", "num_samples"] + (["score_turn_1", "score_later_turns"] if turn_scores else [])
     table = [[s.task, s.length, scores[s.key], counts[s.key],

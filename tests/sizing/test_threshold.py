@@ -1,4 +1,4 @@
-"""Threshold eviction (head_allocation threshold, the DMS rule): the held set of every layer and KV head after the
+"""Threshold eviction (the threshold sizing, the DMS rule): the held set of every layer and KV head after the
 prefill and after each of 64 decode steps against a float64 simulation of the rule on a tiny random Llama (its
 own forward, per-head masks); bytes equal the held count formula; a score exactly at the threshold stays, at prefill
 and while decoding (scores by position, the held sets worked out from positions); a threshold below every score is
@@ -14,7 +14,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pyramidkv import make_method
-from pyramidkv.allocation.threshold import ThresholdHeads
+from pyramidkv.sizing import Threshold
 from pyramidkv.capabilities import Selection
 from pyramidkv.generation import generate
 from pyramidkv.methods.base import Method
@@ -144,7 +144,7 @@ def run(model, prompt, method, steps=STEPS):
 
 def test_held_sets_follow_the_rule_at_prefill_and_every_decode_step(tiny):
     model, prompt = tiny
-    method = KeyAndInput(window_size=WINDOW, head_allocation=ThresholdHeads(threshold=THRESHOLD),
+    method = KeyAndInput(window_size=WINDOW, sizing=Threshold(threshold=THRESHOLD),
                          selection=Selection(num_sinks=SINKS))
     held, sizes, fed, cache = run(model, prompt, method)
     assert fed[:PROMPT] == prompt and len(held) == STEPS + 1
@@ -170,7 +170,7 @@ def test_a_score_exactly_at_the_threshold_stays_at_prefill_and_while_decoding(ti
     other position p with ((p + h) mod 3) - 0.5 >= 0.5, i.e. (p + h) mod 3 != 0, worked out here from positions
     alone: a token scored exactly at the threshold stays (evicted only strictly below)."""
     model, prompt = tiny
-    method = ByPosition(window_size=WINDOW, head_allocation=ThresholdHeads(threshold=0.5),
+    method = ByPosition(window_size=WINDOW, sizing=Threshold(threshold=0.5),
                         selection=Selection(num_sinks=SINKS))
     held, _, _, cache = run(model, prompt, method, steps=16)
     for step, snapshot in enumerate(held):
@@ -187,7 +187,7 @@ def test_a_score_exactly_at_the_threshold_stays_at_prefill_and_while_decoding(ti
 
 def test_a_threshold_below_every_score_is_fullkv(tiny):
     model, prompt = tiny
-    everything = KeyAndInput(window_size=WINDOW, head_allocation=ThresholdHeads(threshold=-1e9))
+    everything = KeyAndInput(window_size=WINDOW, sizing=Threshold(threshold=-1e9))
     held, sizes, fed, _ = run(model, prompt, everything, steps=16)
     full_held, full_sizes, full_fed, _ = run(model, prompt, make_method("fullkv"), steps=16)
     assert fed == full_fed and sizes == full_sizes
@@ -196,7 +196,7 @@ def test_a_threshold_below_every_score_is_fullkv(tiny):
 
 def test_prefill_only_keeps_the_window_and_every_generated_token(tiny):
     model, prompt = tiny
-    method = make_method("snapkv", head_allocation="threshold", threshold=0.3, threshold_decoding=False,
+    method = make_method("snapkv", threshold=0.3, threshold_decoding=False,
                          window_size=WINDOW)
     held, _, _, cache = run(model, prompt, method, steps=8)
     assert cache.decoding is None
@@ -211,15 +211,18 @@ def test_prefill_only_keeps_the_window_and_every_generated_token(tiny):
 
 
 @pytest.mark.parametrize("settings, fragment", [
-    (dict(head_allocation="threshold", threshold_decoding=False, budget=64), "budget is an outcome"),
-    (dict(head_allocation="threshold", threshold_decoding=False, budget_ratio=0.5), "leave out budget_ratio"),
-    (dict(head_allocation="threshold", threshold=0.0), "threshold_decoding=false"),
+    (dict(threshold=0.1, threshold_decoding=False, budget=64), "budget is an outcome"),
+    (dict(threshold=0.1, threshold_decoding=False, budget_ratio=0.5), "leave out budget_ratio"),
+    (dict(threshold=0.0), "threshold_decoding=false"),
+    (dict(threshold_decoding=False), "needs a threshold on snapkv's raw scores"),
     (dict(head_allocation="threshold", threshold_decoding=False), "needs a threshold on snapkv's raw scores"),
-    (dict(head_allocation="threshold", threshold=-1e308, threshold_decoding=False), "at or below every score"),
-    (dict(head_allocation="threshold", threshold_decoding=False, layer_allocation="pyramid"),
-     "layer_allocation='uniform'"),
-    (dict(head_allocation="threshold", threshold_decoding=False, merge="pivot"), "merge='pivot'"),
-    (dict(head_allocation="threshold", threshold=float("nan"), threshold_decoding=False), "finite number"),
+    (dict(threshold=-1e308, threshold_decoding=False), "at or below every score"),
+    (dict(threshold=0.1, threshold_decoding=False, layer_allocation="pyramid"), "layer_allocation='uniform'"),
+    (dict(threshold=0.1, threshold_decoding=False, head_allocation="adakv"), "head_allocation='uniform'"),
+    (dict(threshold=0.1, threshold_decoding=False, merge="pivot"), "merge='pivot'"),
+    (dict(threshold=0.1, threshold_decoding=False, random_fraction=0.2), "random_fraction=0.2"),
+    (dict(threshold=0.1, threshold_decoding=False, cross_layer_merge=True), "cross_layer_merge"),
+    (dict(threshold=float("nan"), threshold_decoding=False), "finite number"),
 ])
 def test_refusals_are_one_line(settings, fragment):
     with pytest.raises(ValueError, match=fragment) as error:
@@ -229,9 +232,9 @@ def test_refusals_are_one_line(settings, fragment):
 
 def test_fullkv_and_a_decode_rule_are_refused():
     with pytest.raises(ValueError, match="keeps every token"):
-        make_method("fullkv", head_allocation="threshold", threshold_decoding=False)
+        make_method("fullkv", threshold=0.1, threshold_decoding=False)
     with pytest.raises(ValueError, match="does not combine with decode_budget"):
-        KeyAndInput(head_allocation=ThresholdHeads(threshold=0.0), decode=make_method("snapkv", budget=64, decode_budget=64).decode)
+        KeyAndInput(sizing=Threshold(threshold=0.0), decode=make_method("snapkv", budget=64, decode_budget=64).decode)
 
 
 def test_a_runner_records_what_was_achieved(tiny_model_dir, tmp_path):
@@ -241,7 +244,7 @@ def test_a_runner_records_what_was_achieved(tiny_model_dir, tmp_path):
 
     from pyramidkv.benchmarks.ruler.run import main
 
-    argv = ["--model_path", tiny_model_dir, "--method", "snapkv", "--head_allocation", "threshold", "--threshold",
+    argv = ["--model_path", tiny_model_dir, "--method", "snapkv", "--threshold",
             "0.3", "--threshold_decoding", "false", "--save_dir", str(tmp_path), "--num_threads", "1", "--device",
             "cpu", "--tasks", "vt", "--context_lengths", "1024", "--num_samples", "2"]
     assert main(argv) == 0
