@@ -169,6 +169,52 @@ def _text(value) -> str:
 
 
 @dataclass(frozen=True)
+class AttentionForm:
+    """How a model turns its queries and keys into attention, as its modeling file computes it: the logit
+    q . k * scale, soft-capped to softcap * tanh(logit / softcap) where the model caps (Gemma2), then a softmax over
+    the keys the layer's sliding window covers. The model's glue builds it (models/glue.py `attention_form`); the
+    cache gets it once, inside the ModelShape, and every store and scorer reads it from there.
+
+    Inside the engine (pyramidkv/core) queries come scaled so that q . k / sqrt(D) is the model's logit (the
+    patched attention folds `scale` into them), so the engine computes its logits as q . k / sqrt(D) and applies
+    `cap` (or `logits`) to them; the form's scale is the model-side attention's (eager, sdpa, flash-attn).
+
+    scale: the logit's scale; None: 1 / sqrt(head_dim), computed as the Llama files do (a division).
+    softcap: the logit soft-cap; None: none.
+    windows: per layer its sliding window W (a query at p attends to p - W + 1 .. p), None: global; (): every
+        layer global.
+    """
+
+    scale: Optional[float] = None
+    softcap: Optional[float] = None
+    windows: tuple = ()
+
+    def window(self, layer: int) -> Optional[int]:
+        """The layer's sliding window W, None: global."""
+        return self.windows[layer] if self.windows else None
+
+    @property
+    def sliding(self) -> bool:
+        """Some layer has a sliding window."""
+        return any(w is not None for w in self.windows)
+
+    @property
+    def capped(self) -> bool:
+        """The logits are soft-capped."""
+        return self.softcap is not None
+
+    def cap(self, logits):
+        """Logits (a tensor) soft-capped where the model caps, in the modeling file's order of operations
+        (tanh(logit / softcap) * softcap); unchanged where it does not. Applied before any mask."""
+        return logits if self.softcap is None else (logits / self.softcap).tanh() * self.softcap
+
+    def logits(self, queries, keys_t):
+        """The attention logits of queries [..., r, D] against transposed keys keys_t [..., D, n]: [..., r, n],
+        soft-capped where the model caps. The queries come scaled (the logit is their plain product)."""
+        return self.cap(queries @ keys_t)
+
+
+@dataclass(frozen=True)
 class Conflict:
     """`setting` (a method setting, flat names included) refused next to a unit when `applies(method)`; `why`
     may name the method's values as `{m.<setting>}` (str.format with m = the method). A capability's refusal
@@ -190,8 +236,7 @@ class ModelShape:
     head_dim: int = 0         # 0: unknown (the checks that need it are skipped)
     dtype_bytes: int = 0      # bytes per value of the unquantized cache (the model dtype); 0: unknown
     context_window: int = 0   # max_position_embeddings; 0: unknown
-    layer_windows: tuple = ()  # per layer its sliding window (None: global); (): every layer global
-    softcap: Optional[float] = None   # attention logit soft-capping (Gemma2), None: none
+    form: AttentionForm = AttentionForm()   # scale, soft-cap and sliding windows of its attention
 
 
 @dataclass(frozen=True)

@@ -192,11 +192,11 @@ class GatedAttention:
 
         config = model.config
         self.glue = MODEL_GLUE[config.model_type]
-        scale, softcap = self.glue.attention_form(config, "sdpa")
-        if softcap is not None or any(self.glue.layer_windows(config, "sdpa")):
+        form = self.glue.attention_form(config, "sdpa")
+        if form.capped or form.sliding:
             raise ValueError(f"{config.model_type}: the gated attention here computes plain global attention (no "
                              f"logit soft-cap, no sliding layers)")
-        self.scale, self.sink, self.recent, self.gated = scale, sink, recent, False
+        self.scale, self.sink, self.recent, self.gated = form.scale, sink, recent, False
         self.layers = decoder(model).layers
         heads = config.num_key_value_heads or config.num_attention_heads
         self.alpha = torch.nn.Parameter(torch.ones(len(self.layers), heads))
@@ -287,7 +287,8 @@ def on_the_fly_scores(model, tokenizer, args, text: list[int]) -> np.ndarray:
     glue = MODEL_GLUE[config.model_type]
     if not hasattr(glue, "project"):
         raise ValueError(f"{config.model_type}: --on_the_fly needs the queries before RoPE (a rotate-half family)")
-    scale = glue.attention_form(config, "sdpa")[0] or 1.0 / math.sqrt(config.hidden_size // config.num_attention_heads)
+    scale = glue.attention_form(config, "sdpa").scale or \
+        1.0 / math.sqrt(config.hidden_size // config.num_attention_heads)
     rotation = glue.key_rotation(model)
     layers = decoder(model).layers
     heads = config.num_key_value_heads or config.num_attention_heads

@@ -5,7 +5,7 @@
 
 One calibration prompt (a RULER niah_multikey_1 sample: an essay haystack with needles, built offline) is
 run once; per layer and query head the dense causal attention P (the model's own scale, soft-cap and sliding
-window: its glue's attention_form and layer_windows) of its rows >= R (default min(2500, n / 2),
+window: its glue's attention_form) of its rows >= R (default min(2500, n / 2),
 the official search scores rows from 2500) is compared with each candidate pattern's mask, built by the
 same code the runtime uses (pyramidkv.sparse_prefill). recall = mean over those rows of the attention mass
 inside the mask; density = computed entries / causal entries over all rows.
@@ -67,18 +67,15 @@ def layer_qk(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.T
 
 def dense_probs(glue, model, layer: int, q: torch.Tensor, k: torch.Tensor, rows_from: int) -> torch.Tensor:
     """The model's causal attention [Hq, n - rows_from, n] of queries [Hq, n, D] rows >= rows_from over keys
-    [Hkv, n, D]: its scale and logit soft-cap (glue.attention_form), its sliding window on a sliding layer
-    (glue.layer_windows)."""
+    [Hkv, n, D]: its scale, logit soft-cap and sliding window on a sliding layer (glue.attention_form)."""
     from pyramidkv.models.glue import decoder
 
     n = q.shape[1]
     implementation = model.config._attn_implementation
-    scale, softcap = glue.attention_form(model.config, implementation)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    window = glue.layer_windows(model.config, implementation)[layer]
-    logits = q[:, rows_from:] @ k.repeat_interleave(q.shape[0] // k.shape[0], dim=0).transpose(1, 2) * scale
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
+    form = glue.attention_form(model.config, implementation)
+    scale = q.shape[-1] ** -0.5 if form.scale is None else form.scale
+    window = form.window(layer)
+    logits = form.cap(q[:, rows_from:] @ k.repeat_interleave(q.shape[0] // k.shape[0], dim=0).transpose(1, 2) * scale)
     rows, cols = torch.arange(rows_from, n)[:, None], torch.arange(n)[None, :]
     allowed = (cols <= rows) & ((rows - cols < window) if window is not None else True)
     return torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)

@@ -74,9 +74,10 @@ class MiniCacheSharing(Capability):
                              f"stores at least as much as not merging on this model (head_dim {dim}); use "
                              f"cross_layer_retain < {most:.4f}")
         layers = model.num_layers
-        windows = model.layer_windows or (None,) * layers
-        sliding = [l for lower in self.pairs(layers) for l in (lower, lower + 1) if l < layers and windows[l] is not None]
-        if sliding or model.softcap is not None:
+        form = model.form
+        sliding = [l for lower in self.pairs(layers) for l in (lower, lower + 1)
+                   if l < layers and form.window(l) is not None]
+        if sliding or form.capped:
             what = f"sliding-window layers ({', '.join(map(str, sliding))})" if sliding else "a soft-capped attention"
             raise ValueError(f"cross_layer_merge: this model has {what}, which a merged layer pair cannot hold (its "
                              f"store neither drops what leaves a window nor caps logits); MiniCache runs on models "

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache
 
-from pyramidkv.allocation.base import ModelShape
+from pyramidkv.components import AttentionForm, ModelShape
 from pyramidkv.core.context import CompressionMethod
 from pyramidkv.core.threshold import decoder_for
 from pyramidkv.core.full_precision import FullPrecisionStore
@@ -61,20 +61,16 @@ def left_padding_lengths(attention_mask: Optional[torch.Tensor], batch_size: int
 class CompressedCache(Cache):
     """A transformers `Cache` whose prompt part is compressed by a method at prefill."""
 
-    def __init__(self, method: CompressionMethod, num_layers: int, num_kv_heads: int, num_query_heads: int,
-                 model_name: str = "", rotation: Optional[KeyRotation] = None, layer_windows: tuple = (),
-                 softcap: Optional[float] = None, shape: Optional[ModelShape] = None):
-        """rotation: the model's RoPE on keys (the model glue's `key_rotation`), needed by quantizers that store
-        keys before RoPE; layer_windows: per layer its sliding window W or None (global; (): every layer global);
-        softcap: the model's attention logit soft-cap (Gemma2) or None; shape: the model's shape
-        the method was checked against (the scorers read it: ScoreContext.model), None: one made of these arguments."""
+    def __init__(self, method: CompressionMethod, shape: ModelShape, rotation: Optional[KeyRotation] = None):
+        """shape: the model's shape the method was checked against (ScoreContext.model), with its attention form
+        (`form`: scale, soft-cap, sliding windows), which every store and scorer reads from here; rotation: the
+        model's RoPE on keys (the glue's `key_rotation`), needed by quantizers that store keys before RoPE."""
         super().__init__()
         self.method = method
+        self.model_shape = shape
+        num_layers, num_kv_heads, num_query_heads = shape.num_layers, shape.num_kv_heads, shape.num_query_heads
         self.num_layers, self.num_kv_heads, self.num_query_heads = num_layers, num_kv_heads, num_query_heads
         self.stored_heads = num_query_heads if method.gqa_layout == "query_head" else num_kv_heads
-        self.model_shape = shape or ModelShape(num_layers, num_query_heads, num_kv_heads, model_name,
-                                               layer_windows=tuple(layer_windows), softcap=softcap)
-        self.windows = tuple(layer_windows) or (None,) * num_layers
         self.pad_lens: Optional[list[int]] = None
         self.prompt_len = 0  # padded prompt length
         self.layers: list[Optional[LayerStore]] = [None] * num_layers
@@ -91,7 +87,7 @@ class CompressedCache(Cache):
         missing = [a for a in store_abilities(method) if a not in self.store_class.abilities]
         if missing:  # make_method refuses these; an object driving the engine directly is checked here
             raise ValueError(f"{method.name}: the {store_kind(method)} store lacks the abilities {missing} it needs")
-        if store_kind(method) == "paired" and (any(self.windows) or softcap is not None):  # check_model refuses it
+        if store_kind(method) == "paired" and (self.form.sliding or self.form.capped):  # check_model refuses it
             raise ValueError(f"{method.name}: the paired store holds no sliding-window layer and applies no soft-cap")
         # A sliding layer's store drops what leaves the window: one that cannot is replaced by full precision.
         self.sliding_class = self.store_class if "reselect" in self.store_class.abilities else FullPrecisionStore
@@ -99,6 +95,11 @@ class CompressedCache(Cache):
         self.setup: Optional[StoreSetup] = None
         self.stopped_bytes: dict[int, int] = {}   # per prompt that stopped early, its bytes then (record_stop)
         self.reconstruction: Optional[Reconstruction] = None   # a reconstructing method's repeat passes (KVzip)
+
+    @property
+    def form(self) -> AttentionForm:
+        """The model's attention form (its shape's): scale, soft-cap, the sliding window of each layer."""
+        return self.model_shape.form
 
     # ---- transformers Cache API -------------------------------------------------------------
     def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
@@ -156,7 +157,7 @@ class CompressedCache(Cache):
                                           column_sums)
         if self.setup is None:
             self.setup = StoreSetup(self.prompt.real_lens, self.pad_lens, position_ids, self.method, self.num_layers,
-                                    self.rotary, self.scratch, self.model_shape.softcap)
+                                    self.rotary, self.scratch, self.form)
         self._store(self.prompt.keep(layer_idx, scored))
 
     @torch.no_grad()
@@ -172,11 +173,11 @@ class CompressedCache(Cache):
         its attention output [1, Hq, m, D] over the prompt's waiting K/V and its own; nothing is stored."""
         b, held = self.reconstruction.current[0], self.prompt.waiting[layer_idx]
         return self.reconstruction.attend(layer_idx, queries, keys, values, held.keys[b], held.values[b],
-                                          self.pad_lens[b], self.model_shape.softcap)
+                                          self.pad_lens[b], self.form)
 
     def _store(self, ready: dict) -> None:
         """Build the stores of the layers whose kept tokens are known (layer -> per prompt its KeptKV)."""
-        sliding = {layer: kv for layer, kv in ready.items() if self.windows[layer] is not None}
+        sliding = {layer: kv for layer, kv in ready.items() if self.form.window(layer) is not None}
         built = self.store_class.build({layer: kv for layer, kv in ready.items() if layer not in sliding}, self.setup)
         built.update(self.sliding_class.build(sliding, self.setup) if sliding else {})
         for layer, store in built.items():
@@ -194,7 +195,7 @@ class CompressedCache(Cache):
         attention input, for scorers that read it): append them and return the attention output [B, Hq, q, D]
         over everything the layer holds."""
         store, q_len = self.layers[layer_idx], keys.shape[2]
-        if self.windows[layer_idx] is not None and q_len > 1:   # each new token has its own window: one at a time
+        if self.form.window(layer_idx) is not None and q_len > 1:   # each new token has its own window: one at a time
             return torch.cat([self.decode_step(layer_idx, queries[:, :, i:i + 1], keys[:, :, i:i + 1],
                                                values[:, :, i:i + 1],
                                                None if position_ids is None else position_ids[:, i:i + 1],
@@ -209,7 +210,7 @@ class CompressedCache(Cache):
             rope = torch.full((bsz,), self.get_seq_length(layer_idx), device=keys.device)
         else:
             rope = position_ids[:, -1].expand(bsz).long()
-        if self.windows[layer_idx] is not None:
+        if self.form.window(layer_idx) is not None:
             self._slide(layer_idx)
         store.append(keys, values, rope)
         out = store.attend(queries)
@@ -220,7 +221,7 @@ class CompressedCache(Cache):
     def _slide(self, layer_idx: int) -> None:
         """A sliding layer before a new token is appended: drop the held tokens its window does not cover
         (positions below new - W + 1, per prompt), so that it holds at most W with the new token."""
-        store, window = self.layers[layer_idx], self.windows[layer_idx]
+        store, window = self.layers[layer_idx], self.form.window(layer_idx)
         first = [real + store.appended - window + 1 for real in self.prompt.real_lens]   # new - W + 1
         if all(min((int(p[0]) for p in store.held_positions(b) if p.numel()), default=f) >= f
                for b, f in enumerate(first)):

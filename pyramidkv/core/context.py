@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, ClassVar, Optional, Protocol
 
 import torch
 
+from pyramidkv.components import AttentionForm
+
 if TYPE_CHECKING:
     from pyramidkv.allocation.base import ModelShape
     from pyramidkv.capabilities import DecodeBudget, MiniCacheSharing, QuestPages, Selection, ThinKChannels
@@ -38,9 +40,9 @@ class ScoreContext:
     model computed), None for dense prefill and at decode: attention statistics pass it to the scoring helpers.
     column_sums: [B, Hq, n] float32, each key's attention summed over the real prompt queries, computed by
     the prefill attention pass itself for methods with `needs_column_sums` (None otherwise and at decode).
-    softcap: the model's attention logit soft-cap (Gemma2), which the scoring helpers take (`softcap=`) so that
-    a scorer's attention is the model's; None: none. Queries come scaled so that q . k / sqrt(D) is the
-    model's logit (Gemma2's query_pre_attn_scalar folded in).
+    Queries come scaled so that q . k / sqrt(D) is the model's logit (Gemma2's query_pre_attn_scalar folded in);
+    `form` (the model's attention form, from `model`) gives the scoring helpers its soft-cap (`form=ctx.form`), so
+    that a scorer's attention is the model's.
     positions: long RoPE positions: at prefill [B, n] the prompt rows' (padding included); at decode [1, H, m]
     (DecodeScoreContext).
     rotation: the model's RoPE (core/rotary.py) where the cache was given it (the model patch does for methods
@@ -50,7 +52,7 @@ class ScoreContext:
     hidden: [B, n, E] the layer's attention input (the hidden states after its norm) of the scored tokens, for
     methods with `needs_hidden` (KVzap), else None; at a threshold decision while decoding, the new tokens'.
     model: the model's shape (its name finds per-model artifacts: the calibrated methods' predictors, filters,
-    patterns), given by the engine; None in a context built by hand.
+    patterns; its `form` the attention form), given by the engine; None in a context built by hand.
     """
 
     layer_idx: int
@@ -61,12 +63,16 @@ class ScoreContext:
     real: torch.Tensor
     pattern: Optional["PrefillPattern"] = None
     column_sums: Optional[torch.Tensor] = None
-    softcap: Optional[float] = None
     positions: Optional[torch.Tensor] = None
     rotation: Optional["KeyRotation"] = None
     reconstruction: Optional[torch.Tensor] = None
     hidden: Optional[torch.Tensor] = None
     model: Optional["ModelShape"] = None
+
+    @property
+    def form(self) -> AttentionForm:
+        """The model's attention form (its soft-cap): the model shape's, none without one."""
+        return AttentionForm() if self.model is None else self.model.form
 
 
 @dataclass

@@ -46,7 +46,7 @@ import torch
 from pyramidkv.core.context import CompressionMethod, DecodeScoreContext
 from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.kept import KeptKV
-from pyramidkv.core.scoring import scores_per_stored_head, window_attention
+from pyramidkv.core.scoring import PLAIN, scores_per_stored_head, window_attention
 from pyramidkv.core.selection import select_kept_positions
 from pyramidkv.core.token_stats import AccumulatedAttention, AttentionHistory
 from pyramidkv.merging.base import merge_prompt
@@ -62,15 +62,14 @@ class DecodeCompressor:
     recent queries each layer buffers for the re-selection's scores (None: max(window_size, 1))."""
 
     def __init__(self, method: CompressionMethod, stores: list[Optional[FullPrecisionStore]], num_query_heads: int,
-                 stored_heads: int, query_window: Optional[int] = None, softcap: Optional[float] = None,
-                 rotation=None, model=None):
+                 stored_heads: int, query_window: Optional[int] = None, rotation=None, model=None):
         if query_window is not None and query_window < 1:
             raise ValueError(f"query_window must be >= 1 (recent queries buffered for decode-time scoring), "
                              f"got {query_window}")
         self.method = method
-        self.softcap = softcap  # the model's attention logit soft-cap (None: none)
         self.rotation = rotation  # the model's RoPE (core/rotary.py), for methods with `needs_rotation`
         self.model = model        # the model's shape (ScoreContext.model), None: unknown
+        self.form = PLAIN if model is None else model.form   # its attention form (the scores' attention)
         self.stores = stores
         self.num_layers = len(stores)
         self.budget: int = method.decode.decode_budget
@@ -89,7 +88,7 @@ class DecodeCompressor:
         elif method.history_window is not None:
             self.stats = AttentionHistory(self.num_layers, self.group, method.history_window)
         if self.stats is not None:
-            self.stats.softcap = softcap
+            self.stats.form = self.form
 
     def stored_bytes(self) -> int:
         """Every layer's bytes now: the running per-layer counts (a layer is recounted after each change to it)."""
@@ -263,7 +262,7 @@ class DecodeCompressor:
         w = min(buffered.shape[2], m)
         queries = buffered[:, :, buffered.shape[2] - w:].to(first.dtype)
         ctx = DecodeScoreContext(
-            layer_idx, self.num_layers, queries, keys, values, real, softcap=self.softcap, positions=positions,
+            layer_idx, self.num_layers, queries, keys, values, real, positions=positions,
             rotation=self.rotation, model=self.model,
             accumulated=None if accumulated is None else accumulated.reshape(1, rows * g, m),
             history=None if history is None else history.reshape(1, rows * g, self.stats.window, m),
@@ -280,7 +279,7 @@ class DecodeCompressor:
         if method.merge is not None:
             if method.merge.needs_attention:
                 attention = window_attention(ctx.queries, ctx.keys, ctx.real, self.buffer_size,
-                                             softcap=self.softcap).mean(dim=2)
+                                             form=self.form).mean(dim=2)
                 attention = scores_per_stored_head(attention, method, stored, query_heads)[0]  # [H, m]
             seed = method.merge.seed_for(layer_idx)
             generator = None if seed is None else torch.Generator(device=ctx.keys.device).manual_seed(seed)

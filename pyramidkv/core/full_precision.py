@@ -11,9 +11,10 @@ from typing import Optional
 
 import torch
 
+from pyramidkv.components import AttentionForm
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.layout import DecodeLayout
-from pyramidkv.core.scoring import cap_logits
+from pyramidkv.core.scoring import PLAIN, probabilities
 from pyramidkv.core.store import AttentionStatistics, Heads, LayerStore, Reselectable, StoreSetup
 
 # The tail buffer grows by this many tokens, or by an eighth of its length when that is more:
@@ -26,13 +27,13 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
 
     @classmethod
     def open(cls, kept: list[KeptKV], setup: StoreSetup, layer_idx: int) -> "FullPrecisionStore":
-        return cls(kept, setup.real_lens, setup.softcap)
+        return cls(kept, setup.real_lens, setup.form)
 
-    def __init__(self, kept: list[KeptKV], real_lens: list[int], softcap: Optional[float] = None):
-        """kept: per prompt what the prefill kept; real_lens: per prompt its real (unpadded) length; softcap: the
-        model's attention logit soft-cap (Gemma2), None: none."""
+    def __init__(self, kept: list[KeptKV], real_lens: list[int], form: AttentionForm = PLAIN):
+        """kept: per prompt what the prefill kept; real_lens: per prompt its real (unpadded) length; form: the
+        model's attention form (its logits)."""
         self.kept = kept
-        self.softcap = softcap
+        self.form = form
         self.heads = len(kept[0].lengths)
         self.appended = 0
         self.tail_start = list(real_lens)  # position of each prompt's first tail token
@@ -68,7 +69,7 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
     def layout(self) -> DecodeLayout:
         """How the kept rows are read (built at the first attend, after each re-selection)."""
         if self._layout is None:
-            self._layout = DecodeLayout(self.kept, self.softcap)
+            self._layout = DecodeLayout(self.kept, self.form)
         return self._layout
 
     def attend(self, queries: torch.Tensor) -> torch.Tensor:
@@ -82,7 +83,7 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
         bsz, heads, t, dim = tail_keys.shape
         q_len, g = queries.shape[2], queries.shape[1] // heads
         grouped = queries.float().reshape(bsz, heads, g, q_len, dim) * dim ** -0.5
-        tail_scores = cap_logits(torch.einsum("bhgqd,bhtd->bhgqt", grouped, tail_keys), self.softcap)
+        tail_scores = self.form.cap(torch.einsum("bhgqd,bhtd->bhgqt", grouped, tail_keys))
         if q_len > 1:
             visible = torch.arange(t, device=queries.device)[None, :] <= \
                 torch.arange(t - q_len, t, device=queries.device)[:, None]
@@ -93,10 +94,9 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
             else:
                 segments = [(h, k.float()[None]) for h, (k, _) in enumerate(kept.per_head())]
             for head, keys in segments:
-                kept_scores = cap_logits(torch.einsum("hgqd,hld->hgql", grouped[b, head].reshape(-1, g, q_len, dim),
-                                                      keys), self.softcap)
-                probs = torch.softmax(torch.cat([kept_scores, tail_scores[b, head].reshape(-1, g, q_len, t)], -1),
-                                      dim=-1)
+                kept_scores = self.form.cap(torch.einsum("hgqd,hld->hgql", grouped[b, head].reshape(-1, g, q_len, dim),
+                                                         keys))
+                probs = probabilities(torch.cat([kept_scores, tail_scores[b, head].reshape(-1, g, q_len, t)], -1))
                 yield b, head, probs, keys.shape[1]
 
     def received_attention(self, queries: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -17,16 +17,12 @@ from typing import Optional
 
 import torch
 
+from pyramidkv.components import AttentionForm
 from pyramidkv.core.kept import KeptKV
-from pyramidkv.core.scoring import cap_logits
+from pyramidkv.core.scoring import PLAIN, probabilities
 
 # At most this many segments per block bounds the FLOPs spent on masked rows.
 SEGMENTS_PER_BLOCK = 4
-
-
-def softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Softmax over the last axis in float32 (as transformers' eager attention), back in `dtype`."""
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
 
 
 @dataclass
@@ -90,9 +86,9 @@ def _flatten_thin(kept: list[KeptKV]) -> Optional[Part]:
 class DecodeLayout:
     """How one layer's kept tokens are read at decode time; built from the prompts' KeptKV."""
 
-    def __init__(self, kept: list[KeptKV], softcap: Optional[float] = None):
+    def __init__(self, kept: list[KeptKV], form: AttentionForm = PLAIN):
         self.batch, self.heads = len(kept), len(kept[0].lengths)
-        self.softcap = softcap  # the model's attention logit soft-cap (Gemma2), None: none
+        self.form = form  # the model's attention form: its logits
         thin = _flatten_thin(kept)
         self.parts = ([] if thin is None else [thin]) + [_flatten(kept)]
         self.dense = all(part.dense for part in self.parts)
@@ -111,7 +107,7 @@ class DecodeLayout:
         rows = num_q_heads // heads * q_len
         # Query rows of one stored head (its query heads x q tokens), pre-scaled: [B, H, rows, D].
         grouped = queries.reshape(bsz, heads, rows, dim) * dim ** -0.5
-        tail_scores = cap_logits(torch.matmul(grouped, tail_keys.transpose(-1, -2)), self.softcap)  # [B, H, rows, t]
+        tail_scores = self.form.logits(grouped, tail_keys.transpose(-1, -2))  # [B, H, rows, t]
         if q_len > 1:  # new token i sees the tail up to its own position
             query_pos = torch.arange(t - q_len, t, device=queries.device).repeat(num_q_heads // heads)
             visible = torch.arange(t, device=queries.device)[None, :] <= query_pos[:, None]
@@ -126,10 +122,10 @@ class DecodeLayout:
         for part in self.parts:
             shape = (bsz, heads, part.lengths[0], part.keys.shape[-1])
             part_queries = part.queries(grouped.reshape(bsz * heads, rows, dim)).reshape(bsz, heads, rows, -1)
-            kept_scores.append(cap_logits(torch.matmul(part_queries, part.keys.view(shape).transpose(-1, -2)),
-                                          self.softcap))  # [B, H, rows, L]
+            kept_scores.append(self.form.logits(part_queries,
+                                                part.keys.view(shape).transpose(-1, -2)))  # [B, H, rows, L]
             kept_values.append(part.values.view(bsz, heads, part.lengths[0], dim))
-        probs = softmax(torch.cat([*kept_scores, tail_scores], dim=-1), grouped.dtype)
+        probs = probabilities(torch.cat([*kept_scores, tail_scores], dim=-1), dtype=grouped.dtype)
         out, start = None, 0
         for scores, values in zip(kept_scores, kept_values):
             stop = start + scores.shape[-1]
@@ -149,11 +145,10 @@ class DecodeLayout:
             scores, spans = [], []
             for part, (row_start, row_stop, own_rows) in zip(self.parts, part_rows):
                 block_queries = part.queries(grouped[first:last], first).reshape(-1, part.keys.shape[-1])  # [S * rows, Dk]
-                block = cap_logits(torch.matmul(block_queries, part.keys[row_start:row_stop].T),
-                                   self.softcap).view(last - first, rows, -1)
+                block = self.form.logits(block_queries, part.keys[row_start:row_stop].T).view(last - first, rows, -1)
                 scores.append(block.masked_fill(~own_rows[:, None, :], torch.finfo(block.dtype).min))
                 spans.append((row_start, row_stop))
-            probs = softmax(torch.cat([*scores, tail_scores[first:last]], dim=-1), grouped.dtype)
+            probs = probabilities(torch.cat([*scores, tail_scores[first:last]], dim=-1), dtype=grouped.dtype)
             out, start = None, 0
             for part, (row_start, row_stop) in zip(self.parts, spans):
                 kept = row_stop - row_start

@@ -220,7 +220,7 @@ class PairedLayerStore(LayerStore):
                 pair = MergedPair(kv, kept[layer + 1], setup.real_lens, sharing.cross_layer_t, sharing.cross_layer_retain)
                 stores[layer], stores[layer + 1] = cls(pair, 0), cls(pair, 1)
             elif layer - 1 not in pairs:
-                stores[layer] = FullPrecisionStore(kv, setup.real_lens, setup.softcap)
+                stores[layer] = FullPrecisionStore(kv, setup.real_lens, setup.form)
         return stores
 
     def __init__(self, pair: MergedPair, which: int):

@@ -18,9 +18,10 @@ from typing import Optional
 
 import torch
 
+from pyramidkv.components import AttentionForm
 from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.kept import KeptKV
-from pyramidkv.core.scoring import cap_logits
+from pyramidkv.core.scoring import PLAIN, probabilities
 from pyramidkv.core.store import StoreSetup
 from pyramidkv.core.pages import (PageSettings, PageTable, choose_pages, page_tokens, pages_to_attend,
                                   tokens_read)
@@ -35,14 +36,15 @@ class PagedStore(FullPrecisionStore):
         """Layers below the unit's dense layers attend densely: they get a full-precision store."""
         pages = setup.method.pages
         if layer_idx < pages.page_dense_layers:
-            return FullPrecisionStore(kept, setup.real_lens, setup.softcap)
+            return FullPrecisionStore(kept, setup.real_lens, setup.form)
         settings = PageSettings(pages.page_size, pages.page_min_count, pages.page_keep_last, pages.page_selection)
-        return cls(kept, setup.real_lens, settings, [pages.budget_for(n) for n in setup.real_lens], setup.softcap)
+        return cls(kept, setup.real_lens, settings, [pages.budget_for(n) for n in setup.real_lens], setup.form)
 
     def __init__(self, kept: list[KeptKV], real_lens: list[int], settings: PageSettings, budgets: list[int],
-                 softcap: Optional[float] = None):
-        """budgets: per prompt, the tokens of the pages each of its segments attends per step."""
-        super().__init__(kept, real_lens, softcap)
+                 form: AttentionForm = PLAIN):
+        """budgets: per prompt, the tokens of the pages each of its segments attends per step; form: the model's
+        attention form (its logits)."""
+        super().__init__(kept, real_lens, form)
         self.settings = settings
         self.budgets = torch.tensor(budgets, device=kept[0].keys.device).repeat_interleave(self.heads)  # [S]
         self.table = self._table()
@@ -93,9 +95,9 @@ class PagedStore(FullPrecisionStore):
         tokens, visible = page_tokens(chosen, valid, self.table.counts, self.settings.size)
         keys, values = self._gather(tokens)                                    # [S, r, T, D]
         logits = torch.einsum("sgd,srtd->sgt" if keys.shape[1] == 1 else "sgd,sgtd->sgt", grouped * dim ** -0.5, keys)
-        logits = cap_logits(logits, self.softcap)
+        logits = self.form.cap(logits)
         logits = logits.masked_fill(~visible.expand_as(logits), float("-inf"))
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(queries.dtype)
+        probs = probabilities(logits, dtype=queries.dtype)
         out = torch.einsum("sgt,srtd->sgd" if values.shape[1] == 1 else "sgt,sgtd->sgd", probs, values)
         read = tokens_read(chosen, valid, self.table.counts, self.settings.size) * 2 * dim * queries.element_size()
         read = read + self.table.segment_bytes()

@@ -130,12 +130,12 @@ class PromptCompressor:
             real = real_positions(self.layer_pads(layer_idx, n), n, keys.device)
             positions = torch.arange(n, device=keys.device)[None] if position_ids is None else position_ids
             raw = method.score(ScoreContext(layer_idx, model.num_layers, queries, keys, values, real, pattern,
-                                            column_sums, model.softcap, positions.to(keys.device).expand(len(real), n),
+                                            column_sums, positions.to(keys.device).expand(len(real), n),
                                             self.rotation, hidden=hidden, model=model))
             scores = scores_per_stored_head(raw, method, model.num_kv_heads, model.num_query_heads)
             if method.merge is not None and method.merge.needs_attention:
                 attention = window_attention(queries, keys, real, method.window_size, pattern,
-                                             softcap=model.softcap).mean(dim=2)  # [B, Hq, n]
+                                             form=model.form).mean(dim=2)  # [B, Hq, n]
                 merge_attention = scores_per_stored_head(attention, method, model.num_kv_heads, model.num_query_heads)
         channels = method.channels
         last_queries = None if channels is None else queries[:, :, -channels.key_query_window:]
@@ -181,8 +181,7 @@ class PromptCompressor:
     def layer_pads(self, layer_idx: int, n: int) -> list[int]:
         """Per prompt, the positions before its first token the layer can attend to (padded coordinates): its left
         padding, or on a sliding layer of window W everything before the last W - 1 tokens."""
-        windows = self.model.layer_windows
-        window = windows[layer_idx] if windows else None
+        window = self.model.form.window(layer_idx)
         return self.pad_lens if window is None else [max(pad, n - window + 1) for pad in self.pad_lens]
 
     def candidates(self, b: int, n: int, pad: Optional[int] = None) -> tuple[int, int]:

@@ -29,9 +29,8 @@ from typing import Optional
 import torch
 
 from pyramidkv.core.kept import KeptKV
-from pyramidkv.core.layout import softmax
 from pyramidkv.core.rotary import KeyRotation
-from pyramidkv.core.scoring import cap_logits
+from pyramidkv.core.scoring import PLAIN, probabilities
 from pyramidkv.core.store import Heads, LayerStore, StoreSetup
 from pyramidkv.quantization.base import Quantizer
 from pyramidkv.quantization.kernels import Scratch, dequantize_span, key_scores, weighted_values
@@ -46,15 +45,15 @@ class QuantizedStore(LayerStore):
     def open(cls, kept: list[KeptKV], setup: StoreSetup, layer_idx: int) -> "QuantizedStore":
         setup.method.quant_method.check_head_dim(kept[0].keys.shape[-1])
         return cls(setup.method.quant_method, kept, setup.rope_positions(kept), setup.real_lens, setup.rotary,
-                   setup.scratch, setup.softcap)
+                   setup.scratch, setup.form)
 
     def __init__(self, quantizer: Quantizer, kept: list[KeptKV], rope_positions: list[torch.Tensor],
-                 real_lens: list[int], rotary: Optional[KeyRotation], scratch: Optional[Scratch] = None, softcap=None):
+                 real_lens: list[int], rotary: Optional[KeyRotation], scratch: Optional[Scratch] = None, form=PLAIN):
         """kept: per prompt what the prefill kept; rope_positions: per prompt, long [T] RoPE position of each kept
-        row; real_lens: per prompt its real length; scratch: buffers shared by a cache's layers; softcap: the
-        model's attention logit soft-cap (None: none)."""
+        row; real_lens: per prompt its real length; scratch: buffers shared by a cache's layers; form: the model's
+        attention form (its logits)."""
         q = self.quantizer = quantizer
-        self.scratch, self.softcap = scratch, softcap
+        self.scratch, self.form = scratch, form
         self.kept_lengths = [k.counts() for k in kept]                  # per prompt, per head
         self.kept_in_prompt = [torch.cat(k.all_positions()) for k in kept]  # per prompt, its kept rows' positions
         self.real_lens = list(real_lens)
@@ -182,9 +181,9 @@ class QuantizedStore(LayerStore):
         stored before RoPE, [n, T]): the keys are dequantized and rotated first, else scale and zero fold; soft-capped
         where the model caps."""
         if positions is None:
-            return cap_logits(key_scores(block, queries, start, stop, codebook, self.scratch), self.softcap)
+            return self.form.cap(key_scores(block, queries, start, stop, codebook, self.scratch))
         keys = dequantize_span(block, start, stop, torch.float32, codebook, self.scratch)
-        return cap_logits(queries.float() @ self.rotary.rotate(keys, positions[:, start:stop]).transpose(1, 2), self.softcap)
+        return self.form.logits(queries.float(), self.rotary.rotate(keys, positions[:, start:stop]).transpose(1, 2))
 
     def attend(self, queries: torch.Tensor) -> torch.Tensor:
         bsz, num_q_heads, q_len, dim = queries.shape
@@ -221,10 +220,10 @@ class QuantizedStore(LayerStore):
         # Full-precision window: [S, rows, F], rows not held masked.
         width = self.fp_width
         fp_keys, fp_mask = self.fp_keys[:, :width].transpose(1, 2), self.fp_mask[:, None, :width]
-        parts.append(torch.baddbmm(fp_mask, grouped, fp_keys) if self.softcap is None else   # capped, then masked
-                     cap_logits(torch.bmm(grouped, fp_keys), self.softcap) + fp_mask)
+        parts.append(self.form.cap(torch.bmm(grouped, fp_keys)) + fp_mask if self.form.capped else   # capped, masked
+                     torch.baddbmm(fp_mask, grouped, fp_keys))
 
-        probs = softmax(torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0], dtype)
+        probs = probabilities(torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0], dtype=dtype)
         out = torch.bmm(probs[..., probs.shape[-1] - width:], self.fp_values[:, :width])
         for group in self.prefill:
             step, stop = self._chunk(group.segments.numel(), dim), group.tokens

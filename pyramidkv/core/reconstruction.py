@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from pyramidkv.core.scoring import cap_logits
+from pyramidkv.components import AttentionForm
 
 QUERY_BLOCK = 256   # repeat queries per block of the probe attention (bounds the [Hq, block, n + m] logits)
 
@@ -64,10 +64,11 @@ class Reconstruction:
     repeat_tokens: int = 0    # tokens the repeat passes ran, all prompts (the prefill's extra work)
 
     def attend(self, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               prompt_keys: torch.Tensor, prompt_values: torch.Tensor, pad: int, softcap: Optional[float]) -> torch.Tensor:
+               prompt_keys: torch.Tensor, prompt_values: torch.Tensor, pad: int, form: AttentionForm) -> torch.Tensor:
         """One layer of a repeat input. queries [1, Hq, m, D] (scaled: q . k / sqrt(D) is the logit), keys, values
         [1, Hkv, m, D] the repeat's; prompt_keys, prompt_values [H, n, D] the prompt's row (stored heads: Hkv, or
-        Hq repeated), pad its padding. Returns the attention output [1, Hq, m, D] and records the chunk's scores."""
+        Hq repeated), pad its padding; form: the model's attention form (its logits). Returns the attention output
+        [1, Hq, m, D] and records the chunk's scores."""
         b, chunk = self.current
         plan = self.plans[b]
         _, num_q, m, dim = queries.shape
@@ -84,7 +85,7 @@ class Reconstruction:
         best = torch.zeros(num_q, chunk.stop - chunk.start, dtype=torch.float32, device=queries.device)
         for first in range(0, m, QUERY_BLOCK):
             rows = torch.arange(first, min(first + QUERY_BLOCK, m), device=queries.device)
-            logits = cap_logits(torch.matmul(queries[0, :, rows].float(), every_k) / dim ** 0.5, softcap)  # [Hq, r, n+m]
+            logits = form.cap(torch.matmul(queries[0, :, rows].float(), every_k) / dim ** 0.5)  # [Hq, r, n+m]
             later = torch.arange(n + m, device=queries.device)[None, :] > n + rows[:, None]   # causal in the repeat
             probs = torch.softmax(logits.masked_fill(later | unread, float("-inf")), -1)
             out[:, rows] = torch.matmul(probs, every_v)

@@ -6,6 +6,10 @@ decode), w window, D head dim. `real` is a bool mask of non-padding entries, [B,
 pads alike (always at prefill) or [B, Hkv, n] per head (ragged heads at decode). Softmax is taken in
 float32 as in the papers' code. With a sparse prefill pattern (MInference) the statistics are those of
 the attention the model ran: only the pattern's entries (`pattern.mask`), renormalised over them.
+
+The model's attention form (components.AttentionForm: its soft-cap) turns q . k / sqrt(D) into its logits
+(`form.cap`, `form.logits`), and `probabilities` turns logits into attention: the stores' decode attention and
+the patched eager attention use the same two.
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from pyramidkv.components import AttentionForm
+
+PLAIN = AttentionForm()   # no soft-cap: what a helper assumes when it is given no form
 
 
 def real_positions(pad_lens: list[int], n: int, device) -> torch.Tensor:
@@ -28,14 +36,23 @@ def real_per_query_head(real: torch.Tensor, num_query_heads: int) -> torch.Tenso
     return real.repeat_interleave(num_query_heads // real.shape[1], dim=1)
 
 
-def cap_logits(scores: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
-    """Attention logit soft-capping (Gemma2): softcap * tanh(scores / softcap), in the modeling file's order
-    of operations; None: the scores unchanged. Applied before any mask."""
-    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+def probabilities(logits: torch.Tensor, allowed: Optional[torch.Tensor] = None,
+                  dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Attention probabilities: the softmax of logits over the last axis, in float32 (as transformers' eager
+    attention and the papers' code), returned in `dtype` (None: float32). allowed: bool, broadcastable to logits,
+    the keys each row may attend (None: every key the logits hold, masked already where needed); a row with none
+    allowed gives 0 (a padding query)."""
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if allowed is not None:
+        probs = torch.nan_to_num(probs, nan=0.0)
+    return probs if dtype is None else probs.to(dtype)
 
 
-def grouped_scores(queries: torch.Tensor, keys: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
-    """q.k^T / sqrt(D) for every query head against its KV head (soft-capped where the model caps).
+def grouped_scores(queries: torch.Tensor, keys: torch.Tensor, form: AttentionForm = PLAIN) -> torch.Tensor:
+    """q.k^T / sqrt(D) for every query head against its KV head, as the model's logits (`form`: soft-capped
+    where it caps).
 
     queries: [B, Hq, q, D]; keys: [B, Hkv, n, D] -> [B, Hq, q, n] (float32).
     """
@@ -43,43 +60,37 @@ def grouped_scores(queries: torch.Tensor, keys: torch.Tensor, softcap: Optional[
     num_kv_heads = keys.shape[1]
     group = num_q_heads // num_kv_heads
     q = queries.float().reshape(bsz, num_kv_heads, group * q_len, head_dim)
-    s = cap_logits(torch.matmul(q, keys.float().transpose(-1, -2)) / head_dim**0.5, softcap)
+    s = form.cap(torch.matmul(q, keys.float().transpose(-1, -2)) / head_dim**0.5)
     return s.reshape(bsz, num_q_heads, q_len, keys.shape[2])
 
 
-def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim where `allowed` (broadcastable bool); rows with nothing allowed give 0."""
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.nan_to_num(probs, nan=0.0)
-
-
 def window_attention(queries: torch.Tensor, keys: torch.Tensor, real: torch.Tensor, window_size: int,
-                     pattern=None, causal: bool = True, softcap: Optional[float] = None) -> torch.Tensor:
+                     pattern=None, causal: bool = True, form: AttentionForm = PLAIN) -> torch.Tensor:
     """Attention of the last `window_size` queries to all keys, causal inside the window (causal=False: each
     row's softmax also covers the window's later keys, a separate dense pass, so no pattern).
 
     queries: [B, Hq, q, D], those of the last q tokens (only the last w are used, the i-th of them at
     token n - w + i); keys: [B, Hkv, n, D]; real: [B, n] or [B, Hkv, n]; pattern: the layer's sparse
-    prefill pattern or None. Returns [B, Hq, w, n] float32, w = min(window_size, q, n).
+    prefill pattern or None; form: the model's attention form. Returns [B, Hq, w, n] float32, w = min(window_size,
+    q, n).
     """
     n, q = keys.shape[2], queries.shape[2]
     w = min(window_size, q, n)
-    s = grouped_scores(queries[:, :, q - w :], keys, softcap)  # [B, Hq, w, n]
+    s = grouped_scores(queries[:, :, q - w :], keys, form)  # [B, Hq, w, n]
     allowed = real_per_query_head(real, queries.shape[1])[:, :, None, :]
     if not causal:
-        return masked_softmax(s, allowed)
+        return probabilities(s, allowed)
     query_pos = torch.arange(n - w, n, device=keys.device)[:, None]
     key_pos = torch.arange(n, device=keys.device)[None, :]
     allowed = (key_pos <= query_pos)[None, None] & allowed
     if pattern is not None:
         allowed = allowed & pattern.mask(n - w, n, n, keys.device)
-    return masked_softmax(s, allowed)
+    return probabilities(s, allowed)
 
 
 def attention_column_sums(
     queries: torch.Tensor, keys: torch.Tensor, real: torch.Tensor, max_chunk_elements: int = 1 << 24, pattern=None,
-    softcap: Optional[float] = None,
+    form: AttentionForm = PLAIN,
 ) -> torch.Tensor:
     """Sum over all real queries of their causal attention to each key (H2O's score).
 
@@ -96,19 +107,19 @@ def attention_column_sums(
     totals = torch.zeros(bsz, num_q_heads, n, dtype=torch.float32, device=keys.device)
     for start in range(0, q, chunk):
         stop = min(q, start + chunk)
-        s = grouped_scores(queries[:, :, start:stop], keys, softcap)  # [B, Hq, c, n]
+        s = grouped_scores(queries[:, :, start:stop], keys, form)  # [B, Hq, c, n]
         query_pos = torch.arange(first + start, first + stop, device=keys.device)
         allowed = (key_pos[None, :] <= query_pos[:, None])[None, None] & real[:, :, None, :]
         allowed = allowed & real[:, :, first + start:first + stop, None]  # padding queries contribute nothing
         if pattern is not None:
             allowed = allowed & pattern.mask(first + start, first + stop, n, keys.device)
-        totals += masked_softmax(s, allowed).sum(dim=2)
+        totals += probabilities(s, allowed).sum(dim=2)
     return totals
 
 
 def attention_with_column_sums(
     queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor,
-    max_chunk_elements: Optional[int] = None, softcap: Optional[float] = None,
+    max_chunk_elements: Optional[int] = None, form: AttentionForm = PLAIN,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompt's causal attention and, from the same probabilities, each key's column sum (H2O's score).
 
@@ -139,13 +150,13 @@ def attention_with_column_sums(
         stop = min(n, start + chunk)
         rows = stop - start
         q = scaled[:, :, :, start:stop].reshape(bsz, num_kv_heads, group * rows, dim)
-        s = cap_logits(torch.matmul(q, keys_t[..., :stop]), softcap).view(bsz, num_q_heads, rows, stop)
+        s = form.logits(q, keys_t[..., :stop]).view(bsz, num_q_heads, rows, stop)
         s[..., start:].masked_fill_(future[:rows, :rows], float("-inf"))
         if pad_max > 0:
             cut = min(pad_max, stop)
             hidden = padding[:, None, :cut] & real[:, start:stop, None]   # [B, rows, cut]
             s[..., :cut].masked_fill_(hidden[:, None], float("-inf"))
-        probs = torch.softmax(s, dim=-1)
+        probs = probabilities(s)
         counted = probs if start >= pad_max else probs * real[:, None, start:stop, None]
         totals[..., :stop] += counted.sum(dim=2)
         attended = torch.matmul(probs.view(bsz, num_kv_heads, group * rows, stop), values[:, :, :stop])

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
+from pyramidkv.components import AttentionForm
 from pyramidkv.core.kept import KeptKV
 
 # Per stored head: (keys [m, D], values [m, D], positions [m]).
@@ -36,8 +37,8 @@ class StoreSetup:
     real_lens, pad_lens: per prompt its real length and its left padding; position_ids: [B or 1, n] the
     prompt's RoPE positions (None: 0..n-1); method: the compression method (its units configure the store);
     rotary: RoPE applied and undone outside the model (stores keeping keys before RoPE); scratch: buffers
-    the layers' quantized attention shares; num_layers: layers of the model; softcap: the model's attention logit
-    soft-cap (Gemma2: softcap * tanh(logit / softcap) before the softmax), None: none."""
+    the layers' quantized attention shares; num_layers: layers of the model; form: the model's attention form
+    (components.AttentionForm: the stores' logits are `form.logits` / `form.cap`)."""
 
     real_lens: list[int]
     pad_lens: list[int]
@@ -46,7 +47,7 @@ class StoreSetup:
     num_layers: int
     rotary: Any = None
     scratch: Any = None
-    softcap: Optional[float] = None
+    form: AttentionForm = AttentionForm()
 
     def rope_positions(self, kept: list[KeptKV]) -> list[torch.Tensor]:
         """Per prompt, long [T] the RoPE position of each kept row: its position id (its padded position without)."""

@@ -37,7 +37,7 @@ class ThresholdDecoder:
         self.model = model
         self.num_layers = len(stores)
         self.num_query_heads, self.num_kv_heads = model.num_query_heads, model.num_kv_heads
-        self.rotation, self.softcap = rotation, model.softcap
+        self.rotation = rotation
         self.threshold = threshold
         self.window = method.window_size
         self.sinks = method.selection.num_sinks
@@ -88,7 +88,7 @@ class ThresholdDecoder:
         bsz, _, q_len, _ = keys.shape
         positions = rope[:, None] - q_len + 1 + torch.arange(q_len, device=keys.device)   # [B, q] RoPE positions
         ctx = ScoreContext(layer_idx, self.num_layers, queries, keys, values,
-                           torch.ones(bsz, q_len, dtype=torch.bool, device=keys.device), softcap=self.softcap,
+                           torch.ones(bsz, q_len, dtype=torch.bool, device=keys.device),
                            positions=positions.long(), rotation=self.rotation, hidden=hidden, model=self.model)
         scores = scores_per_stored_head(self.method.score(ctx), self.method, self.num_kv_heads,
                                         self.num_query_heads).float()   # [B, H, q]
@@ -166,4 +166,4 @@ def decoder_for(method: CompressionMethod, stores: list, model: ModelShape, stor
     if method.decode is None:
         return None
     return DecodeCompressor(method, stores, model.num_query_heads, stored_heads, method.decode.decode_query_window,
-                            model.softcap, rotation, model)
+                            rotation, model)

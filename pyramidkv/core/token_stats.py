@@ -19,7 +19,8 @@ from typing import Optional
 
 import torch
 
-from pyramidkv.core.scoring import attention_column_sums, real_positions, window_attention
+from pyramidkv.components import AttentionForm
+from pyramidkv.core.scoring import PLAIN, attention_column_sums, real_positions, window_attention
 
 
 class TokenRows:
@@ -27,7 +28,7 @@ class TokenRows:
 
     kept: list[Optional[list[torch.Tensor]]]
     tail: list[Optional[torch.Tensor]]
-    softcap: Optional[float] = None   # the model's attention logit soft-cap, for the prefill rows
+    form: AttentionForm = PLAIN   # the model's attention form, for the prefill rows
 
     def held(self, layer_idx: int, b: int, counts: list[int]) -> list[torch.Tensor]:
         tail = self.tail[layer_idx]
@@ -50,7 +51,7 @@ class AccumulatedAttention(TokenRows):
             raw_scores = column_sums
         elif raw_scores is None:  # every prompt kept whole: the column sums are still the starting totals
             raw_scores = attention_column_sums(queries, keys, real_positions(pad_lens, keys.shape[2], keys.device),
-                                               pattern=pattern, softcap=self.softcap)
+                                               pattern=pattern, form=self.form)
         heads = raw_scores.shape[1]
         if heads != self.num_query_heads:
             raw_scores = raw_scores.repeat_interleave(self.num_query_heads // heads, dim=1)
@@ -92,7 +93,7 @@ class AttentionHistory(TokenRows):
         """The last w prompt rows: attention [B, Hq, w', n] (NaN where not visible) and levels [B, w']."""
         n = keys.shape[2]
         real = real_positions(pad_lens, n, keys.device)
-        rows = window_attention(queries, keys, real, self.window, pattern, softcap=self.softcap)  # [B, Hq, w', n]
+        rows = window_attention(queries, keys, real, self.window, pattern, form=self.form)  # [B, Hq, w', n]
         w = rows.shape[2]
         query_pos = torch.arange(n - w, n, device=keys.device)
         causal = torch.arange(n, device=keys.device)[None, :] <= query_pos[:, None]      # [w', n]

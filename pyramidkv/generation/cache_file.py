@@ -400,7 +400,7 @@ def _check_layout(path, spec: str, fresh: CompressedCache, cache: CompressedCach
     def shown(value):
         return value.__name__ if isinstance(value, type) else type(value).__name__ if value is not None else value
 
-    for name in ("store_class", "sliding_class", "stored_heads", "windows"):
+    for name in ("store_class", "sliding_class", "stored_heads", "form"):
         if getattr(cache, name, None) != getattr(fresh, name):
             refuse(f"its {name} is {shown(getattr(cache, name, None))}, the method's {shown(getattr(fresh, name))}")
     if type(getattr(cache, "decoding", None)) is not type(fresh.decoding):
@@ -418,7 +418,7 @@ def _check_layout(path, spec: str, fresh: CompressedCache, cache: CompressedCach
     if cache.decoding is not None or not isinstance(method.head_allocation, UniformHeads) or method.sizing.outcome:
         return
     for layer, store in enumerate(cache.layers):
-        if store is None or cache.windows[layer] is not None:
+        if store is None or cache.form.window(layer) is not None:
             continue
         for b, counts in enumerate(store.kept_counts()):
             want = min(expected.real_lens[b], budgets[b][layer])

@@ -207,7 +207,7 @@ class Method(Component, metaclass=FlatSizing):
         self.sizing.check_model(model, self)
         if self.quant_method is not None:
             self.quant_method.check_model(model.head_dim, model.dtype_bytes, model.context_window)
-            self.quant_method.check_layers(model.layer_windows)
+            self.quant_method.check_layers(model.form.windows)
         for unit in self.capabilities:
             unit.check_model(model, self)
         if self.prefill_attention is not None:  # e.g. a pattern table of another model

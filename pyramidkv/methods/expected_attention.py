@@ -23,7 +23,7 @@ from pyramidkv.allocation.base import HeadAllocation
 from pyramidkv.capabilities import Selection
 from pyramidkv.core.context import DecodeScoreContext, ScoreContext
 from pyramidkv.core.rotary import KeyRotation
-from pyramidkv.core.scoring import masked_softmax
+from pyramidkv.core.scoring import probabilities
 from pyramidkv.methods.base import Method
 
 
@@ -109,7 +109,7 @@ class ExpectedAttention(Method):
             logits = logits + torch.einsum("bknd,bkgde,bkne->bkgn", keys, future, keys) / (2 * dim)
         real = ctx.real if ctx.real.dim() == 3 else ctx.real[:, None]  # [B, 1 or H, m]
         scored = real & (real.cumsum(dim=-1) > self.selection.num_sinks)
-        expected = masked_softmax(logits, scored[:, :, None]) + self.epsilon
+        expected = probabilities(logits, scored[:, :, None]) + self.epsilon
         if self.use_vnorm:
             expected = expected * ctx.values.float().norm(dim=-1)[:, :, None]
         return expected.masked_fill(~scored[:, :, None], 0.0).reshape(bsz, heads * group, m)   # [B, Hq, m]

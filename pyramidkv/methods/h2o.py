@@ -30,7 +30,7 @@ class H2O(Method):
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         if ctx.column_sums is not None:
             return ctx.column_sums
-        return attention_column_sums(ctx.queries, ctx.keys, ctx.real, pattern=ctx.pattern, softcap=ctx.softcap)
+        return attention_column_sums(ctx.queries, ctx.keys, ctx.real, pattern=ctx.pattern, form=ctx.form)
 
     def decode_score(self, ctx) -> torch.Tensor:
         return ctx.accumulated

@@ -79,9 +79,10 @@ class KVzip(Method):
 
     def check_model(self, model) -> None:
         super().check_model(model)
-        if any(w is not None for w in model.layer_windows):
+        if model.form.sliding:
             raise ValueError(f"kvzip does not support sliding-window layers (model {model.name or '?'}: layer windows "
-                             f"{sorted({w for w in model.layer_windows if w})}); its repeat passes attend the whole prompt")
+                             f"{sorted({w for w in model.form.windows if w})}); its repeat passes attend the whole "
+                             f"prompt")
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         if ctx.reconstruction is None:

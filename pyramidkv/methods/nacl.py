@@ -53,5 +53,5 @@ class NACL(Method):
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         n = ctx.keys.shape[2]
         proxies = window_attention(ctx.queries, ctx.keys, ctx.real, min(self.proxy_size, n),
-                                   ctx.pattern if self.proxy_causal else None, self.proxy_causal, ctx.softcap)
+                                   ctx.pattern if self.proxy_causal else None, self.proxy_causal, ctx.form)
         return proxies.sum(dim=2)  # [B, Hq, n]

@@ -61,7 +61,8 @@ class Scissorhands(Method):
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """Prefill: minus the unimportant counts over the prompt's last history_window rows. [B, Hq, n]"""
         n = ctx.keys.shape[2]
-        rows = window_attention(ctx.queries, ctx.keys, ctx.real, self.history_window, ctx.pattern, softcap=ctx.softcap)  # [B, Hq, w, n]
+        rows = window_attention(ctx.queries, ctx.keys, ctx.real, self.history_window, ctx.pattern,
+                                form=ctx.form)  # [B, Hq, w, n]
         w = rows.shape[2]
         causal = torch.arange(n, device=rows.device)[None, :] <= torch.arange(n - w, n, device=rows.device)[:, None]
         visible = causal[None] & ctx.real[:, None, :] & ctx.real[:, n - w:, None]     # [B, w, n]

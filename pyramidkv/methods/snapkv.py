@@ -58,7 +58,7 @@ class SnapKV(Method):
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         n = ctx.keys.shape[2]
         w = min(self.window_size, n)
-        attention = window_attention(ctx.queries, ctx.keys, ctx.real, w, ctx.pattern, softcap=ctx.softcap)  # [B, Hq, w, n]
+        attention = window_attention(ctx.queries, ctx.keys, ctx.real, w, ctx.pattern, form=ctx.form)  # [B, Hq, w, n]
         prefix_scores = attention[..., : n - w].sum(dim=2)  # [B, Hq, n - w]
         if self.gqa_layout == "kv_head" and self.gqa_pooling == "after_reduce":
             prefix_scores = reduce_query_groups(prefix_scores, ctx.keys.shape[1], self.gqa_reduce)  # [B, Hkv, n - w]

@@ -70,5 +70,5 @@ class TOVA(Method):
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """[B, H, n]: the last query's attention averaged over all query heads, copied to every head."""
-        row = window_attention(ctx.queries, ctx.keys, ctx.real, 1, ctx.pattern, softcap=ctx.softcap)  # [B, Hq, 1, n]
+        row = window_attention(ctx.queries, ctx.keys, ctx.real, 1, ctx.pattern, form=ctx.form)  # [B, Hq, 1, n]
         return row[:, :, 0].mean(dim=1, keepdim=True).expand(-1, ctx.keys.shape[1], -1)

@@ -19,8 +19,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from pyramidkv.components import AttentionForm
 from pyramidkv.core.cache import CompressedCache
-from pyramidkv.core.scoring import attention_with_column_sums, cap_logits, real_positions
+from pyramidkv.core.scoring import PLAIN, attention_with_column_sums, probabilities, real_positions
 from pyramidkv.sparse_prefill.attention import sparse_prefill_attention
 
 # (module, hidden_states, position_ids, position_embeddings) -> (q, k, v), RoPE applied: the glue's project_qkv
@@ -36,17 +37,17 @@ def repeat_kv(states: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def full_attention(module, implementation: str, queries, keys, values, attention_mask, position_ids, output_attentions,
-                   pad_lens: Optional[list[int]] = None, scale: Optional[float] = None,
-                   softcap: Optional[float] = None, sliding_window: Optional[int] = None):
+                   pad_lens: Optional[list[int]] = None, form: AttentionForm = PLAIN):
     """Attention over the full prompt, the same computation as transformers 4.44.2 does it, except that a
     left-padded batch under sdpa runs each prompt's own tokens with `is_causal` (see causal_per_prompt).
-    scale, softcap: the glue's `attention_form` (None: 1 / sqrt(D), no cap); sliding_window: the layer's window
-    for flash-attn (eager and sdpa receive it in the mask).
+    form: the model's attention form (the glue's `attention_form`): its scale and soft-cap, and the layer's
+    sliding window for flash-attn (eager and sdpa receive it in the mask).
 
     Returns (output [B, n, Hq, D], weights or None).
     """
     group = module.num_key_value_groups
     q_len = queries.shape[2]
+    scale, sliding_window = form.scale, form.window(module.layer_idx)
     if implementation == "flash_attention_2":
         from transformers.modeling_flash_attention_utils import _flash_attention_forward
 
@@ -55,7 +56,7 @@ def full_attention(module, implementation: str, queries, keys, values, attention
             position_ids=position_ids, dropout=0.0, softmax_scale=scale,
             sliding_window=None if sliding_window is None else sliding_window - 1,   # window_size (W - 1, W - 1)
             use_top_left_mask=module._flash_attn_uses_top_left_mask, is_causal=True,
-            **({} if softcap is None else {"softcap": softcap}),
+            **({"softcap": form.softcap} if form.capped else {}),
         )
         return out, None
     keys, values = repeat_kv(keys, group), repeat_kv(values, group)
@@ -70,13 +71,11 @@ def full_attention(module, implementation: str, queries, keys, values, attention
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
                                              is_causal=mask is None and q_len > 1, scale=scale)
         return out.transpose(1, 2), None
-    if scale is None:
-        weights = torch.matmul(queries, keys.transpose(2, 3)) / module.head_dim**0.5
-    else:
-        weights = cap_logits(torch.matmul(queries, keys.transpose(2, 3)) * scale, softcap)
+    products = torch.matmul(queries, keys.transpose(2, 3))
+    weights = form.cap(products / module.head_dim**0.5 if scale is None else products * scale)
     if mask is not None:
         weights = weights + mask
-    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(queries.dtype)
+    weights = probabilities(weights, dtype=queries.dtype)
     out = torch.matmul(weights, values)
     return out.transpose(1, 2), (weights if output_attentions else None)
 
@@ -109,13 +108,11 @@ def compressed_attention_forward(
     *,
     project_qkv: ProjectFn,
     implementation: str,
-    scale: Optional[float] = None,
-    softcap: Optional[float] = None,
     **kwargs,
 ):
     """Drop-in replacement for the forward of a glued attention module (transformers 4.44.2's Llama signature).
-    scale, softcap: the glue's `attention_form` (None: 1 / sqrt(D), no soft-cap). The cache gets the queries
-    scaled so that q . k / sqrt(D) is the model's logit, and the soft-cap to apply to it."""
+    The model's attention form is the cache's (`cache.form`, built by the glue: scale, soft-cap, windows); the
+    cache gets the queries scaled so that q . k / sqrt(D) is the model's logit."""
     cache = past_key_value
     if not isinstance(cache, CompressedCache):
         if cache is not None and use_cache:
@@ -130,7 +127,8 @@ def compressed_attention_forward(
                                     use_cache=use_cache, cache_position=cache_position, **kwargs)
     bsz, q_len, _ = hidden_states.shape
     queries, keys, values = project_qkv(module, hidden_states, position_ids, position_embeddings)
-    factor = 1.0 if scale is None else scale * module.head_dim ** 0.5
+    form = cache.form
+    factor = 1.0 if form.scale is None else form.scale * module.head_dim ** 0.5
     scaled = queries if factor == 1.0 else queries * factor   # q . k / sqrt(D) = the model's logit
 
     weights = None
@@ -142,18 +140,18 @@ def compressed_attention_forward(
         sparse = cache.method.prefill_attention
         pads = cache.pad_lens or [0] * bsz
         pattern = None if sparse is None else sparse.pattern(layer, scaled, keys, pads, cache.model_shape.name)
-        window = cache.windows[layer]
+        window = form.window(layer)
         column_sums = None
         if pattern is not None:
             out, weights, density = sparse_prefill_attention(scaled, keys, values, pattern, output_attentions)
             cache.prefill_density[layer] = density
         elif not output_attentions and (window is None or window >= q_len) and cache.needs_column_sums(bsz, q_len):
             out, column_sums = attention_with_column_sums(scaled, keys, values, real_positions(pads, q_len, keys.device),
-                                                          softcap=softcap)
+                                                          form=form)
             out = out.transpose(1, 2)
         else:
             out, weights = full_attention(module, implementation, queries, keys, values, attention_mask,
-                                          position_ids, output_attentions, pads, scale, softcap, window)
+                                          position_ids, output_attentions, pads, form)
         cache.prefill(layer, scaled, keys, values, position_ids, pattern, column_sums, hidden)
     else:
         out = cache.decode_step(layer, scaled, keys, values, position_ids, hidden).transpose(1, 2)

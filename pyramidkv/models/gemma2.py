@@ -7,7 +7,7 @@ instead (models/patch.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transformers.models.gemma2 import modeling_gemma2
 
@@ -29,7 +29,8 @@ class Gemma2Glue(RotateHalfGlue):
     def attention_form(self, config, implementation):
         cap = config.attn_logit_softcapping
         applied = implementation == "eager" or (implementation == "flash_attention_2" and flash_softcap())
-        return config.query_pre_attn_scalar ** -0.5, cap if applied else None
+        return replace(super().attention_form(config, implementation), scale=config.query_pre_attn_scalar ** -0.5,
+                       softcap=cap if applied else None)
 
 
 GLUE = Gemma2Glue(

@@ -5,6 +5,9 @@ Everything the package does with a model that depends on its architecture goes t
   project_qkv(module, hidden, ...)  q, k, v of an attention module, RoPE applied (the patched attention);
   key_rotation(model)               RoPE on keys at given positions, and undone (the cache, for stores that
                                     keep keys before RoPE: core/rotary.py's `KeyRotation`);
+  attention_form(config, impl)      its attention's scale, logit soft-cap and per-layer sliding windows (a
+                                    components.AttentionForm): built once per patched model, handed to its
+                                    caches inside the ModelShape, read by every store and scorer;
   config_as(config)                 another family's config re-expressed as this one (load_model's
                                     `model_class`);
   causal_lm, attention_classes      the model class loaded and the attention modules patched;
@@ -21,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from pyramidkv.components import AttentionForm
 from pyramidkv.core.rotary import KeyRotation
 
 # Entries of a config's to_dict() that name its family rather than describe the model.
@@ -87,12 +91,16 @@ class ModelGlue:
         (docs/models.md, "Sliding windows")."""
         return (None,) * config.num_hidden_layers
 
-    def attention_form(self, config, implementation: str) -> tuple[Optional[float], Optional[float]]:
-        """(scale of q . k, logit soft-cap) of the family's attention under `implementation`, as its modeling file
-        computes them: scale None is 1 / sqrt(head_dim) computed as the Llama files do (a division), soft-cap
-        None is none (Gemma2: query_pre_attn_scalar ** -0.5, and attn_logit_softcapping where that
-        implementation applies it)."""
-        return None, None
+    def attention_form(self, config, implementation: str) -> AttentionForm:
+        """The family's attention under `implementation`, as its modeling file computes it: here scale None
+        (1 / sqrt(head_dim), a division as the Llama files do), no soft-cap, and the `layer_windows`, a window at or
+        beyond the context window (max_position_embeddings) counting as global: it never binds. A family with a
+        scale or soft-cap of its own overrides this (Gemma2: query_pre_attn_scalar ** -0.5, and
+        attn_logit_softcapping where that implementation applies it)."""
+        context = getattr(config, "max_position_embeddings", 0) or 0
+        windows = tuple(w if w is not None and not (context and w >= context) else None
+                        for w in self.layer_windows(config, implementation))
+        return AttentionForm(windows=windows if any(w is not None for w in windows) else ())
 
     def key_rotation(self, model) -> KeyRotation:
         """The model's RoPE applied to keys at given positions, and undone; fresh per cache (it may grow a

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache
 
-from pyramidkv.allocation.base import ModelShape
+from pyramidkv.components import AttentionForm, ModelShape
 from pyramidkv.core.cache import CompressedCache
 from pyramidkv.methods.base import Method
 from pyramidkv.models import gemma2, llama, mistral, mixtral, phi3, qwen2
@@ -100,9 +100,8 @@ class CompressionPatch:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def apply(self) -> "CompressionPatch":
-        scale, softcap = self.glue.attention_form(self.model.config, self.implementation)
         forward = functools.partial(compressed_attention_forward, project_qkv=self.glue.project_qkv,
-                                    implementation=self.implementation, scale=scale, softcap=softcap)
+                                    implementation=self.implementation)
         for layer in decoder(self.model).layers:
             attention = layer.self_attn
             if not isinstance(attention, self.glue.attention_classes):
@@ -163,13 +162,9 @@ class CompressionPatch:
     def new_cache(self, prompts=None, tokenizer=None) -> CompressedCache:
         """An empty cache for one generate(); prompts (token-id lists) and their tokenizer: what a reconstructing
         method (KVzip) repeats."""
-        config = self.model.config
         needed = self.method.quant_method is not None or self.method.needs_rotation
         rotation = self.glue.key_rotation(self.model) if needed else None
-        cache = CompressedCache(self.method, config.num_hidden_layers, config.num_key_value_heads,
-                                config.num_attention_heads, model_name=getattr(config, "_name_or_path", "") or "",
-                                rotation=rotation, layer_windows=self.shape.layer_windows, softcap=self.shape.softcap,
-                                shape=self.shape)
+        cache = CompressedCache(self.method, self.shape, rotation=rotation)
         if self.method.reconstructs and prompts is not None:
             cache.reconstruction = self.method.reconstruction(prompts, tokenizer)
         return cache
@@ -231,21 +226,18 @@ def run_repeats(decoder_module, cache: CompressedCache) -> None:
 
 def model_shape(config, dtype_bytes: int = 0, implementation: Optional[str] = None) -> ModelShape:
     """What a method's checks need to know of a model, from its config (and the bytes of its dtype, and the
-    attention implementation: None, the config's). A window at or beyond the context window never binds: the
-    layer counts as global."""
+    attention implementation: None, the config's), with its attention form as the family's glue builds it (none
+    for a family without one)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     context = getattr(config, "max_position_embeddings", 0) or 0
     glue = MODEL_GLUE.get(config.model_type)
-    windows, softcap = (), None
+    form = AttentionForm()
     if glue is not None:
         implementation = implementation or getattr(config, "_attn_implementation", None) or "eager"
-        windows = tuple(w if w is not None and not (context and w >= context) else None
-                        for w in glue.layer_windows(config, implementation))
-        windows = windows if any(w is not None for w in windows) else ()
-        softcap = glue.attention_form(config, implementation)[1]
+        form = glue.attention_form(config, implementation)
     return ModelShape(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
                       getattr(config, "_name_or_path", "") or "", head_dim=head_dim, dtype_bytes=dtype_bytes,
-                      context_window=context, layer_windows=windows, softcap=softcap)
+                      context_window=context, form=form)
 
 
 def layer_devices(model) -> list[str]:

@@ -72,7 +72,7 @@ class MInference(SparsePrefill):
         return {f"pattern_table=packaged {path.name}": str(path)}
 
     def check_model(self, model: ModelShape) -> None:
-        if any(w is not None for w in model.layer_windows) or model.softcap is not None:
+        if model.form.sliding or model.form.capped:
             raise ValueError("prefill_attention minference: this model has sliding-window layers or a soft-capped "
                              "attention, which the sparse prefill kernels do not apply; use dense prefill")
         context = getattr(model, "context_window", None)

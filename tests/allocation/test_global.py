@@ -107,7 +107,7 @@ def test_sliding_layers_with_a_budget_above_their_window_cap_the_total_at_the_ca
                           sliding_window=window, attn_implementation="eager")
     torch.manual_seed(0)
     model = MODEL_GLUE["gemma2"].causal_lm(config).eval()
-    assert model_shape(model.config).layer_windows == (window, None, window, None)
+    assert model_shape(model.config).form.windows == (window, None, window, None)
     ids = torch.randint(1, 96, (1, prompt), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), compress(model, make_method("snapkv", budget=36, window_size=4,
                                                       head_allocation="global")) as patch:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pyramidkv import make_method
+from pyramidkv.components import AttentionForm
 from pyramidkv.core import scoring
 from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.kept import KeptKV
@@ -86,13 +87,14 @@ def test_chunked_column_sums_equal_dense_and_stay_small(monkeypatch, softcap):
     seen = []
     original = scoring.grouped_scores
 
-    def spy(queries, keys, cap=None):
-        out = original(queries, keys, cap)
+    def spy(queries, keys, form=scoring.PLAIN):
+        out = original(queries, keys, form)
         seen.append(out.numel())
         return out
 
     monkeypatch.setattr(scoring, "grouped_scores", spy)
-    got = scoring.attention_column_sums(q, k, real, max_chunk_elements=bsz * hq * n * 8, softcap=softcap)
+    got = scoring.attention_column_sums(q, k, real, max_chunk_elements=bsz * hq * n * 8,
+                                        form=AttentionForm(softcap=softcap))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert len(seen) == math.ceil(n / 8) and max(seen) <= bsz * hq * n * 8  # no [n, n] block per head
 

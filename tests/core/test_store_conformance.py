@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 
+from pyramidkv.components import ModelShape
 from pyramidkv.core.cache import STORES, CompressedCache, store_kind
 from pyramidkv.core.store import ABILITIES, LayerStore
 from pyramidkv.methods import make_method
@@ -126,5 +127,6 @@ def test_the_cache_refuses_an_engine_object_that_skipped_the_method_checks(rando
     object.__setattr__(method, "quant_method", make_method("snapkv", budget=64, quant_method="kivi").quant_method)
     config = model.config
     with pytest.raises(ValueError, match="quantized store lacks the abilities \\['reselect'\\]"):
-        CompressedCache(method, config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads)
+        CompressedCache(method, ModelShape(config.num_hidden_layers, config.num_attention_heads,
+                                           config.num_key_value_heads))
     assert dataclasses.is_dataclass(method)

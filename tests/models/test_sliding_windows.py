@@ -13,6 +13,7 @@ import torch
 from transformers import Gemma2Config, MistralConfig
 
 from pyramidkv import compress, make_method
+from pyramidkv.components import AttentionForm
 from pyramidkv.models.patch import MODEL_GLUE, model_shape
 
 WINDOW, LAYERS, PROMPT, NEW = 16, 4, 40, 12
@@ -83,7 +84,7 @@ def test_a_sliding_layer_holds_only_its_window(model_type):
     >= newest - W + 1 (at most W), a global one its 12 plus every new token."""
     model = tiny(model_type)
     prompt = ids()
-    windows = model_shape(model.config).layer_windows
+    windows = model_shape(model.config).form.windows
     assert windows == ((WINDOW, None) * 2 if model_type == "gemma2" else (WINDOW,) * LAYERS)
     with compress(model, make_method("snapkv", budget=12, window_size=4)) as patch:
         cache = patch.new_cache()
@@ -107,9 +108,29 @@ def test_a_sliding_layer_holds_only_its_window(model_type):
                 assert positions[-(NEW - 1):].tolist() == list(range(PROMPT, newest + 1))
 
 
+@pytest.mark.parametrize("model_type, attn, scale, cap", [
+    ("gemma2", "eager", 24 ** -0.5, 2.0),   # query_pre_attn_scalar 24, attn_logit_softcapping 2
+    ("gemma2", "sdpa", 24 ** -0.5, None),   # 4.44.2's Gemma2 sdpa applies no cap
+    ("mistral", "eager", None, None),
+])
+def test_the_glue_builds_the_form_and_the_cache_and_its_stores_hold_that_one(model_type, attn, scale, cap):
+    """The config's scale, soft-cap and window per layer (Gemma2: every even layer slides), built once: the cache
+    and every layer store read the one object the patch's model shape holds."""
+    model = tiny(model_type, attn)
+    windows = (WINDOW, None) * 2 if model_type == "gemma2" else (WINDOW,) * LAYERS
+    form = model_shape(model.config).form
+    assert form == AttentionForm(scale=scale, softcap=cap, windows=windows)
+    with compress(model, make_method("snapkv", budget=12, window_size=4)) as patch:
+        cache = patch.new_cache()
+        with torch.no_grad():
+            model(ids(), past_key_values=cache, use_cache=True)
+    assert cache.form is patch.shape.form and cache.form == form
+    assert all(cache.layers[layer].form is cache.form for layer in range(LAYERS))
+
+
 def test_a_window_beyond_the_context_is_global():
     model = tiny("gemma2", sliding_window=8192)
-    assert model_shape(model.config).layer_windows == ()
+    assert model_shape(model.config).form.windows == ()
 
 
 def test_scorer_attention_is_gemma2s_own():
@@ -130,7 +151,7 @@ def test_scorer_attention_is_gemma2s_own():
 
     def recording(self, ctx):
         if ctx.layer_idx == 1:
-            seen["capped"] = scoring.window_attention(ctx.queries, ctx.keys, ctx.real, 4, softcap=ctx.softcap)
+            seen["capped"] = scoring.window_attention(ctx.queries, ctx.keys, ctx.real, 4, form=ctx.form)
             seen["uncapped"] = scoring.window_attention(ctx.queries, ctx.keys, ctx.real, 4)
         return original(self, ctx)
 
