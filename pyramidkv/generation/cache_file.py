@@ -48,7 +48,9 @@ from pyramidkv.methods import Method, method_spec, parse_method_spec
 from pyramidkv.models.patch import CompressionPatch, model_shape
 
 KIND = "pyramidkv-cache"
-FORMAT_VERSION = 1
+# 2: the stores hold the model's attention form (scale, soft-cap, windows) where version 1 held a soft-cap and the
+# cache its windows; a version 1 file is refused by name (compress the context again to save it in version 2).
+FORMAT_VERSION = 2
 RECORD_KEY, RECORD_SHA_KEY = "pyramidkv-cache", "record_sha256"
 FINGERPRINT_VALUES = 1024   # per weight, the first values the fingerprint reads
 
@@ -542,7 +544,7 @@ def read_record(path) -> tuple[dict, dict, int]:
         raise CacheFileError(f"{path} is a {record.get('kind')!r} file, not a {KIND!r} one")
     if record.get("version") != FORMAT_VERSION:
         raise CacheFileError(f"cache file {path} has format version {record.get('version')!r}; this pyramidkv reads "
-                             f"version {FORMAT_VERSION}")
+                             f"version {FORMAT_VERSION} (compress the context again and save it to read it here)")
     return record, header, 8 + length
 
 

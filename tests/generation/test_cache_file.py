@@ -190,7 +190,7 @@ def _bad_file(kind, path, tmp_path):
     elif kind == "tensor byte":
         out.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     elif kind == "version":
-        _rewritten(path, out, lambda record: record.update(version=2))
+        _rewritten(path, out, lambda record: record.update(version=1))   # made before the attention form
     elif kind == "kind":
         _rewritten(path, out, lambda record: record.update(kind="something-else"))
     return out
@@ -201,7 +201,7 @@ def _bad_file(kind, path, tmp_path):
     ("truncated", "is torn"),
     ("record byte", "was edited: its record"),
     ("tensor byte", "was edited: its tensor bytes"),
-    ("version", "has format version 2; this pyramidkv reads version 1"),
+    ("version", "has format version 1; this pyramidkv reads version 2 \\(compress the context again"),
     ("kind", "not a 'pyramidkv-cache' one"),
 ])
 def test_bad_files_are_refused_with_one_line(saved, tmp_path, kind, said):
