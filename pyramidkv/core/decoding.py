@@ -220,7 +220,7 @@ class DecodeCompressor:
         real = torch.ones(1, 1, m, dtype=torch.bool, device=keys.device)[:, 0]
         ctx = DecodeScoreContext(
             layer_idx, self.num_layers, buffered[:, :, buffered.shape[2] - w:].to(keys.dtype), keys[None], values[None],
-            real, softcap=self.softcap, positions=positions[None], rotation=self.rotation, model=self.model)
+            real, positions=positions[None], rotation=self.rotation, model=self.model)
         scores = scores_per_stored_head(method.decode_score(ctx), method, keys.shape[0], ctx.queries.shape[1])[0]
         candidates = scores[:, sinks:m - window]
         if bool(candidates.isnan().any()):
