@@ -100,12 +100,12 @@ def test_drop_one_equals_the_rebuild(model, monkeypatch, settings, lengths):
 def test_threshold_eviction_equals_the_per_head_rebuild(model, monkeypatch, lengths, layout):
     """Threshold decoding (the DMS rule, a per-token scorer reading keys and the attention input): the index_select
     eviction against the per-head rebuild it replaced (taken where the store is not plain full precision)."""
-    from pyramidkv.allocation.threshold import ThresholdHeads
+    from pyramidkv.sizing import Threshold
     from pyramidkv.capabilities import Selection
     from pyramidkv.core import threshold
-    from tests.allocation.test_threshold import KeyAndInput
+    from tests.sizing.test_threshold import KeyAndInput
 
-    method = KeyAndInput(window_size=6, head_allocation=ThresholdHeads(threshold=0.1),
+    method = KeyAndInput(window_size=6, sizing=Threshold(threshold=0.1),
                          selection=Selection(num_sinks=2), gqa_layout=layout)
     prompts = prompts_of(lengths)
     got = run(model, prompts, method)
