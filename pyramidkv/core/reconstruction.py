@@ -30,7 +30,7 @@ import torch
 
 from pyramidkv.components import AttentionForm
 
-QUERY_BLOCK = 256   # repeat queries per block of the probe attention (bounds the [Hq, block, n + m] logits)
+QUERY_BLOCK = 256   # repeat queries per block of the score pass (bounds its [Hq, block, prefix + chunk + m] logits)
 
 
 @dataclass
@@ -72,26 +72,53 @@ class Reconstruction:
         b, chunk = self.current
         plan = self.plans[b]
         _, num_q, m, dim = queries.shape
-        group_k = num_q // keys.shape[1]
-        group_p = num_q // prompt_keys.shape[0]
-        every_k = torch.cat([prompt_keys[:, pad:].repeat_interleave(group_p, 0), keys[0].repeat_interleave(group_k, 0)], 1)
-        every_v = torch.cat([prompt_values[:, pad:].repeat_interleave(group_p, 0),
-                             values[0].repeat_interleave(group_k, 0)], 1)
+        heads = prompt_keys.shape[0]
         n = prompt_keys.shape[1] - pad
-        unread = torch.zeros(n + m, dtype=torch.bool, device=queries.device)
-        unread[n - plan.suffix:n] = True   # the suffix: not in the cache the authors' repeat reads
-        every_k, every_v = every_k.float().transpose(1, 2), every_v.float()
-        out = torch.empty(num_q, m, dim, dtype=torch.float32, device=queries.device)
-        best = torch.zeros(num_q, chunk.stop - chunk.start, dtype=torch.float32, device=queries.device)
+        read = n - plan.suffix              # the suffix is not in the cache the authors' repeat reads
+        group = num_q // heads              # query heads per stored head: the queries are grouped, K/V not repeated
+        own_k, own_v = keys[0], values[0]
+        if own_k.shape[0] != heads:         # prompt stored per query head: the repeat's K/V to the same heads
+            own_k = own_k.repeat_interleave(heads // own_k.shape[0], 0)
+            own_v = own_v.repeat_interleave(heads // own_v.shape[0], 0)
+        every_k = torch.cat([prompt_keys[:, pad:pad + read], own_k], 1).float()     # [H, read + m, D]
+        every_v = torch.cat([prompt_values[:, pad:pad + read], own_v], 1).float()
+        grouped = queries[0].float().reshape(heads, group * m, dim)               # [H, g * m, D], head-major
+        # K' = [prefix, chunk, repeat]: the keys the score's softmax covers (its denominator, the authors' extent)
+        width = chunk.stop - chunk.start
+        scored_k = torch.cat([every_k[:, :plan.prefix], every_k[:, chunk.start:chunk.stop], every_k[:, read:]], 1)
+        scored_k = scored_k.transpose(1, 2)                                         # [H, D, prefix + chunk + m]
+        inside = slice(plan.prefix, plan.prefix + width)
+        device = queries.device
+        best = torch.full((heads, group, width), float("-inf"), dtype=torch.float32, device=device)
+        if form.capped:      # soft-capped logits: no fused kernel takes them; explicit, the score from the same logits
+            out = torch.empty(heads, group, m, dim, dtype=torch.float32, device=device)
+            every_kt = every_k.transpose(1, 2)
+            columns = torch.cat([torch.arange(plan.prefix), torch.arange(chunk.start, chunk.stop),
+                                 torch.arange(read, read + m)]).to(device)
         for first in range(0, m, QUERY_BLOCK):
-            rows = torch.arange(first, min(first + QUERY_BLOCK, m), device=queries.device)
-            logits = form.cap(torch.matmul(queries[0, :, rows].float(), every_k) / dim ** 0.5)  # [Hq, r, n+m]
-            later = torch.arange(n + m, device=queries.device)[None, :] > n + rows[:, None]   # causal in the repeat
-            probs = torch.softmax(logits.masked_fill(later | unread, float("-inf")), -1)
-            out[:, rows] = torch.matmul(probs, every_v)
-            # the softmax over K' = [prefix, chunk, repeat] is the same weights renormalised over those columns
-            extent = probs[..., :plan.prefix].sum(-1) + probs[..., chunk.start:chunk.stop].sum(-1) + probs[..., n:].sum(-1)
-            best = torch.maximum(best, (probs[:, :, chunk.start:chunk.stop] / extent[..., None]).amax(1))
+            last = min(first + QUERY_BLOCK, m)
+            rows = torch.arange(first, last, device=device)
+            block = grouped.view(heads, group, m, dim)[:, :, first:last].reshape(heads, -1, dim)   # [H, g * r, D]
+            if form.capped:
+                logits = form.cap(torch.matmul(block, every_kt) / dim ** 0.5)               # [H, g * r, read + m]
+                later = torch.arange(read + m, device=device)[None, :] > read + rows[:, None]   # causal in the repeat
+                logits = logits.view(heads, group, last - first, -1).masked_fill(later, float("-inf"))
+                out[:, :, first:last] = torch.matmul(torch.softmax(logits, -1),
+                                                     every_v[:, None]).view(heads, group, last - first, dim)
+                logits = logits.index_select(-1, columns)                            # [H, g, r, prefix + chunk + m]
+            else:
+                logits = (torch.matmul(block, scored_k) / dim ** 0.5).view(heads, group, last - first, -1)
+                later = torch.arange(scored_k.shape[-1], device=device)[None, :] > inside.stop + rows[:, None]
+                logits = logits.masked_fill(later, float("-inf"))
+            # softmax over K' read once per logit: score = exp(logit - logsumexp_K'), maximised over the queries
+            lse = torch.logsumexp(logits, -1, keepdim=True)
+            best = torch.maximum(best, (logits[..., inside] - lse).amax(2))
+        best = best.exp().view(num_q, width)
+        if not form.capped:  # the output the next layer reads: the fused kernel, grouped, causal in the repeat
+            visible = torch.arange(read + m, device=device)[None, :] <= read + torch.arange(m, device=device)[:, None]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                grouped[None], every_k[None], every_v[None], attn_mask=visible.repeat(group, 1)[None, None])[0]
+        out = out.reshape(num_q, m, dim)
         if layer not in self.scores:
             self.scores[layer] = torch.zeros(len(self.plans), num_q, pad + n, dtype=torch.float32, device=keys.device)
         self.scores[layer][b, :, pad + chunk.start:pad + chunk.stop] = best
