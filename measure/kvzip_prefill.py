@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
+import sys
 import time
 
 import torch
@@ -43,6 +44,7 @@ def main() -> None:
     if args.old:
         spec = importlib.util.spec_from_file_location("old_reconstruction", args.old)
         old = importlib.util.module_from_spec(spec)
+        sys.modules["old_reconstruction"] = old   # its dataclasses look their module up
         spec.loader.exec_module(old)
         old_attend = old.Reconstruction.attend
     method = make_method("kvzip", budget_ratio=0.3)
