@@ -83,43 +83,103 @@ class Reconstruction:
         every_k = torch.cat([prompt_keys[:, pad:pad + read], own_k], 1).float()     # [H, read + m, D]
         every_v = torch.cat([prompt_values[:, pad:pad + read], own_v], 1).float()
         grouped = queries[0].float().reshape(heads, group * m, dim)               # [H, g * m, D], head-major
-        # K' = [prefix, chunk, repeat]: the keys the score's softmax covers (its denominator, the authors' extent)
         width = chunk.stop - chunk.start
-        scored_k = torch.cat([every_k[:, :plan.prefix], every_k[:, chunk.start:chunk.stop], every_k[:, read:]], 1)
-        scored_k = scored_k.transpose(1, 2)                                         # [H, D, prefix + chunk + m]
-        inside = slice(plan.prefix, plan.prefix + width)
         device = queries.device
-        best = torch.full((heads, group, width), float("-inf"), dtype=torch.float32, device=device)
-        if form.capped:      # soft-capped logits: no fused kernel takes them; explicit, the score from the same logits
-            out = torch.empty(heads, group, m, dim, dtype=torch.float32, device=device)
-            every_kt = every_k.transpose(1, 2)
-            columns = torch.cat([torch.arange(plan.prefix), torch.arange(chunk.start, chunk.stop),
-                                 torch.arange(read, read + m)]).to(device)
-        for first in range(0, m, QUERY_BLOCK):
-            last = min(first + QUERY_BLOCK, m)
-            rows = torch.arange(first, last, device=device)
-            block = grouped.view(heads, group, m, dim)[:, :, first:last].reshape(heads, -1, dim)   # [H, g * r, D]
-            if form.capped:
-                logits = form.cap(torch.matmul(block, every_kt) / dim ** 0.5)               # [H, g * r, read + m]
-                later = torch.arange(read + m, device=device)[None, :] > read + rows[:, None]   # causal in the repeat
-                logits = logits.view(heads, group, last - first, -1).masked_fill(later, float("-inf"))
-                out[:, :, first:last] = torch.matmul(torch.softmax(logits, -1),
-                                                     every_v[:, None]).view(heads, group, last - first, dim)
-                logits = logits.index_select(-1, columns)                            # [H, g, r, prefix + chunk + m]
-            else:
-                logits = (torch.matmul(block, scored_k) / dim ** 0.5).view(heads, group, last - first, -1)
-                later = torch.arange(scored_k.shape[-1], device=device)[None, :] > inside.stop + rows[:, None]
-                logits = logits.masked_fill(later, float("-inf"))
-            # softmax over K' read once per logit: score = exp(logit - logsumexp_K'), maximised over the queries
-            lse = torch.logsumexp(logits, -1, keepdim=True)
-            best = torch.maximum(best, (logits[..., inside] - lse).amax(2))
-        best = best.exp().view(num_q, width)
-        if not form.capped:  # the output the next layer reads: the fused kernel, grouped, causal in the repeat
-            visible = torch.arange(read + m, device=device)[None, :] <= read + torch.arange(m, device=device)[:, None]
-            out = torch.nn.functional.scaled_dot_product_attention(
-                grouped[None], every_k[None], every_v[None], attn_mask=visible.repeat(group, 1)[None, None])[0]
+        if not form.capped and _FLASH_CPU is not None and device.type == "cpu":
+            best, out = _segmented(grouped, every_k, every_v, plan.prefix, chunk.start, chunk.stop, read, m, group)
+        else:
+            best, out = _blocked(grouped, every_k, every_v, plan.prefix, chunk.start, chunk.stop, read, m, group, form)
         out = out.reshape(num_q, m, dim)
+        best = best.reshape(num_q, width)
         if layer not in self.scores:
             self.scores[layer] = torch.zeros(len(self.plans), num_q, pad + n, dtype=torch.float32, device=keys.device)
         self.scores[layer][b, :, pad + chunk.start:pad + chunk.stop] = best
         return out[None].to(queries.dtype)
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _flash(queries, keys, values, causal=False):
+    """The CPU fused attention kernel's output and its row logsumexp (natural log) over the keys given."""
+    out, lse = _FLASH_CPU(queries, keys, values, 0.0, causal)[:2]
+    return out, lse
+
+
+def _segmented(grouped, every_k, every_v, prefix, start, stop, read, m, group):
+    """The repeat's attention on CPU by the fused kernel, run on segments of the keys so that its row logsumexps
+    give the score's denominator: [prefix, chunk] and the rest of the prompt's read keys (no mask), the repeat's own
+    (causal); the output is their logsumexp-weighted sum, the score's logsumexp is over [prefix, chunk, repeat]
+    alone. grouped [H, g * m, D] (head-major), every_k, every_v [H, read + m, D] float32. Returns the scores
+    [H, g, chunk] (maximised over the queries) and the output [H, g * m, D]."""
+    heads, _, dim = grouped.shape
+    inside_k = torch.cat([every_k[:, :prefix], every_k[:, start:stop]], 1)
+    inside_v = torch.cat([every_v[:, :prefix], every_v[:, start:stop]], 1)
+    out_in, lse_in = _flash(grouped[None], inside_k[None], inside_v[None])
+    own = lambda x: x[:, None, read:].expand(heads, group, m, dim)
+    out_own, lse_own = _flash(grouped.view(heads, group, m, dim), own(every_k), own(every_v), causal=True)
+    outs = [out_in[0], out_own.reshape(heads, group * m, dim)]
+    lses = [lse_in[0], lse_own.reshape(heads, group * m)]
+    denominator = torch.logaddexp(lses[0], lses[1])        # logsumexp over K' = [prefix, chunk, repeat]
+    if start > prefix or stop < read:                     # the other chunks: in the output's softmax, not the score's
+        rest_k = torch.cat([every_k[:, prefix:start], every_k[:, stop:read]], 1)
+        rest_v = torch.cat([every_v[:, prefix:start], every_v[:, stop:read]], 1)
+        out_rest, lse_rest = _flash(grouped[None], rest_k[None], rest_v[None])
+        outs.append(out_rest[0])
+        lses.append(lse_rest[0])
+    lses = torch.stack(lses)
+    weights = (lses - torch.logsumexp(lses, 0)).exp()
+    out = sum(o * w[..., None] for o, w in zip(outs, weights))
+    # the score: exp(logit - logsumexp_K'), the chunk's logits read once, maximised over the queries
+    chunk_kt = every_k[:, start:stop].transpose(1, 2) * dim ** -0.5
+    denominator = denominator.view(heads, group, m)
+    best = torch.full((heads, group, stop - start), float("-inf"), dtype=torch.float32, device=grouped.device)
+    for first in range(0, m, QUERY_BLOCK):
+        last = min(first + QUERY_BLOCK, m)
+        block = grouped.view(heads, group, m, dim)[:, :, first:last]
+        logits = torch.matmul(block.reshape(heads, -1, dim), chunk_kt).view(heads, group, last - first, -1)
+        best = torch.maximum(best, logits.sub_(denominator[:, :, first:last, None]).amax(2))
+    return best.exp(), out
+
+
+def _blocked(grouped, every_k, every_v, prefix, start, stop, read, m, group, form):
+    """The repeat's attention by explicit products (a soft-capped model's; any device): the output by the fused
+    kernel where the logits are not capped, by the explicit softmax where they are; the scores in blocks of queries
+    over K' = [prefix, chunk, repeat] alone. Returns the scores [H, g, chunk] and the output."""
+    heads, _, dim = grouped.shape
+    # K' = [prefix, chunk, repeat]: the keys the score's softmax covers (its denominator, the authors' extent)
+    width = stop - start
+    scored_k = torch.cat([every_k[:, :prefix], every_k[:, start:stop], every_k[:, read:]], 1)
+    scored_k = scored_k.transpose(1, 2)                                         # [H, D, prefix + chunk + m]
+    inside = slice(prefix, prefix + width)
+    device = grouped.device
+    best = torch.full((heads, group, width), float("-inf"), dtype=torch.float32, device=device)
+    if form.capped:      # soft-capped logits: no fused kernel takes them; explicit, the score from the same logits
+        out = torch.empty(heads, group, m, dim, dtype=torch.float32, device=device)
+        every_kt = every_k.transpose(1, 2)
+        columns = torch.cat([torch.arange(prefix), torch.arange(start, stop),
+                             torch.arange(read, read + m)]).to(device)
+    for first in range(0, m, QUERY_BLOCK):
+        last = min(first + QUERY_BLOCK, m)
+        rows = torch.arange(first, last, device=device)
+        block = grouped.view(heads, group, m, dim)[:, :, first:last].reshape(heads, -1, dim)   # [H, g * r, D]
+        if form.capped:
+            logits = form.cap(torch.matmul(block, every_kt) / dim ** 0.5)               # [H, g * r, read + m]
+            later = torch.arange(read + m, device=device)[None, :] > read + rows[:, None]   # causal in the repeat
+            logits = logits.view(heads, group, last - first, -1).masked_fill(later, float("-inf"))
+            out[:, :, first:last] = torch.matmul(torch.softmax(logits, -1),
+                                                 every_v[:, None]).view(heads, group, last - first, dim)
+            logits = logits.index_select(-1, columns)                            # [H, g, r, prefix + chunk + m]
+        else:
+            logits = (torch.matmul(block, scored_k) / dim ** 0.5).view(heads, group, last - first, -1)
+            later = torch.arange(scored_k.shape[-1], device=device)[None, :] > inside.stop + rows[:, None]
+            logits = logits.masked_fill(later, float("-inf"))
+        # softmax over K' read once per logit: score = exp(logit - logsumexp_K'), maximised over the queries
+        lse = torch.logsumexp(logits, -1, keepdim=True)
+        best = torch.maximum(best, (logits[..., inside] - lse).amax(2))
+    best = best.exp()
+    if not form.capped:  # the output the next layer reads: the fused kernel, grouped, causal in the repeat
+        visible = torch.arange(read + m, device=device)[None, :] <= read + torch.arange(m, device=device)[:, None]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            grouped[None], every_k[None], every_v[None], attn_mask=visible.repeat(group, 1)[None, None])[0]
+    return best, out
