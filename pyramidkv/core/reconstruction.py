@@ -19,6 +19,15 @@ A prompt whose suffix is fed after compression (`--question_as_decode`) is score
 positions, so both protocols keep the same context entries.
 float32 throughout (the authors take the softmax in the model dtype). The group's maximum (gqa_reduce max) makes
 a KV head's score.
+
+How it is computed: the queries are grouped by stored head ([H, g * m, D] against [H, n + m, D]: the prompt's K/V
+are not repeated). The score is the same quantity as exp(logit - logsumexp_K'), the logsumexp over exactly K'. On
+CPU (no soft-cap) the fused kernel runs on segments of the keys ([prefix, chunk]; the other chunks; the repeat's own,
+causal) and returns each segment's row logsumexp: the output is the segments' outputs weighted by them, the score's
+logsumexp is that of [prefix, chunk] and the repeat's, and the score pass only multiplies the queries by the chunk's
+keys (blocks of QUERY_BLOCK queries). Elsewhere (another device, a soft-capped model) the output is the public
+fused kernel's with a causal mask, or the explicit softmax under a soft-cap, and the scores come from blocked logits
+over K' alone.
 """
 
 from __future__ import annotations
