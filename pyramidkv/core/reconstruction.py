@@ -19,6 +19,15 @@ A prompt whose suffix is fed after compression (`--question_as_decode`) is score
 positions, so both protocols keep the same context entries.
 float32 throughout (the authors take the softmax in the model dtype). The group's maximum (gqa_reduce max) makes
 a KV head's score.
+
+How it is computed: the queries are grouped by stored head ([H, g * m, D] against [H, n + m, D]: the prompt's K/V
+are not repeated). The score is the same quantity as exp(logit - logsumexp_K'), the logsumexp over exactly K'. On
+CPU (no soft-cap) the fused kernel runs on segments of the keys ([prefix, chunk]; the other chunks; the repeat's own,
+causal) and returns each segment's row logsumexp: the output is the segments' outputs weighted by them, the score's
+logsumexp is that of [prefix, chunk] and the repeat's, and the score pass only multiplies the queries by the chunk's
+keys (blocks of QUERY_BLOCK queries). Elsewhere (another device, a soft-capped model) the output is the public
+fused kernel's with a causal mask, or the explicit softmax under a soft-cap, and the scores come from blocked logits
+over K' alone.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import torch
 
 from pyramidkv.components import AttentionForm
 
-QUERY_BLOCK = 256   # repeat queries per block of the probe attention (bounds the [Hq, block, n + m] logits)
+QUERY_BLOCK = 256   # repeat queries per block of the score pass (bounds its [Hq, block, prefix + chunk + m] logits)
 
 
 @dataclass
@@ -72,27 +81,114 @@ class Reconstruction:
         b, chunk = self.current
         plan = self.plans[b]
         _, num_q, m, dim = queries.shape
-        group_k = num_q // keys.shape[1]
-        group_p = num_q // prompt_keys.shape[0]
-        every_k = torch.cat([prompt_keys[:, pad:].repeat_interleave(group_p, 0), keys[0].repeat_interleave(group_k, 0)], 1)
-        every_v = torch.cat([prompt_values[:, pad:].repeat_interleave(group_p, 0),
-                             values[0].repeat_interleave(group_k, 0)], 1)
+        heads = prompt_keys.shape[0]
         n = prompt_keys.shape[1] - pad
-        unread = torch.zeros(n + m, dtype=torch.bool, device=queries.device)
-        unread[n - plan.suffix:n] = True   # the suffix: not in the cache the authors' repeat reads
-        every_k, every_v = every_k.float().transpose(1, 2), every_v.float()
-        out = torch.empty(num_q, m, dim, dtype=torch.float32, device=queries.device)
-        best = torch.zeros(num_q, chunk.stop - chunk.start, dtype=torch.float32, device=queries.device)
-        for first in range(0, m, QUERY_BLOCK):
-            rows = torch.arange(first, min(first + QUERY_BLOCK, m), device=queries.device)
-            logits = form.cap(torch.matmul(queries[0, :, rows].float(), every_k) / dim ** 0.5)  # [Hq, r, n+m]
-            later = torch.arange(n + m, device=queries.device)[None, :] > n + rows[:, None]   # causal in the repeat
-            probs = torch.softmax(logits.masked_fill(later | unread, float("-inf")), -1)
-            out[:, rows] = torch.matmul(probs, every_v)
-            # the softmax over K' = [prefix, chunk, repeat] is the same weights renormalised over those columns
-            extent = probs[..., :plan.prefix].sum(-1) + probs[..., chunk.start:chunk.stop].sum(-1) + probs[..., n:].sum(-1)
-            best = torch.maximum(best, (probs[:, :, chunk.start:chunk.stop] / extent[..., None]).amax(1))
+        read = n - plan.suffix              # the suffix is not in the cache the authors' repeat reads
+        group = num_q // heads              # query heads per stored head: the queries are grouped, K/V not repeated
+        own_k, own_v = keys[0], values[0]
+        if own_k.shape[0] != heads:         # prompt stored per query head: the repeat's K/V to the same heads
+            own_k = own_k.repeat_interleave(heads // own_k.shape[0], 0)
+            own_v = own_v.repeat_interleave(heads // own_v.shape[0], 0)
+        every_k = torch.cat([prompt_keys[:, pad:pad + read], own_k], 1).float()     # [H, read + m, D]
+        every_v = torch.cat([prompt_values[:, pad:pad + read], own_v], 1).float()
+        grouped = queries[0].float().reshape(heads, group * m, dim)               # [H, g * m, D], head-major
+        width = chunk.stop - chunk.start
+        device = queries.device
+        if not form.capped and _FLASH_CPU is not None and device.type == "cpu":
+            best, out = _segmented(grouped, every_k, every_v, plan.prefix, chunk.start, chunk.stop, read, m, group)
+        else:
+            best, out = _blocked(grouped, every_k, every_v, plan.prefix, chunk.start, chunk.stop, read, m, group, form)
+        out = out.reshape(num_q, m, dim)
+        best = best.reshape(num_q, width)
         if layer not in self.scores:
             self.scores[layer] = torch.zeros(len(self.plans), num_q, pad + n, dtype=torch.float32, device=keys.device)
         self.scores[layer][b, :, pad + chunk.start:pad + chunk.stop] = best
         return out[None].to(queries.dtype)
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _flash(queries, keys, values, causal=False):
+    """The CPU fused attention kernel's output and its row logsumexp (natural log) over the keys given."""
+    out, lse = _FLASH_CPU(queries, keys, values, 0.0, causal)[:2]
+    return out, lse
+
+
+def _segmented(grouped, every_k, every_v, prefix, start, stop, read, m, group):
+    """The repeat's attention on CPU by the fused kernel, run on segments of the keys so that its row logsumexps
+    give the score's denominator: [prefix, chunk] and the rest of the prompt's read keys (no mask), the repeat's own
+    (causal); the output is their logsumexp-weighted sum, the score's logsumexp is over [prefix, chunk, repeat]
+    alone. grouped [H, g * m, D] (head-major), every_k, every_v [H, read + m, D] float32. Returns the scores
+    [H, g, chunk] (maximised over the queries) and the output [H, g * m, D]."""
+    heads, _, dim = grouped.shape
+    inside_k = torch.cat([every_k[:, :prefix], every_k[:, start:stop]], 1)
+    inside_v = torch.cat([every_v[:, :prefix], every_v[:, start:stop]], 1)
+    out_in, lse_in = _flash(grouped[None], inside_k[None], inside_v[None])
+    own = lambda x: x[:, None, read:].expand(heads, group, m, dim)
+    out_own, lse_own = _flash(grouped.view(heads, group, m, dim), own(every_k), own(every_v), causal=True)
+    outs = [out_in[0], out_own.reshape(heads, group * m, dim)]
+    lses = [lse_in[0], lse_own.reshape(heads, group * m)]
+    denominator = torch.logaddexp(lses[0], lses[1])        # logsumexp over K' = [prefix, chunk, repeat]
+    if start > prefix or stop < read:                     # the other chunks: in the output's softmax, not the score's
+        rest_k = torch.cat([every_k[:, prefix:start], every_k[:, stop:read]], 1)
+        rest_v = torch.cat([every_v[:, prefix:start], every_v[:, stop:read]], 1)
+        out_rest, lse_rest = _flash(grouped[None], rest_k[None], rest_v[None])
+        outs.append(out_rest[0])
+        lses.append(lse_rest[0])
+    lses = torch.stack(lses)
+    weights = (lses - torch.logsumexp(lses, 0)).exp()
+    out = sum(o * w[..., None] for o, w in zip(outs, weights))
+    # the score: exp(logit - logsumexp_K'), the chunk's logits read once, maximised over the queries
+    chunk_kt = every_k[:, start:stop].transpose(1, 2) * dim ** -0.5
+    denominator = denominator.view(heads, group, m)
+    best = torch.full((heads, group, stop - start), float("-inf"), dtype=torch.float32, device=grouped.device)
+    for first in range(0, m, QUERY_BLOCK):
+        last = min(first + QUERY_BLOCK, m)
+        block = grouped.view(heads, group, m, dim)[:, :, first:last]
+        logits = torch.matmul(block.reshape(heads, -1, dim), chunk_kt).view(heads, group, last - first, -1)
+        best = torch.maximum(best, logits.sub_(denominator[:, :, first:last, None]).amax(2))
+    return best.exp(), out
+
+
+def _blocked(grouped, every_k, every_v, prefix, start, stop, read, m, group, form):
+    """The repeat's attention by explicit products (a soft-capped model's; any device): the output by the fused
+    kernel where the logits are not capped, by the explicit softmax where they are; the scores in blocks of queries
+    over K' = [prefix, chunk, repeat] alone. Returns the scores [H, g, chunk] and the output."""
+    heads, _, dim = grouped.shape
+    # K' = [prefix, chunk, repeat]: the keys the score's softmax covers (its denominator, the authors' extent)
+    width = stop - start
+    scored_k = torch.cat([every_k[:, :prefix], every_k[:, start:stop], every_k[:, read:]], 1)
+    scored_k = scored_k.transpose(1, 2)                                         # [H, D, prefix + chunk + m]
+    inside = slice(prefix, prefix + width)
+    device = grouped.device
+    best = torch.full((heads, group, width), float("-inf"), dtype=torch.float32, device=device)
+    if form.capped:      # soft-capped logits: no fused kernel takes them; explicit, the score from the same logits
+        out = torch.empty(heads, group, m, dim, dtype=torch.float32, device=device)
+        every_kt = every_k.transpose(1, 2)
+        columns = torch.cat([torch.arange(prefix), torch.arange(start, stop),
+                             torch.arange(read, read + m)]).to(device)
+    for first in range(0, m, QUERY_BLOCK):
+        last = min(first + QUERY_BLOCK, m)
+        rows = torch.arange(first, last, device=device)
+        block = grouped.view(heads, group, m, dim)[:, :, first:last].reshape(heads, -1, dim)   # [H, g * r, D]
+        if form.capped:
+            logits = form.cap(torch.matmul(block, every_kt) / dim ** 0.5)               # [H, g * r, read + m]
+            later = torch.arange(read + m, device=device)[None, :] > read + rows[:, None]   # causal in the repeat
+            logits = logits.view(heads, group, last - first, -1).masked_fill(later, float("-inf"))
+            out[:, :, first:last] = torch.matmul(torch.softmax(logits, -1),
+                                                 every_v[:, None]).view(heads, group, last - first, dim)
+            logits = logits.index_select(-1, columns)                            # [H, g, r, prefix + chunk + m]
+        else:
+            logits = (torch.matmul(block, scored_k) / dim ** 0.5).view(heads, group, last - first, -1)
+            later = torch.arange(scored_k.shape[-1], device=device)[None, :] > inside.stop + rows[:, None]
+            logits = logits.masked_fill(later, float("-inf"))
+        # softmax over K' read once per logit: score = exp(logit - logsumexp_K'), maximised over the queries
+        lse = torch.logsumexp(logits, -1, keepdim=True)
+        best = torch.maximum(best, (logits[..., inside] - lse).amax(2))
+    best = best.exp()
+    if not form.capped:  # the output the next layer reads: the fused kernel, grouped, causal in the repeat
+        visible = torch.arange(read + m, device=device)[None, :] <= read + torch.arange(m, device=device)[:, None]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            grouped[None], every_k[None], every_v[None], attn_mask=visible.repeat(group, 1)[None, None])[0]
+    return best, out
