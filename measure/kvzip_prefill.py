@@ -9,7 +9,6 @@ Prints per length the median CPU seconds of each row and its ratio to plain.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import statistics
 import sys
@@ -20,6 +19,7 @@ import torch
 from pyramidkv import compress, load_model, make_method
 from pyramidkv.core import reconstruction
 from pyramidkv.models.default_model import default_model_path
+from pyramidkv.runner.arguments import ArgumentParser
 from tests.prompts import STORY
 
 
@@ -32,7 +32,7 @@ def prompt(tokenizer, n: int) -> list[int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = ArgumentParser(description=__doc__)
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--old", default=None)
