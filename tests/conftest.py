@@ -34,6 +34,7 @@ TIERS: dict[str, tuple[str, ...]] = {
         "tests/allocation/test_head_scores.py::test_script_both_kinds_naming",
         "tests/allocation/test_head_scores.py::test_script_on_default_model_reduced",
         "tests/sizing/test_threshold.py::test_a_runner_records_what_was_achieved",
+        "tests/runner/test_declared_flags.py::test_a_selection_flag_only_chooses_which_samples_run",
         "tests/benchmarks/test_longbench_runner.py::test_end_to_end_run_then_eval",
         "tests/benchmarks/test_longbench_runner.py::test_eval_cli_refuses_a_repeated_id",
         "tests/benchmarks/test_longbench_runner.py::test_longbench_eval_sh_joins_source_path_and_uses_public_harness_settings",
