@@ -84,3 +84,13 @@ def write_calibrations(folder: Path, config, seed: int = 0) -> dict[str, str]:
              "kvzip_head_path": ("kvzip-head", {"head_scores": torch.rand(layers, kv_heads, generator=generator)})}
     return {setting: str(save_artifact(folder / f"{kind}.safetensors", tensors, {"kind": kind, "model": record}))
             for setting, (kind, tensors) in files.items()}
+
+
+class TokenIds:
+    """The tokenizer generate() needs for prompts given as token ids: a pad id and decode()."""
+
+    pad_token_id = 0
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return " ".join(str(i) for i in ids)

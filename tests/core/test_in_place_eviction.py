@@ -14,16 +14,9 @@ from pyramidkv import make_method
 from pyramidkv.core.decoding import DecodeCompressor
 from pyramidkv.generation import generate
 from tests.conftest import tiny_llama
+from tests.helpers import TokenIds
 
 STEPS = 40
-
-
-class TokenIds:
-    pad_token_id = 0
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True) -> str:
-        return " ".join(str(i) for i in ids)
 
 
 @pytest.fixture(scope="module")

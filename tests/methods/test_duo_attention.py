@@ -16,7 +16,7 @@ from pyramidkv.allocation.base import ModelShape
 from pyramidkv.methods.duo_attention import (NOISE_SEED, model_pattern, read_pattern, removed_share,
                                              streaming_heads)
 from tests.conftest import tiny_llama
-from tests.helpers import ROOT, load_script
+from tests.helpers import ROOT, TokenIds, load_script
 
 CALIBRATE = load_script("calibrate_duo", ROOT / "scripts/calibrate_duo.py")
 
@@ -268,14 +268,6 @@ def test_calibration_refuses_bad_values_before_loading(argv, says, tiny_model_di
 # --- on a tiny random Llama: what each head stores, and the decode output ---------------------------------------
 
 PROMPT, STEPS, SINKS, WINDOW = 24, 6, 2, 6
-
-
-class TokenIds:
-    pad_token_id = 0
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True) -> str:
-        return " ".join(str(i) for i in ids)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pyramidkv import make_method
 from pyramidkv.core.context import ScoreContext
 from pyramidkv.generation import generate
 from tests.conftest import tiny_llama
-from tests.helpers import prefill
+from tests.helpers import TokenIds, prefill
 from tests.reference import assert_same_selection, prompt_queries_and_keys, top_positions
 
 BUDGET = 64
@@ -50,14 +50,6 @@ def test_prefill_scores_and_one_kept_set_per_layer(eager_setup, queries_and_keys
 
 # ---- decoding: the official rule simulated in float64 ------------------------------------------------
 PROMPT, DECODE_BUDGET, STEPS = 48, 32, 64
-
-
-class TokenIds:
-    pad_token_id = 0
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True) -> str:
-        return " ".join(str(i) for i in ids)
 
 
 def simulate(model, tokens: list[int], prompt_len: int, budget: int) -> list[list[set[int]]]:

@@ -19,6 +19,7 @@ from pyramidkv.capabilities import Selection
 from pyramidkv.generation import generate
 from pyramidkv.methods.base import Method
 from tests.conftest import tiny_llama
+from tests.helpers import TokenIds
 
 PROMPT, WINDOW, SINKS, STEPS, THRESHOLD = 40, 8, 2, 64, 0.1
 
@@ -48,14 +49,6 @@ class ByPosition(Method):
     def score(self, ctx):
         heads = torch.arange(ctx.keys.shape[1], device=ctx.keys.device)
         return ((ctx.positions[:, None, :] + heads[None, :, None]) % 3).float() - 0.5   # [B, Hkv, n]
-
-
-class TokenIds:
-    pad_token_id = 0
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True) -> str:
-        return " ".join(str(i) for i in ids)
 
 
 @pytest.fixture(scope="module")
