@@ -87,6 +87,14 @@ TIERS: dict[str, tuple[str, ...]] = {
         "tests/runner/test_shared_context_runner.py::test_one_question_per_context_equals_question_as_decode",
         "tests/runner/test_shared_context_runner.py::test_saved_caches_are_kept_per_configuration_and_checked_against_their_context",
         "tests/runner/test_shared_context_runner.py::test_three_questions_resume_per_question_after_a_kill",
+        # no process, but every combination of the matrices built (15,600 methods) to check that the pairwise cases
+        # still cover every valid pair: tens of seconds, and they fail only when an axis gains a value
+        "tests/core/test_batch_independence.py::test_the_cases_cover_every_pair",
+        "tests/methods/test_matrix.py::test_the_cases_cover_every_pair",
+        "tests/methods/test_matrix.py::test_every_method_and_unit_runs_in_some_combination",
+        "tests/methods/test_matrix.py::test_every_refusal_is_one_line_and_some_case_meets_it",
+        # 300 decode steps of three methods (the bound's short-run twins stay in the fast tier)
+        "tests/core/test_decode_compression.py::test_300_new_tokens_never_hold_more_than_budget_plus_interval",
     ),
     "real_model": (
         "tests/generation/test_generation.py::test_use_cache_false_runs_the_unpatched_attention",
