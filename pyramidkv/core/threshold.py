@@ -78,6 +78,11 @@ class ThresholdDecoder:
         self.layer_bytes[layer_idx] = self.stores[layer_idx].nbytes()
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
 
+    def piece(self, layer_idx: int) -> int:
+        """New tokens the layer takes in one piece: one, for each new token is scored alone and each step may evict
+        (a token leaving the window below the threshold)."""
+        return 1
+
     def after_attend(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor = None,
                      values: torch.Tensor = None, hidden: Optional[torch.Tensor] = None,
                      rope: Optional[torch.Tensor] = None) -> None:
