@@ -2,7 +2,8 @@
 prompt (context + question prefilled with fullkv): thread CPU time, one torch thread, rows interleaved each round.
 
     PYTHONPATH=. python measure/question_append.py --context 4096 --questions 64 256 --rounds 2 \
-        --methods fullkv snapkv:budget=256 "snapkv:budget=256,decode_budget=512" --token_by_token 64 256
+        --methods fullkv snapkv:budget=256 "snapkv:budget=256,decode_budget=512" --token_by_token 64 256 \
+        --token_by_token_methods fullkv snapkv:budget=256
 
 Rows per question length q (each round: the cache put back to the compressed context, core/snapshot.py, as the
 shared-context protocol does before each question; logits at the last position only, as generate computes them):
@@ -41,6 +42,8 @@ def main() -> None:
     ap.add_argument("--token_by_token", type=int, nargs="*", default=[64], help="question lengths also fed one "
                     "token per forward (the time before this branch)")
     ap.add_argument("--methods", nargs="+", default=["fullkv", "snapkv:budget=256"], help="method specs")
+    ap.add_argument("--token_by_token_methods", nargs="*", default=None, help="the methods (of --methods) timed token "
+                    "by token too (default: all)")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -82,7 +85,8 @@ def main() -> None:
                 "context alone": lambda: timed(lambda: prefill(context, fullkv))}
         for spec in args.methods:
             rows[f"{spec}, one forward"] = lambda spec=spec: appended(spec, question, [q])
-            if q in args.token_by_token:
+            if q in args.token_by_token and spec in (args.methods if args.token_by_token_methods is None
+                                                     else args.token_by_token_methods):
                 rows[f"{spec}, token by token"] = lambda spec=spec: appended(spec, question, [1] * q)
         times = {name: [] for name in rows}
         with torch.no_grad():
