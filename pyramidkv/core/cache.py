@@ -17,7 +17,7 @@ left-padded; padding is never stored.
 A sliding-window layer (window W) holds what the model attends to and no more: it keeps at most the last W - 1
 prompt tokens (prefill.py), and each decode step first drops the held tokens the new token's window does not
 cover, so it holds at most W (several new tokens in one forward are appended and attended one at a time, each
-with its own window). Its store must be able to hand tokens back (`reselect`): under a store kind that cannot (the
+with its own window: `_piece`). Its store must be able to hand tokens back (`reselect`): under a store kind that cannot (the
 quantized one) a sliding layer is stored in full precision.
 """
 
@@ -36,26 +36,9 @@ from pyramidkv.core.prefill import PromptCompressor
 from pyramidkv.core.reconstruction import Reconstruction
 from pyramidkv.core.store_kinds import STORES, store_abilities, store_kind
 from pyramidkv.core.rotary import KeyRotation
+from pyramidkv.core.scoring import left_padding_lengths
 from pyramidkv.core.store import Heads, LayerStore, StoreSetup
 from pyramidkv.quantization.kernels import Scratch
-
-def left_padding_lengths(attention_mask: Optional[torch.Tensor], batch_size: int, seq_len: int) -> list[int]:
-    """Number of left-padding tokens per row of a 2-D attention mask (0 = padding)."""
-    if attention_mask is None:
-        return [0] * batch_size
-    if attention_mask.dim() != 2 or attention_mask.shape != (batch_size, seq_len):
-        raise ValueError(f"expected a [batch, seq] attention mask of shape {(batch_size, seq_len)}, "
-                         f"got {tuple(attention_mask.shape)}")
-    mask = attention_mask.bool()
-    pads = (~mask).sum(dim=1)
-    # Left padding means every row is 0...0 1...1.
-    expected = torch.arange(seq_len, device=mask.device)[None, :] >= pads[:, None]
-    if not torch.equal(mask, expected):
-        raise ValueError("the attention mask is not left-padded (padding must come before the prompt); "
-                         "set tokenizer.padding_side = 'left'")
-    if int(pads.max()) >= seq_len:
-        raise ValueError("a prompt in the batch is empty (all padding)")
-    return [int(p) for p in pads]
 
 
 class CompressedCache(Cache):
@@ -193,21 +176,35 @@ class CompressedCache(Cache):
                     position_ids: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
         """New tokens' queries [B, Hq, q, D], keys and values [B, Hkv, q, D] after RoPE (hidden [B, q, E]: their
         attention input, for scorers that read it): append them and return the attention output [B, Hq, q, D]
-        over everything the layer holds."""
-        store, q_len = self.layers[layer_idx], keys.shape[2]
-        if self.form.window(layer_idx) is not None and q_len > 1:   # each new token has its own window: one at a time
-            return torch.cat([self.decode_step(layer_idx, queries[:, :, i:i + 1], keys[:, :, i:i + 1],
-                                               values[:, :, i:i + 1],
-                                               None if position_ids is None else position_ids[:, i:i + 1],
-                                               None if hidden is None else hidden[:, i:i + 1])
-                              for i in range(q_len)], dim=2)
+        over everything the layer holds. Several new tokens (a question, a follow-up turn) go in pieces, each as
+        long as no unit decides inside it (`_piece`), so every unit decides as if they came one per step."""
+        outs, done, q_len = [], 0, keys.shape[2]
+        while done < q_len:
+            cut = slice(done, done + self._piece(layer_idx, q_len - done))
+            outs.append(self._step(layer_idx, queries[:, :, cut], keys[:, :, cut], values[:, :, cut],
+                                   None if position_ids is None else position_ids[:, cut],
+                                   None if hidden is None else hidden[:, cut]))
+            done = cut.stop
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _piece(self, layer_idx: int, left: int) -> int:
+        """How many of the `left` new tokens the next piece takes: all, unless a decision falls between two of them
+        (a sliding window moves every token; a decode budget fires: `decoding.piece`) or the store attends one new
+        token at a time (`multi_token` False: Quest's pages, quantized windows)."""
+        if left == 1 or self.form.window(layer_idx) is not None or not self.layers[layer_idx].multi_token:
+            return 1
+        return left if self.decoding is None else max(1, min(left, self.decoding.piece(layer_idx)))
+
+    def _step(self, layer_idx: int, queries, keys, values, position_ids, hidden) -> torch.Tensor:
+        """One piece of new tokens: appended, attended (causal among themselves), then the decoder's hooks."""
+        store = self.layers[layer_idx]
         new = keys, values   # the KV heads' (a threshold decoder scores them)
         if self.stored_heads != keys.shape[1]:
             group = self.stored_heads // keys.shape[1]
             keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         bsz = keys.shape[0]
-        if position_ids is None:
-            rope = torch.full((bsz,), self.get_seq_length(layer_idx), device=keys.device)
+        if position_ids is None:   # the last new token's: after the prompt and every token appended before
+            rope = torch.full((bsz,), self.get_seq_length(layer_idx) + keys.shape[2] - 1, device=keys.device)
         else:
             rope = position_ids[:, -1].expand(bsz).long()
         if self.form.window(layer_idx) is not None:

@@ -18,13 +18,12 @@ generated token is kept: a long generation grows the cache without bound. With i
      recent wins), evicted tokens folded in by the method's merge rule if it has one. The score sees
      the prompt in the prefill layout (`DecodeScoreContext`: batch 1, its stored heads, the buffered
      queries) and is brought to one row per stored head by the same `scores_per_stored_head`.
-     This happens after the step's attention, so a head holds at most decode_budget +
-     decode_interval tokens at any moment, for any number of new tokens, and exactly
-     decode_budget right after a compression (every decode_interval tokens in steady state).
-     The same rule is applied once right after prefill: a prompt whose kept part already
-     reaches the bound (kept whole, or a larger prefill budget) is re-selected then, with the
-     prompt's last queries as the window; one holding fewer grows until it reaches the bound.
-     Heads holding no more than decode_budget keep everything.
+     This happens after the step's attention; a forward of several new tokens is cut where the
+     rule may fire (`piece`: the cache attends each piece at once), so a head holds at most
+     decode_budget + decode_interval tokens at any moment, and exactly decode_budget right after
+     a compression, the decisions those of one token per step. Right after prefill the same
+     rule runs once (a prompt kept whole, or a larger prefill budget, is re-selected then, its
+     last queries as the window). Heads holding no more than decode_budget keep everything.
 
 The decision is per prompt and per layer (a prompt's result does not depend on its batch). When
 any prompt of the batch is compressed, every prompt's generated tokens move from the dense tail
@@ -120,6 +119,10 @@ class DecodeCompressor:
             self._compress(layer_idx, fire)
         self._recount(layer_idx)
 
+    def piece(self, layer_idx: int) -> int:
+        """New tokens the layer can take in one piece: until one of its heads would reach the firing bound."""
+        return self.limit - max(max(held, default=0) for held in self.stores[layer_idx].held_counts())
+
     def after_attend(self, layer_idx: int, queries: torch.Tensor, *new) -> None:
         """After a decode step's attention at one layer (queries [B, Hq, q, D] of the new tokens; `new`: their keys,
         values, hidden states and position, which a threshold decoder reads, core/threshold.py)."""
@@ -147,13 +150,12 @@ class DecodeCompressor:
 
     def _compress(self, layer_idx: int, fire: list[bool]) -> None:
         """Re-select the prompts in `fire`; every prompt's tail is folded into its kept set."""
+        self.compressions[layer_idx] += 1
         if self._drop_one(layer_idx, fire):
-            self.compressions[layer_idx] += 1
             return
         held = [self._held(layer_idx, b) for b in range(len(fire))]
         self._replace(layer_idx, [self._reselect(layer_idx, b, heads) if fire[b] else heads
                                   for b, heads in enumerate(held)])
-        self.compressions[layer_idx] += 1
 
     def drop_before(self, layer_idx: int, first: list[int]) -> None:
         """A sliding layer's window: every held token of prompt b before position first[b] leaves (with its
@@ -179,8 +181,7 @@ class DecodeCompressor:
         if method.merge is not None or self.stats is not None or not isinstance(store, FullPrecisionStore) or \
                 any(k.thin is not None or not k.uniform for k in store.kept):
             return False
-        held, t = store.held_counts(), store.tail_len
-        full = self.budget + 1
+        held, t, full = store.held_counts(), store.tail_len, self.budget + 1
         if any(f and set(h) != {full} for f, h in zip(fire, held)):
             return False
         tail_keys, tail_values = store.tail()

@@ -30,6 +30,7 @@ from pyramidkv.core.pages import (PageSettings, PageTable, choose_pages, page_to
 class PagedStore(FullPrecisionStore):
     # Attention reads only the chosen pages: statistics over every held token would count attention never computed.
     abilities = ("reselect",)
+    multi_token = False   # each new query chooses its own pages among those held at its step
 
     @classmethod
     def open(cls, kept: list[KeptKV], setup: StoreSetup, layer_idx: int) -> FullPrecisionStore:

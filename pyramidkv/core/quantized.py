@@ -41,6 +41,8 @@ CHUNK_ELEMENTS = 1 << 20
 
 
 class QuantizedStore(LayerStore):
+    multi_token = False   # the window's mask is per segment, not per new token: one new token per append
+
     @classmethod
     def open(cls, kept: list[KeptKV], setup: StoreSetup, layer_idx: int) -> "QuantizedStore":
         setup.method.quant_method.check_head_dim(kept[0].keys.shape[-1])
@@ -56,9 +58,7 @@ class QuantizedStore(LayerStore):
         self.scratch, self.form = scratch, form
         self.kept_lengths = [k.counts() for k in kept]                  # per prompt, per head
         self.kept_in_prompt = [torch.cat(k.all_positions()) for k in kept]  # per prompt, its kept rows' positions
-        self.real_lens = list(real_lens)
-        self.heads = len(kept[0].lengths)
-        self.appended = 0
+        self.real_lens, self.heads, self.appended = list(real_lens), len(kept[0].lengths), 0
         self.rotary = rotary if q.keys_before_rope else None
         first = kept[0].keys
         self.dtype, self.device, dim = first.dtype, first.device, first.shape[-1]

@@ -29,6 +29,25 @@ def real_positions(pad_lens: list[int], n: int, device) -> torch.Tensor:
     return torch.arange(n, device=device)[None, :] >= torch.tensor(pad_lens, device=device)[:, None]
 
 
+def left_padding_lengths(attention_mask: Optional[torch.Tensor], batch_size: int, seq_len: int) -> list[int]:
+    """Number of left-padding tokens per row of a 2-D attention mask (0 = padding)."""
+    if attention_mask is None:
+        return [0] * batch_size
+    if attention_mask.dim() != 2 or attention_mask.shape != (batch_size, seq_len):
+        raise ValueError(f"expected a [batch, seq] attention mask of shape {(batch_size, seq_len)}, "
+                         f"got {tuple(attention_mask.shape)}")
+    mask = attention_mask.bool()
+    pads = (~mask).sum(dim=1)
+    # Left padding means every row is 0...0 1...1.
+    expected = torch.arange(seq_len, device=mask.device)[None, :] >= pads[:, None]
+    if not torch.equal(mask, expected):
+        raise ValueError("the attention mask is not left-padded (padding must come before the prompt); "
+                         "set tokenizer.padding_side = 'left'")
+    if int(pads.max()) >= seq_len:
+        raise ValueError("a prompt in the batch is empty (all padding)")
+    return [int(p) for p in pads]
+
+
 def real_per_query_head(real: torch.Tensor, num_query_heads: int) -> torch.Tensor:
     """real [B, n] or [B, Hkv, n] -> [B, 1 or Hq, n]: each query head reads its KV head's mask."""
     if real.dim() == 2:

@@ -61,6 +61,8 @@ class LayerStore(ABC):
     heads: int          # stored heads per prompt
     appended: int       # tokens appended since the prompt (each prompt of the batch appends one per step)
     abilities: ClassVar[tuple[str, ...]] = ()   # the optional interfaces below it implements, by name
+    multi_token: ClassVar[bool] = True          # append / attend take several new tokens at once (False: the
+    # cache hands it one per call: core/cache.py `_piece`)
 
     @classmethod
     def build(cls, kept: dict[int, list["KeptKV"]], setup: StoreSetup) -> dict[int, "LayerStore"]:

@@ -78,6 +78,20 @@ class ThresholdDecoder:
         self.layer_bytes[layer_idx] = self.stores[layer_idx].nbytes()
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
 
+    def piece(self, layer_idx: int) -> int:
+        """New tokens the layer takes in one piece: up to the step at which the first pending token that fails the
+        threshold in some head leaves the window (the eviction comes after that step's attention), and at most W, so
+        that no token of the piece leaves inside it. Each token's score reads it alone (`token_scores`), so scoring a
+        piece at once gives every token its own score."""
+        if self.window < 1:
+            return 1
+        steps = self.window
+        for (positions, scores), start in zip(self.pending[layer_idx], self.next_position[layer_idx]):
+            fails = positions[(scores < self.threshold).any(dim=0)]
+            if fails.numel():   # position p leaves after the step that appends p + W, step p + W - start + 1
+                steps = min(steps, int(fails[0]) + self.window - start + 1)
+        return steps
+
     def after_attend(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor = None,
                      values: torch.Tensor = None, hidden: Optional[torch.Tensor] = None,
                      rope: Optional[torch.Tensor] = None) -> None:

@@ -577,7 +577,7 @@ def load_cache(path, model, method: Optional[Method] = None, device=None, contex
     """The cache `save_cache` wrote to `path`, for `model` (the one it was made on) and its method (the recorded one;
     a given `method` must equal it). Continue it with `with pyramidkv.compress(model, method):
     model.generate(input_ids=<prompt + tokens so far + the next>, attention_mask=..., past_key_values=cache)` (a
-    prefilled cache takes one new token per forward). device: where every tensor goes; None: each storage where it
+    prefilled cache takes any number of new tokens per forward). device: where every tensor goes; None: each storage where it
     was saved from if that device exists here, else the model's device. context: the token ids the cache is used for
     (see `save_cache`), checked against the digest the file records. One-line CacheFileError for a missing, torn or
     edited file, another format version or kind, another model (dtype included) or method, another context, or a

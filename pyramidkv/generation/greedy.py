@@ -1,8 +1,10 @@
 """Batched greedy generation with a compression method: what the runners and the quickstart call.
 
 Two protocols: the whole prompt is prefilled (compression sees the question, SnapKV's setting), or, with
-`questions`, only the context is prefilled and each question token is then fed as one decode step
-before the answer is generated (Quest's protocol: the question is seen by decode-time selection only).
+`questions`, only the context is prefilled and the question is then appended to the compressed cache before the
+answer is generated (Quest's protocol: the question is seen by decode-time selection only), in one forward where
+the batch's questions share a length (`feed_together`): every decode-time unit decides as if its tokens came one
+per decode step.
 """
 
 from __future__ import annotations
@@ -56,9 +58,10 @@ def generate(
     Decoding stops at `stop_token_ids`, by default the model's end-of-sequence and end-of-turn tokens
     (`default_stop_token_ids`); pass an empty list to always decode max_new_tokens.
 
-    questions: per prompt, a question (string or token ids) fed token by token as decode steps after the
-    prompt (then only the context) is prefilled, before the answer is generated; each prompt's question
-    may have its own length. `split_prompt` cuts a complete prompt into (context, question) token ids.
+    questions: per prompt, a question (string or token ids) appended after the prompt (then only the context) is
+    prefilled, before the answer is generated, as if fed token by token as decode steps (the length the batch's
+    questions share in one forward, the rest one token per step); each prompt's question may have its own length.
+    `split_prompt` cuts a complete prompt into (context, question) token ids.
 
     decode_threads: CPU threads for the decode steps (the prompt's forward keeps torch's setting, which is
     restored afterwards); None: torch's setting throughout. A decode step is a series of small matmuls
@@ -196,22 +199,59 @@ class _AnswerDone(StoppingCriteria):
         return torch.tensor(done, device=input_ids.device)
 
 
+def feed_together(model, cache, sequence: torch.Tensor, mask: torch.Tensor, forced: list[list[int]],
+                  prompt_threads: Optional[int] = None) -> tuple[torch.Tensor, list[list[int]]]:
+    """Appends to a prefilled cache, in ONE forward, what every row would otherwise feed one token per decode step:
+    the last token of `sequence` [B, T] (not in the cache yet) and the first forced tokens all rows have, but the last
+    of them (left for generate() to feed and predict from). mask: [B, <= T] the prompt's (left padding); the new
+    tokens are real. The cache's units decide as if the tokens came one per step (core/cache.py `_piece`).
+    prompt_threads: CPU threads for that forward (None: torch's setting; `_prompt_then_decode` yields the prompt's).
+    -> (the sequence grown by those forced tokens, its last token not in the cache; each row's forced tokens left)."""
+    common = min(len(f) for f in forced)
+    if common == 0:
+        return sequence, forced
+    decode_threads = torch.get_num_threads()   # _prompt_then_decode's: a forward of many tokens takes the prompt's
+    grown = torch.cat([sequence, torch.tensor([f[:common] for f in forced], device=sequence.device)], dim=1)
+    width = grown.shape[1] - 1                       # the cache will hold every token but the last
+    full = torch.cat([mask, mask.new_ones(mask.shape[0], width - mask.shape[1])], dim=1)
+    positions = (full.long().cumsum(-1) - 1)[:, sequence.shape[1] - 1:]
+    if prompt_threads is not None:
+        torch.set_num_threads(prompt_threads)
+    try:
+        with torch.no_grad():
+            model(input_ids=grown[:, sequence.shape[1] - 1:width], attention_mask=full, position_ids=positions,
+                  past_key_values=cache, use_cache=True)
+    finally:
+        torch.set_num_threads(decode_threads)
+    return grown, [f[common:] for f in forced]
+
+
 def _generate_after_questions(model, tokenizer, contexts: list[list[int]], questions: list[list[int]], method: Method,
                               max_new_tokens: int, stop_token_ids, min_new_tokens: int,
                               decode_threads: Optional[int]) -> list[Generation]:
     input_ids, attention_mask, width, pad_id = _left_padded(model, tokenizer, contexts)
     eos = default_stop_token_ids(model, tokenizer) if stop_token_ids is None else [int(t) for t in stop_token_ids]
-    steps = max(len(q) for q in questions) + max_new_tokens
-    with compress(model, method) as patch, _prompt_then_decode(model, decode_threads):
+    with compress(model, method) as patch, _prompt_then_decode(model, decode_threads) as prompt_threads:
         cache = patch.new_cache(contexts, tokenizer)
+        positions = attention_mask.long().cumsum(-1) - 1
+        positions.masked_fill_(attention_mask == 0, 1)    # as generate() gives a left-padded prompt
+        with torch.no_grad():   # the contexts, then the questions' common length in one forward
+            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
+                  use_cache=True)
+        first = torch.tensor([[q[0]] for q in questions], device=input_ids.device)
+        sequence, forced = feed_together(model, cache, torch.cat([input_ids, first], dim=1), attention_mask,
+                                         [q[1:] for q in questions], prompt_threads)
+        fed = sequence.shape[1]
+        mask = torch.cat([attention_mask, attention_mask.new_ones(len(contexts), fed - width)], dim=1)
         output = model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=steps,
+            input_ids=sequence, attention_mask=mask, past_key_values=cache,
+            max_new_tokens=max(len(f) for f in forced) + max_new_tokens,
             do_sample=False, temperature=None, top_p=None, top_k=None, num_beams=1, eos_token_id=None,
             pad_token_id=pad_id,
-            logits_processor=LogitsProcessorList([_FeedQuestions(width, questions, eos, min_new_tokens)]),
+            logits_processor=LogitsProcessorList([_FeedQuestions(fed, forced, eos, min_new_tokens)]),
             stopping_criteria=StoppingCriteriaList([
-                _AnswerDone(width, questions, set(eos), max_new_tokens),
-                stop := _BytesAtStop(cache, width, [len(q) for q in questions], set(eos), max_new_tokens)]),
+                _AnswerDone(fed, forced, set(eos), max_new_tokens),
+                stop := _BytesAtStop(cache, fed, [len(f) for f in forced], set(eos), max_new_tokens)]),
         )
     results = []
     for row, (context, question) in enumerate(zip(contexts, questions)):
@@ -262,7 +302,7 @@ def _prompt_then_decode(model, decode_threads: Optional[int]):
     """Around one model.generate(): the prompt's forward computes logits at its last position only, the one
     generate reads (the whole prompt's [B, n, vocab] logits cost SmolLM2-135M a sixth of the prompt's FLOPs
     and 1.5 GB at B = 4, n = 2048); with decode_threads, every forward after the prompt's runs on that many
-    threads."""
+    threads. Yields the prompt's thread count (for a later forward of many tokens: `feed_together`)."""
     threads = torch.get_num_threads()
 
     def last_position(module, args):
@@ -275,7 +315,7 @@ def _prompt_then_decode(model, decode_threads: Optional[int]):
     hooks = [model.get_output_embeddings().register_forward_pre_hook(last_position),
              model.register_forward_hook(after_forward)]
     try:
-        yield
+        yield threads
     finally:
         for hook in hooks:
             hook.remove()

@@ -1,9 +1,10 @@
 """Compress once, ask many: a context is prefilled and compressed once, the question excluded, then several
 questions are answered from it (docs/shared_context.md).
 
-The scorers' window is the end of the context (kvpress's pipeline). Each question's tokens are fed one per decode
-step after the compressed context, as `--question_as_decode` feeds one question, then its answer is generated
-greedily. Two modes:
+The scorers' window is the end of the context (kvpress's pipeline). Each question is appended to the compressed
+context as `--question_as_decode` appends one, in one forward (the length the batch's questions share; the rest one
+token per decode step) in which every decode-time unit decides as if the tokens came one per step, then its answer
+is generated greedily. Two modes:
 
   multi_request  before each question the cache is put back to the compressed context exactly (core/snapshot.py):
                  every question sees the same cache, so their order never matters;
@@ -27,14 +28,14 @@ from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteria
 from pyramidkv.core.snapshot import restore, snapshot
 from pyramidkv.generation.greedy import (
     _AnswerDone, _BytesAtStop, _FeedQuestions, _held, _left_padded, _prompt_then_decode, _token_lists, _vocab_size,
-    default_stop_token_ids,
+    default_stop_token_ids, feed_together,
 )
 from pyramidkv.methods.base import Method
 from pyramidkv.models.patch import compress
 
 MODES = ("multi_request", "multi_turn")
-# A question fed token by token is one decode step per token (a 3,000-token one ran minutes): a bar with its rate and
-# the time left shows once a call has run this many seconds (a short question ends before it would show).
+# The tokens of a question beyond the batch's shared length, and the answer, are one decode step per token: a bar with
+# its rate and the time left shows once a call has run this many seconds (a short question ends before it would show).
 PROGRESS_DELAY = 2.0
 
 
@@ -188,26 +189,30 @@ class _Run:
 
     def ask(self, cache, sequence: torch.Tensor, mask: torch.Tensor, forced: list[list[int]]):
         """Continue every row from `sequence` [B, T] (its last token not in the cache yet: fed first), then its
-        `forced` tokens, then its answer; mask: the context's attention mask (left padding).
+        `forced` tokens, then its answer; mask: the context's attention mask (left padding). The forced tokens every
+        row has go in one forward (`feed_together`), the rest one per decode step.
         -> (output [B, T + steps], the bytes-at-stop recorder, the first-token times)."""
-        width = sequence.shape[1]
-        steps = max(len(f) for f in forced) + self.max_new_tokens
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], width - mask.shape[1])], dim=1)
-        first = _FirstToken(width, [len(f) for f in forced])
-        stop = _BytesAtStop(cache, width, [len(f) for f in forced], set(self.stops), self.max_new_tokens)
         from tqdm import tqdm
 
-        bar = tqdm(total=steps, unit="step", desc=f"question ({max(len(f) for f in forced) + 1} tokens) + answer",
-                   dynamic_ncols=True, leave=False, delay=PROGRESS_DELAY)
-        with _prompt_then_decode(self.model, self.decode_threads), bar:
-            output = self.model.generate(
-                input_ids=sequence, attention_mask=mask, past_key_values=cache, max_new_tokens=steps,
-                do_sample=False, temperature=None, top_p=None, top_k=None, num_beams=1, eos_token_id=None,
-                pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
-                else self.tokenizer.eos_token_id,
-                logits_processor=LogitsProcessorList([_FeedQuestions(width, forced, self.stops, self.min_new_tokens)]),
-                stopping_criteria=StoppingCriteriaList([
-                    _AnswerDone(width, forced, set(self.stops), self.max_new_tokens), stop, first, _Progress(bar)]))
+        with _prompt_then_decode(self.model, self.decode_threads) as threads:
+            sequence, forced = feed_together(self.model, cache, sequence, mask, forced, threads)
+            width = sequence.shape[1]
+            steps = max(len(f) for f in forced) + self.max_new_tokens
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], width - mask.shape[1])], dim=1)
+            first = _FirstToken(width, [len(f) for f in forced])
+            stop = _BytesAtStop(cache, width, [len(f) for f in forced], set(self.stops), self.max_new_tokens)
+            bar = tqdm(total=steps, unit="step", desc=f"question ({max(len(f) for f in forced) + 1} tokens) + answer",
+                       dynamic_ncols=True, leave=False, delay=PROGRESS_DELAY)
+            with bar:
+                output = self.model.generate(
+                    input_ids=sequence, attention_mask=mask, past_key_values=cache, max_new_tokens=steps,
+                    do_sample=False, temperature=None, top_p=None, top_k=None, num_beams=1, eos_token_id=None,
+                    pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
+                    else self.tokenizer.eos_token_id,
+                    logits_processor=LogitsProcessorList([_FeedQuestions(width, forced, self.stops,
+                                                                         self.min_new_tokens)]),
+                    stopping_criteria=StoppingCriteriaList([
+                        _AnswerDone(width, forced, set(self.stops), self.max_new_tokens), stop, first, _Progress(bar)]))
         return output, stop, first
 
     def _answer(self, output, row: int, width: int, forced: int) -> tuple[str, list[int]]:

@@ -61,6 +61,18 @@ def check_family_implementation(model_type: str, implementation: str) -> None:
                          f"use attn_implementation {' or '.join(named)}")
 
 
+def _check_appended(cache: CompressedCache, mask: Optional[torch.Tensor], seq_len: int) -> None:
+    """New tokens for a prefilled cache: at least one, none of them padding (padding is never stored)."""
+    if seq_len == 0:
+        raise ValueError(f"this CompressedCache already holds a prompt ({cache.get_seq_length()} tokens) and the input "
+                         f"adds no token after them: a compressed cache serves one generate() call (and its "
+                         f"continuations); pass a new one (patch.new_cache()) or none (compress() gives every "
+                         f"generate() its own)")
+    if mask is not None and mask.dim() == 2 and not bool(mask[:, -seq_len:].bool().all()):
+        raise ValueError(f"the {seq_len} new tokens for a prefilled CompressedCache hold padding (attention_mask 0 in "
+                         f"its last {seq_len} columns): only the prompt may be padded, on the left; append tokens "
+                         f"every row has")
+
 class UncompressedWarning(UserWarning):
     """A forward inside compress() that runs without a cache, so nothing is compressed."""
 
@@ -178,11 +190,8 @@ class CompressionPatch:
         if isinstance(cache, CompressedCache):
             if cache.pad_lens is None:
                 cache.set_padding(kwargs.get("attention_mask"), bsz, seq_len)
-            elif cache.get_seq_length() > 0 and seq_len != 1:
-                raise ValueError(f"this CompressedCache already holds a prompt ({cache.get_seq_length()} tokens) and "
-                                 f"takes one new token per forward, got {seq_len}: a compressed cache serves one "
-                                 f"generate() call; pass a new one (patch.new_cache()) or none (compress() gives every "
-                                 f"generate() its own)")
+            elif cache.get_seq_length() > 0:   # new tokens after what it holds, any number in one forward
+                _check_appended(cache, kwargs.get("attention_mask"), seq_len)
             return None
         use_cache = kwargs.get("use_cache")
         if use_cache is None:

@@ -9,7 +9,8 @@ its samples and its scorer (CONTRIBUTING.md, "a benchmark").
 
 `--question_as_decode` (Quest's evaluation protocol): each sample's tokens are cut where its question part
 begins (`Sample.question_start`, set by the adapter); the context is prefilled (and compressed) and the
-question is fed token by token as decode steps before the answer (`generate(..., questions=...)`).
+question is appended before the answer (`generate(..., questions=...)`): in one forward, each decode-time unit
+deciding as if its tokens came one per decode step.
 
 `--shared_context multi_request|multi_turn` (compress once, ask many: runner/shared.py): each context is
 compressed once and its questions (`Sample.questions`, or the part after `question_start`) are answered from it,
@@ -179,8 +180,9 @@ def build_parser(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) -> 
     p = parser.add_argument_group("protocol")
     p.add_argument("--question_as_decode", action="store_true",
                    help="prefill only each prompt's context and feed its question part (everything after the "
-                        "context, chat framing and answer prefix included) token by token as decode steps, as "
-                        "Quest's paper measures; when not given: the whole prompt is prefilled. The run folder "
+                        "context, chat framing and answer prefix included) after it, "
+                        "seen by decode-time selection only, as Quest's paper measures (one forward; every "
+                        "decode-time unit decides as if the tokens came one per decode step); when not given: the whole prompt is prefilled. The run folder "
                         f"gets the suffix {QUESTION_AS_DECODE_SUFFIX}")
     p.add_argument("--shared_context", choices=MODES, default=None,
                    help="compress each context once, without its question, and answer its questions from it: "

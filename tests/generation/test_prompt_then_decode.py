@@ -71,7 +71,9 @@ def test_decode_steps_run_on_decode_threads_and_the_setting_comes_back(random_ll
     assert seen[0][1] == 2 and seen[0][0] > 1 and seen[0][0] >= prompt_width
     assert [threads for _, threads in seen[1:4]] == [decode] * 3
     assert seen[4][1] == 2 and seen[4][0] > 1       # the next generate's prompt: the setting restored
-    assert {threads for width, threads in seen[5:]} == {decode} and {width for width, _ in seen[5:]} == {1}
+    question = len(tokenizer(" What is it?", add_special_tokens=False).input_ids)
+    assert seen[5] == (question - 1, 2)   # the question but its last token in one forward, on the prompt's threads
+    assert {threads for width, threads in seen[6:]} == {decode} and {width for width, _ in seen[6:]} == {1}
     assert torch.get_num_threads() == 2
     with pytest.raises(ValueError, match="decode_threads must be >= 1, got 0"):
         generate(model, tokenizer, PROMPTS[:1], make_method("fullkv"), 2, decode_threads=0)
