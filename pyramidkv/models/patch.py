@@ -178,7 +178,7 @@ class CompressionPatch:
         if isinstance(cache, CompressedCache):
             if cache.pad_lens is None:
                 cache.set_padding(kwargs.get("attention_mask"), bsz, seq_len)
-            elif cache.get_seq_length() > 0 and seq_len != 1:
+            elif cache.get_seq_length() > 0 and seq_len != 1 and cache.chunked is None:
                 raise ValueError(f"this CompressedCache already holds a prompt ({cache.get_seq_length()} tokens) and "
                                  f"takes one new token per forward, got {seq_len}: a compressed cache serves one "
                                  f"generate() call; pass a new one (patch.new_cache()) or none (compress() gives every "
