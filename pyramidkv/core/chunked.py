@@ -55,13 +55,13 @@ class PrefillChunks:
             return
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"prefill_chunk_size must be an integer >= 1, got {size!r}")
+        why = refusal(method, model)
+        if why:
+            raise ValueError(f"prefill_chunk_size is not defined for {method.name}: {why}")
         if size < method.window_size:
             raise ValueError(f"prefill_chunk_size {size} is shorter than {method.name}'s window_size "
                              f"{method.window_size}: each chunk's last window_size queries score it; use >= "
                              f"{method.window_size}")
-        why = refusal(method, model)
-        if why:
-            raise ValueError(f"prefill_chunk_size is not defined for {method.name}: {why}")
 
 
 def refusal(method: CompressionMethod, model: Optional[ModelShape] = None) -> Optional[str]:
