@@ -107,6 +107,10 @@ class ChunkCompressor(PromptCompressor):
     def nominal_budget(self, b: int) -> int:
         return self.method.sizing.per_prompt(self.full_len, self.method)
 
+    def kept_union(self, layer_idx: int, scored) -> KeptKV:
+        """The one prompt's kept tokens of a scored pass (positions: indices into what the pass saw)."""
+        return self._keep_layer(layer_idx, scored)[0]
+
     def compressed(self, b: int) -> bool:
         """The whole prompt is over its budget and this pass sees more than its smallest layer budget."""
         return self.full_len > self.nominal_budget(b) and self.real_lens[b] > min(self.layer_budgets[b])
@@ -136,6 +140,6 @@ class ChunkedPrefill:
         values = torch.stack([v for _, v, _ in heads])[None]
         compressor = ChunkCompressor(self.method, self.model, keys.shape[2], self.full_len, self.budgets)
         scored = compressor.score(layer_idx, queries, keys, values)
-        kept = compressor._keep_layer(layer_idx, scored)[0]     # positions: indices into the union
+        kept = compressor.kept_union(layer_idx, scored)         # positions: indices into the union
         union = [positions[h][p] for h, p in enumerate(kept.positions.split(kept.lengths))]
         store.replace([KeptKV(kept.keys, kept.values, kept.lengths, torch.cat(union))], max_tail=0)
