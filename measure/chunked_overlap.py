@@ -38,11 +38,14 @@ def haystack_ids(tokenizer, n: int, seed: int = 0) -> torch.Tensor:
     question = f" What is the special magic number for bright-river mentioned in the provided text? The number is"
     needle = f" One of the special magic numbers for bright-river is: {number}. "
     per = len(tokenizer(NOISE, add_special_tokens=False).input_ids)
-    sentences = [NOISE] * (n // per + 2)
+    sentences = [NOISE] * (2 * n // per + 2)   # tokenized together, sentences take fewer tokens than alone
     sentences.insert(rng.randrange(len(sentences) // 5, len(sentences)), needle)
     ids = tokenizer("".join(sentences), add_special_tokens=False).input_ids
     tail = tokenizer(question, add_special_tokens=False).input_ids
-    return torch.tensor([ids[len(ids) + len(tail) - n:] + tail])
+    out = ids[len(ids) + len(tail) - n:] + tail
+    if len(ids) + len(tail) < n or len(out) != n:
+        raise ValueError(f"could not build a {n}-token haystack")
+    return torch.tensor([out])
 
 
 @torch.no_grad()

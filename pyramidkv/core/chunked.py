@@ -15,8 +15,9 @@ For one prompt of n tokens and chunk size C (batch of one; B = 1 in every shape 
 So at any moment a layer holds at most its budget + C tokens, and at most one layer (the one computing)
 holds more than its budget: the peak K/V bytes of the prefill is at most the sum of the layer budgets plus
 one chunk of one layer (`ChunkedPrefill.peak_bytes`, the byte accounting of the stores).
-A method that scores by column sums (H2O) gets the chunk's queries' column sums over the union: the
-attention older chunks gave is not carried over (each chunk's queries are its observation window).
+A method that scores by accumulated column sums (H2O) adds each chunk's column sums over the union to the sums
+its kept tokens gathered from the chunks before (a dropped token's are lost with it; each softmax runs over
+what the layer held, not the whole prompt).
 
 Defined for the per-layer methods whose kept sets can be re-scored from what a layer holds; `refusal` names
 the others and why (a budget over every layer, KVzip's repeat pass, ragged heads, units that rewrite or
@@ -34,6 +35,7 @@ from pyramidkv.allocation.base import ModelShape
 from pyramidkv.core.context import CompressionMethod
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.prefill import PromptCompressor
+from pyramidkv.core.scoring import scores_per_stored_head
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,10 @@ class ChunkCompressor(PromptCompressor):
                  budgets: Optional[tuple[list, list]] = None):
         super().__init__(method, model, [0], prompt_len)
         self.full_len = full_len
+        # H2O's score is attention accumulated over every query: each chunk's column sums are added to what the
+        # kept tokens gathered from the chunks before (every pass is scored, to have them)
+        self.carry = method.accumulates_attention and method.needs_column_sums
+        self.raw: dict[int, torch.Tensor] = {}   # per layer this pass's raw scores [1, Hq or Hkv, n], when carried
         if budgets is None:   # fixed once, from the whole prompt
             self.real_lens = [full_len]
             self._fix_layer_budgets()
@@ -107,13 +113,26 @@ class ChunkCompressor(PromptCompressor):
     def nominal_budget(self, b: int) -> int:
         return self.method.sizing.per_prompt(self.full_len, self.method)
 
+    def score(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
+        scored = super().score(layer_idx, queries, keys, values, *args, **kwargs)
+        if self.carry and scored.raw_scores is not None:
+            self.raw[layer_idx] = scored.raw_scores
+        return scored
+
     def kept_union(self, layer_idx: int, scored) -> KeptKV:
         """The one prompt's kept tokens of a scored pass (positions: indices into what the pass saw)."""
         return self._keep_layer(layer_idx, scored)[0]
 
     def compressed(self, b: int) -> bool:
         """The whole prompt is over its budget and this pass sees more than its smallest layer budget."""
-        return self.full_len > self.nominal_budget(b) and self.real_lens[b] > min(self.layer_budgets[b])
+        return self.full_len > self.nominal_budget(b) and (self.carry or self.real_lens[b] > min(self.layer_budgets[b]))
+
+
+def kept_rows(raw: torch.Tensor, index: list[torch.Tensor]) -> torch.Tensor:
+    """raw [R, m] scores per raw head (query or KV heads), index per stored head the kept indices -> [R, k]: each raw
+    head's scores of the tokens its stored head keeps (a group of R / H raw heads per stored head)."""
+    group = raw.shape[0] // len(index)
+    return torch.stack([raw[r, index[r // group]] for r in range(raw.shape[0])])
 
 
 class ChunkedPrefill:
@@ -124,6 +143,7 @@ class ChunkedPrefill:
         self.first = ChunkCompressor(method, model, first_chunk, full_len)
         self.budgets = (self.first.layer_budgets, self.first.head_plans)
         self.peak_bytes = 0   # most K/V bytes held at once: every layer's store + the layer computing
+        self.sums: dict[int, torch.Tensor] = {}   # carried scores: per layer [Hq or Hkv, kept] in held order
 
     def note(self, held: int) -> None:
         self.peak_bytes = max(self.peak_bytes, held)
@@ -140,6 +160,24 @@ class ChunkedPrefill:
         values = torch.stack([v for _, v, _ in heads])[None]
         compressor = ChunkCompressor(self.method, self.model, keys.shape[2], self.full_len, self.budgets)
         scored = compressor.score(layer_idx, queries, keys, values)
+        carry = compressor.carry and layer_idx in compressor.raw   # scored: the whole prompt is over its budget
+        if carry:
+            raw = self.carried(store, layer_idx, compressor.raw[layer_idx])
+            scored.raw_scores = raw
+            scored.scores = scores_per_stored_head(raw, self.method, self.model.num_kv_heads, self.model.num_query_heads)
         kept = compressor.kept_union(layer_idx, scored)         # positions: indices into the union
+        if carry:
+            self.sums[layer_idx] = kept_rows(scored.raw_scores[0], list(kept.positions.split(kept.lengths)))
         union = [positions[h][p] for h, p in enumerate(kept.positions.split(kept.lengths))]
         store.replace([KeptKV(kept.keys, kept.values, kept.lengths, torch.cat(union))], max_tail=0)
+
+    def carried(self, store, layer_idx: int, raw: torch.Tensor) -> torch.Tensor:
+        """raw [1, R, m] this chunk's scores of the union (kept, then the chunk) plus what the kept tokens gathered
+        before: after the first chunk its own scores of the tokens each layer kept."""
+        if layer_idx not in self.sums:
+            first = [p.to(raw.device) for p in store.kept_positions(0)]   # chunk 1's positions are its indices
+            self.sums[layer_idx] = kept_rows(self.first.raw[layer_idx][0], first)
+        prior = self.sums[layer_idx]
+        total = raw.clone()
+        total[0, :, :prior.shape[1]] += prior
+        return total

@@ -91,6 +91,65 @@ def test_each_chunk_keeps_what_a_float64_snapkv_keeps_of_the_layer_it_held(monke
             assert kept == snapkv_reference(keys, queries, positions, 20, 6, 1)
 
 
+def column_sums64(queries, keys, first: int) -> torch.Tensor:
+    """[Hq, m] float64: each key's softmax attention summed over the queries [Hq, c, D] of union indices first.. (keys
+    [H, m, D]; query i sees every key up to index first + i)."""
+    heads, m, dim = keys.shape
+    group = queries.shape[0] // heads
+    out = torch.zeros(queries.shape[0], m, dtype=torch.float64)
+    for r in range(queries.shape[0]):
+        logits = queries[r].double() @ keys[r // group].double().T / dim ** 0.5   # [c, m]
+        visible = torch.arange(m)[None, :] <= torch.arange(first, first + queries.shape[1])[:, None]
+        out[r] = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).sum(dim=0)
+    return out
+
+
+def top_with_window(scores, m: int, budget: int, window: int) -> set[int]:
+    order = torch.argsort(scores[: m - window], descending=True)
+    assert scores[order[budget - window - 1]] - scores[order[budget - window]] > 1e-9, "a near tie: another seed"
+    return set(order[: budget - window].tolist()) | set(range(m - window, m))
+
+
+def test_h2o_chunks_add_their_column_sums_to_what_the_kept_tokens_gathered(monkeypatch):
+    """Two chunks of 32, budget 20, window 4: chunk 1 keeps its top by its own column sums; chunk 2 scores kept +
+    new by its queries' column sums over them plus the sums the kept tokens had: against float64 sums."""
+    model, ids = tiny_llama(layers=2, std=0.2), prompt(65, seed=5)
+    method = make_method("h2o", budget=20, window_size=4)
+    firsts, seconds = {}, []
+    with compress(model, method) as patch:
+        cache = patch.new_cache()
+        whole, reselect = cache.prefill, ChunkedPrefill.reselect
+
+        def first_chunk(layer_idx, queries, keys, values, *args, **kwargs):
+            firsts[layer_idx] = (queries[0].clone(), keys[0].clone())
+            return whole(layer_idx, queries, keys, values, *args, **kwargs)
+
+        def second_chunk(self, cache, layer_idx, queries):
+            store = cache.layers[layer_idx]
+            held = (torch.stack([k for k, _, _ in store.held(0)]).clone(), torch.stack(store.held_positions(0)).clone())
+            kept_before = [set(p.tolist()) for p in store.kept_positions(0)]
+            reselect(self, cache, layer_idx, queries)
+            seconds.append((layer_idx, held, queries[0].clone(), kept_before,
+                            [set(p.tolist()) for p in store.kept_positions(0)]))
+
+        cache.prefill = first_chunk
+        monkeypatch.setattr(ChunkedPrefill, "reselect", second_chunk)
+        prefill_in_chunks(model, cache, ids, 32)
+    assert [s[0] for s in seconds] == [0, 1]
+    for layer_idx, (keys, positions), queries, kept_before, kept_after in seconds:
+        q1, k1 = firsts[layer_idx]
+        sums1 = column_sums64(q1, k1, 0)                        # [Hq, 32]
+        group = q1.shape[0] // k1.shape[0]
+        for h in range(k1.shape[0]):
+            assert kept_before[h] == top_with_window(sums1[h * group:(h + 1) * group].mean(0), 32, 20, 4)
+        sums2 = column_sums64(queries, keys, 20)                # [Hq, 52]: 20 kept, then the chunk
+        for r in range(sums2.shape[0]):
+            sums2[r, :20] += sums1[r, positions[r // group, :20]]
+        for h in range(keys.shape[0]):
+            union = top_with_window(sums2[h * group:(h + 1) * group].mean(0), 52, 20, 4)
+            assert kept_after[h] == {int(positions[h, i]) for i in union}
+
+
 @pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "h2o"])
 def test_peak_prefill_bytes_are_the_layer_budgets_plus_one_chunk(name):
     model, ids, size = tiny_llama(layers=4), prompt(200, seed=2), 24
