@@ -36,6 +36,15 @@ over the decode steps: the chosen pages' K/V + all page metadata in paged layers
 others), also as a ratio to fullkv's. MiniCache rows (`minicache`) break their bytes into directions,
 magnitudes, retained rows and indices.
 
+Chunked prefill (docs/speed.md, "Chunked prefill"): `--prefill_chunk_sizes 512 1024` adds, for each method it is
+defined for, a row `SPEC chunk=N` whose prompt is prefilled N tokens at a time (its prefill time includes its last
+token's step); every row also gets `peak_in_flight_kv_bytes`: the most K/V held at once during prefill counting
+the layer that is computing (its whole prompt, or its kept tokens + the chunk), which the stored-bytes peak leaves
+out:
+
+    python measure/benchmark_latency_memory.py --context_length 4096 --max_capacity_prompts 256 \
+        --methods snapkv pyramidkv h2o --prefill_chunk_sizes 512 --new_tokens 8 --threads 1 --clock cpu
+
 Compression during decoding (docs/decoding.md), 1024 new tokens:
 
     python measure/benchmark_latency_memory.py --context_length 1024 --max_capacity_prompts 512 \
@@ -56,6 +65,8 @@ from transformers import DynamicCache
 
 from pyramidkv import DEFAULT_MODEL_NAME, METHODS, compress, load_model
 from pyramidkv.benchmarks.measure import method_from_spec, prompt_ids, unquantized_spec
+from pyramidkv.core.chunked import PrefillChunks
+from pyramidkv.generation.chunked import prefill_in_chunks
 from pyramidkv.methods.base import Method
 from pyramidkv.models.loading import check_model
 from pyramidkv.runner.arguments import ArgumentParser
@@ -76,7 +87,7 @@ def dynamic_cache_bytes(cache: DynamicCache) -> int:
 
 @torch.no_grad()
 def measure_once(model, ids, method: Optional[Method], new_tokens: int, device: str, tokenizer=None,
-                 clock=time.perf_counter) -> dict:
+                 clock=time.perf_counter, chunk: Optional[int] = None) -> dict:
     """One prefill and `new_tokens` greedy decode steps, patched with `method` (None: the unpatched model);
     returns the timings (read from `clock`) and the KV bytes (the prefill of a reconstructing method, KVzip,
     includes its repeat passes, built with `tokenizer`)."""
@@ -85,9 +96,23 @@ def measure_once(model, ids, method: Optional[Method], new_tokens: int, device: 
         torch.cuda.reset_peak_memory_stats(device)
     try:
         cache = DynamicCache() if patch is None else patch.new_cache(ids.tolist(), tokenizer)
+        in_flight = [0]
+        if patch is not None:   # the stored bytes + the computing layer's whole K/V, at each layer's prefill
+            whole = cache.prefill
+
+            def counted(layer_idx, queries, keys, values, *args, **kwargs):
+                held = cache.kv_bytes() + (0 if cache.prompt is None else cache.prompt.waiting_bytes())
+                in_flight[0] = max(in_flight[0], held + keys.numel() * keys.element_size() * 2)
+                return whole(layer_idx, queries, keys, values, *args, **kwargs)
+            cache.prefill = counted
         sync(device)
         t0 = clock()
-        out = model(ids, past_key_values=cache, use_cache=True)
+        if chunk is None:
+            out = model(ids, past_key_values=cache, use_cache=True)
+        else:   # the prompt but its last token in chunks, then that token's step
+            prefill_in_chunks(model, cache, ids, chunk)
+            last = torch.tensor([[ids.shape[1] - 1]], device=ids.device)
+            out = model(ids[:, -1:], past_key_values=cache, use_cache=True, position_ids=last, cache_position=last[0])
         sync(device)
         prefill = clock() - t0
         stored = (lambda: dynamic_cache_bytes(cache)) if patch is None else cache.kv_bytes
@@ -124,6 +149,7 @@ def measure_once(model, ids, method: Optional[Method], new_tokens: int, device: 
               "decode_s_per_token_mean": statistics.fmean(decode_times),
               "read_bytes_per_step": statistics.fmean(read),
               "kv_bytes_after_prefill": kv_bytes, "peak_prefill_kv_bytes": peak_prefill,
+              "peak_in_flight_kv_bytes": max(in_flight[0], peak_prefill),
               "kv_bytes_final": final, "peak_kv_bytes": peak_all,
               "kv_bytes_fp16": fp16, **{f"kv_bytes_{part}": size for part, size in breakdown.items()}, **per_layer}
     if formula is not None:
@@ -150,12 +176,13 @@ def kivi_formula_bytes_fp16(cache, method: Method, config) -> Optional[int]:
 
 def measure_all(model, ids, methods: dict, new_tokens: int, repeats: int, device: str, tokenizer=None,
                 clock=time.perf_counter) -> dict:
-    """methods: row name -> Method (None: unpatched). Round-robin over the methods `repeats` times (after one warm-up round), so a change in machine
+    """methods: row name -> Method (None: unpatched) or (Method, prefill chunk size). Round-robin over the methods `repeats` times (after one warm-up round), so a change in machine
     load hits every method alike; the median of each figure per method."""
     samples = {name: [] for name in methods}
     for round_idx in range(repeats + 1):
         for name, method in methods.items():
-            result = measure_once(model, ids, method, new_tokens if round_idx else 1, device, tokenizer, clock)
+            method, chunk = method if isinstance(method, tuple) else (method, None)
+            result = measure_once(model, ids, method, new_tokens if round_idx else 1, device, tokenizer, clock, chunk)
             if round_idx:
                 samples[name].append(result)
     return {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in samples.items()}
@@ -178,6 +205,9 @@ def main(argv=None) -> None:
     parser.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
                         help="wall: elapsed time (perf_counter); cpu: CPU time of this thread (thread_time), with "
                              "--threads 1 the figure a shared machine's load moves least")
+    parser.add_argument("--prefill_chunk_sizes", type=int, nargs="+", default=[],
+                        help="also each method prefilled in chunks of each of these sizes (rows `SPEC chunk=N`; "
+                             "methods it is not defined for are left out, the reason printed)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON on stdout")
     args = parser.parse_args(argv)
@@ -191,6 +221,14 @@ def main(argv=None) -> None:
     specs = ["fullkv"] + [m for m in args.methods if m != "fullkv"]
     try:
         built = {spec: method_from_spec(spec, args.max_capacity_prompts, args.gqa_layout) for spec in specs}
+        for size in args.prefill_chunk_sizes:
+            for spec in [s for s in specs if s != "fullkv"]:
+                try:
+                    PrefillChunks(size).check(built[spec])
+                except ValueError as refused:
+                    print(f"left out: {spec} chunk={size}: {refused}")
+                    continue
+                built[f"{spec} chunk={size}"] = (built[spec], size)
         check_model(args.model_path, args.attn_implementation, args.device, args.dtype)
     except (ValueError, OSError, ImportError) as error:
         parser.error(str(error))
@@ -207,13 +245,15 @@ def main(argv=None) -> None:
           f"{device}, {args.gqa_layout}, {args.new_tokens} new tokens, median of {args.repeats} interleaved rounds, "
           f"{torch.get_num_threads()} threads, {args.clock} clock\n")
     print("| method | prefill s | x plain | decode ms/token | x plain | x fullkv | mean ms/token | KV MiB | x fullkv | "
-          "peak prefill KV MiB | x fullkv | peak KV MiB (whole run) | x fullkv |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "peak prefill KV MiB | x fullkv | peak KV MiB (whole run) | x fullkv | peak prefill KV MiB, layer in "
+          "flight counted | x fullkv |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         print(f"| {name} | {r['prefill_s']:.3f} | {r['prefill_ratio_plain']:.3f} | {1000 * r['decode_s_per_token']:.1f} | "
               f"{r['decode_ratio_plain']:.3f} | {r['decode_ratio']:.3f} | {1000 * r['decode_s_per_token_mean']:.1f} | "
               f"{r['kv_bytes_after_prefill'] / 2**20:.2f} | {r['kv_ratio']:.4f} | "
-              f"{r['peak_prefill_kv_bytes'] / 2**20:.2f} | {r['peak_prefill_kv_ratio']:.4f} | {r['peak_kv_bytes'] / 2**20:.2f} | {r['peak_kv_ratio']:.4f} |")
+              f"{r['peak_prefill_kv_bytes'] / 2**20:.2f} | {r['peak_prefill_kv_ratio']:.4f} | {r['peak_kv_bytes'] / 2**20:.2f} | {r['peak_kv_ratio']:.4f} | "
+              f"{r['peak_in_flight_kv_bytes'] / 2**20:.2f} | {r['peak_in_flight_ratio']:.4f} |")
     if any("page" in name or "quest" in name or "minicache" in name or "cross_layer" in name for name in rows):
         print("\n| method | held KV MiB | x fullkv | of which page metadata MiB | read MiB / decode step | x fullkv | "
               "MiniCache directions + magnitudes + retained + indices MiB |")
@@ -264,7 +304,7 @@ def add_ratios(rows: dict) -> None:
     KV bytes also against fullkv in fp16, decode time also against the row's spec without its quantizer."""
     figures = {"prefill": "prefill_s", "decode": "decode_s_per_token", "decode_mean": "decode_s_per_token_mean",
                "kv": "kv_bytes_after_prefill", "peak_prefill_kv": "peak_prefill_kv_bytes", "peak_kv": "peak_kv_bytes",
-               "read": "read_bytes_per_step"}
+               "read": "read_bytes_per_step", "peak_in_flight": "peak_in_flight_kv_bytes"}
     for name, r in rows.items():
         for label, key in figures.items():
             r[f"{label}_ratio"] = r[key] / rows["fullkv"][key]

@@ -46,7 +46,8 @@ CORE_ORDER = {
         "token_stats")},
     **{f"pyramidkv.core.{m}": (1, "stores") for m in ("store", "full_precision", "paged", "quantized", "merged_pair",
                                                                             "store_kinds")},
-    **{f"pyramidkv.core.{m}": (2, "pipeline and decoding") for m in ("prefill", "decoding", "reconstruction", "threshold")},
+    **{f"pyramidkv.core.{m}": (2, "pipeline and decoding") for m in ("prefill", "decoding", "reconstruction", "threshold",
+                                                                                 "chunked")},
     "pyramidkv.core.cache": (3, "cache"),
     "pyramidkv.core.snapshot": (3, "cache"),
 }

@@ -78,6 +78,7 @@ class CompressedCache(Cache):
         self.setup: Optional[StoreSetup] = None
         self.stopped_bytes: dict[int, int] = {}   # per prompt that stopped early, its bytes then (record_stop)
         self.reconstruction: Optional[Reconstruction] = None   # a reconstructing method's repeat passes (KVzip)
+        self.chunked = None   # a chunked prefill's state while it runs (core/chunked.py ChunkedPrefill)
 
     @property
     def form(self) -> AttentionForm:

@@ -18,6 +18,8 @@ import torch
 
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+from pyramidkv.core.chunked import PrefillChunks
+from pyramidkv.generation.chunked import prefill_in_chunks
 from pyramidkv.methods.base import Method
 from pyramidkv.models.patch import compress
 
@@ -45,6 +47,7 @@ def generate(
     min_new_tokens: int = 0,
     questions: Optional[Sequence[str] | Sequence[Sequence[int]]] = None,
     decode_threads: Optional[int] = None,
+    prefill_chunk_size: Optional[int] = None,
 ) -> list[Generation]:
     """Greedy-decode a batch of prompts (a list of strings, or of token-id lists) under `method`.
 
@@ -68,6 +71,9 @@ def generate(
     (batch x hidden rows) bound by reading the weights; split over threads, each waits for the slowest
     thread, which on a CPU busy with other work costs milliseconds per matmul (measured on 2 shared cores:
     batch-4 steps at 2 threads 5-20x slower than at 1; docs/ruler.md, "Throughput").
+
+    prefill_chunk_size: prefill each prompt (one at a time) in chunks of this many tokens, each layer compressed to
+    its budget between chunks (core/chunked.py); None: the whole prompt in one forward.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -79,6 +85,15 @@ def generate(
         return []
     for tokens in token_lists:
         method.check_prompt(len(tokens))
+    if prefill_chunk_size is not None:
+        PrefillChunks(prefill_chunk_size).check(method)
+        if questions is not None:
+            raise ValueError("prefill_chunk_size prefills the whole prompt in chunks; questions fed as decode steps "
+                             "are not chunked: leave out one of them")
+        if len(token_lists) > 1:   # chunked prefill takes one prompt at a time; each prompt's output is its own
+            return [g for tokens in token_lists for g in generate(
+                model, tokenizer, [tokens], method, max_new_tokens, stop_token_ids, min_new_tokens,
+                decode_threads=decode_threads, prefill_chunk_size=prefill_chunk_size)]
     if questions is not None:
         question_lists = _token_lists(tokenizer, questions, "question", vocab_size)
         if len(question_lists) != len(token_lists):
@@ -89,6 +104,9 @@ def generate(
     eos = default_stop_token_ids(model, tokenizer) if stop_token_ids is None else [int(t) for t in stop_token_ids]
     with compress(model, method) as patch, _prompt_then_decode(model, decode_threads):
         cache = patch.new_cache(token_lists, tokenizer)
+        if prefill_chunk_size is not None:
+            PrefillChunks(prefill_chunk_size).check(method, patch.shape)
+            prefill_in_chunks(model, cache, input_ids, prefill_chunk_size)
         output = model.generate(
             input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=False, temperature=None,

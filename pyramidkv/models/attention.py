@@ -152,8 +152,12 @@ def compressed_attention_forward(
         else:
             out, weights = full_attention(module, implementation, queries, keys, values, attention_mask,
                                           position_ids, output_attentions, pads, form)
+        if cache.chunked is not None:   # the first chunk's K/V, held whole while the layer computes
+            cache.chunked.note(cache.kv_bytes() + sum(t.numel() * t.element_size() for t in (keys, values)))
         cache.prefill(layer, scaled, keys, values, position_ids, pattern, column_sums, hidden)
     else:
         out = cache.decode_step(layer, scaled, keys, values, position_ids, hidden).transpose(1, 2)
+        if cache.chunked is not None:   # a later chunk: the layer keeps its budget again (core/chunked.py)
+            cache.chunked.reselect(cache, layer, scaled)
     out = out.reshape(bsz, q_len, -1).contiguous()
     return module.o_proj(out), weights, cache

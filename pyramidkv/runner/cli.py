@@ -26,6 +26,7 @@ import functools
 import typing
 
 from pyramidkv.components import flat_settings, parse_setting, setting_help
+from pyramidkv.core.chunked import PrefillChunks
 from pyramidkv.methods import METHODS, get_method_class
 from pyramidkv.methods.settings import (AXES, AXIS_BY_FIELD, COMPRESSION_RATIO, LEGACY_THRESHOLD, SWITCHES,
                                         bare_unit_names, default_units, split_spec)
@@ -321,6 +322,8 @@ def add_model_and_method_args(parser: argparse.ArgumentParser, scope: HelpScope 
                    help="CPU threads for the decode steps, the prompt's forward keeping --num_threads (when not "
                         "given: the same); a decode step's small matmuls lose more to waiting for a thread on a "
                         "busy CPU than a second thread brings, the more so in batches: 1 there")
+    r.add_argument("--prefill_chunk_size", type=int, default=PrefillChunks.prefill_chunk_size, metavar="N",
+                   help=setting_help(PrefillChunks)["prefill_chunk_size"])
     r.add_argument("--overwrite", action="store_true",
                    help="delete the run folder's earlier results first (needed to rerun a folder with other "
                         "settings: a resume must match the stored configuration)")
@@ -342,6 +345,13 @@ def check_run_args(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     for flag in ("num_threads", "decode_threads"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    chunks = getattr(args, "prefill_chunk_size", None)
+    if chunks is not None:
+        clashing = [flag for flag in ("question_as_decode", "shared_context", "kl_vs_fullkv", "save_compressed",
+                                      "load_compressed") if getattr(args, flag, None)]
+        if clashing:
+            parser.error(f"--prefill_chunk_size {chunks} chunks a whole prompt's prefill; it does not combine with "
+                         f"--{clashing[0]}")
 
 
 def apply_num_threads(args: argparse.Namespace) -> None:

@@ -49,11 +49,13 @@ QUESTION_AS_DECODE_SUFFIX = "_question_as_decode"
 
 
 def run_dir(save_dir: str, model_path: str, method: Method, question_as_decode: bool = False,
-            shared_context: Optional[str] = None) -> Path:
+            shared_context: Optional[str] = None, prefill_chunk_size: Optional[int] = None) -> Path:
     """{save_dir}/{model}_{budget}/{method.label()}: the public harness's layout for a method at its
     defaults; settings other than the defaults are appended to the method folder (Component.label:
     snapkv_window_size=8_pooling=avg, adakv_floor_ratio=0.5, snapkv_head_allocation=adakv-floor_ratio=0.3),
-    and QUESTION_AS_DECODE_SUFFIX when the question is fed as decode steps, `_{mode}` under --shared_context."""
+    and QUESTION_AS_DECODE_SUFFIX when the question is fed as decode steps, `_{mode}` under --shared_context,
+    `_prefill_chunk_size=N` under chunked prefill."""
     folder = method.label() + (QUESTION_AS_DECODE_SUFFIX if question_as_decode else "")
     folder += f"_{shared_context}" if shared_context else ""
+    folder += f"_prefill_chunk_size={prefill_chunk_size}" if prefill_chunk_size is not None else ""
     return Path(save_dir) / f"{model_label(model_path)}_{method.sizing.folder_part(method)}" / folder

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from pyramidkv.core.chunked import PrefillChunks
 from pyramidkv.generation.shared import MODES
 from pyramidkv.runner.shared import (  # noqa: F401 (Question: the adapters')
     Question, cache_configuration, check_cache_file_flags, check_cache_files, decode_questions,
@@ -240,6 +241,7 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
         benchmark.check_arguments(args)
         method = method_from_args(args, parser)
         check_shared_names(parser, method)
+        PrefillChunks(args.prefill_chunk_size).check(method)
     except (ValueError, TypeError) as e:
         fail(parser, e)
     # The folder is named after the model's config is read: the method's settings are checked against the model
@@ -251,7 +253,7 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
             raise ValueError(_with_typed_flags(parser, args, str(e))) from None
         method = effective_method(method, model_check)
         out_dir = run_dir(args.save_dir, benchmark.model_label(args), method, args.question_as_decode,
-                          args.shared_context)
+                          args.shared_context, args.prefill_chunk_size)
     except INPUT_ERRORS as e:
         fail(parser, e)
     if args.print_run_dir:
@@ -425,7 +427,8 @@ def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], 
                         done_now += len(batch)
                         continue
                     outputs = decode_batch(model, tokenizer, method, batch, sample_file.stop_token_ids,
-                                           sample_file.min_new_tokens, args.question_as_decode, args.decode_threads)
+                                           sample_file.min_new_tokens, args.question_as_decode, args.decode_threads,
+                                           args.prefill_chunk_size)
                     for sample, output in zip(batch, outputs):
                         writer.append(benchmark.prediction_row(sample, output))
                     bar.update(len(batch))
@@ -439,10 +442,11 @@ def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], 
 
 
 def decode_batch(model, tokenizer, method, batch: list[Sample], stop_token_ids: Optional[list[int]],
-                 min_new_tokens: int, question_as_decode: bool, decode_threads: Optional[int] = None) -> list:
+                 min_new_tokens: int, question_as_decode: bool, decode_threads: Optional[int] = None,
+                 prefill_chunk_size: Optional[int] = None) -> list:
     """One batch of samples (one max_new_tokens) through generate(): the prompts whole, or with
     question_as_decode each context prefilled and its question part fed as decode steps; decode_threads:
-    CPU threads of the decode steps (None: torch's setting)."""
+    CPU threads of the decode steps (None: torch's setting); prefill_chunk_size: chunked prefill (None: off)."""
     from pyramidkv.generation import generate
 
     prompts, questions = [s.prompt for s in batch], None
@@ -451,4 +455,4 @@ def decode_batch(model, tokenizer, method, batch: list[Sample], stop_token_ids: 
         questions = [s.prompt[s.question_start:] for s in batch]
     return generate(model, tokenizer, prompts, method, max_new_tokens=batch[0].max_new_tokens,
                     stop_token_ids=stop_token_ids, min_new_tokens=min_new_tokens, questions=questions,
-                    decode_threads=decode_threads)
+                    decode_threads=decode_threads, prefill_chunk_size=prefill_chunk_size)

@@ -66,6 +66,24 @@ def test_benchmark_peak_over_the_run_with_decode_compression(tiny_model_dir, tmp
     assert decoded["kv_bytes_final"] <= 56 * per_token
 
 
+def test_benchmark_chunked_rows_and_the_layer_in_flight(tiny_model_dir, tmp_path, capsys):
+    """A `SPEC chunk=N` row per method chunked prefill is defined for (kvzip left out, saying why); its peak is the
+    two layer budgets + one chunk, where the whole prompt's peak with the layer in flight is budget + prompt."""
+    out = tmp_path / "bench.json"
+    run_measure("benchmark_latency_memory.py", [
+        "--model_path", tiny_model_dir, "--device", "cpu", "--context_length", "96", "--max_capacity_prompts", "40",
+        "--new_tokens", "1", "--repeats", "1", "--threads", "1", "--methods", "snapkv", "kvzip",
+        "--prefill_chunk_sizes", "32", "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert "left out: kvzip chunk=32: prefill_chunk_size is not defined for kvzip" in capsys.readouterr().out
+    assert list(results) == ["plain", "fullkv", "snapkv", "kvzip", "snapkv chunk=32"]
+    row = 2 * 16 * 2 * 4   # one token of one layer: KV heads x head_dim x (K + V) x float32
+    assert results["snapkv chunk=32"]["peak_prefill_kv_bytes"] == (40 + 40 + 32) * row
+    assert results["snapkv chunk=32"]["kv_bytes_after_prefill"] == 2 * (40 + 1) * row   # + the last token's step
+    assert results["snapkv"]["peak_in_flight_kv_bytes"] == (40 + 96) * row
+    assert results["snapkv"]["peak_prefill_kv_bytes"] == 2 * 40 * row    # the stored bytes' peak, as before
+
+
 def test_benchmark_refuses_a_bad_method_spec(tiny_model_dir, capsys):
     with pytest.raises(SystemExit) as done:
         run_measure("benchmark_latency_memory.py", ["--model_path", tiny_model_dir, "--methods", "snapkv:merge"])
