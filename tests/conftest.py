@@ -44,6 +44,7 @@ TIERS: dict[str, tuple[str, ...]] = {
         "tests/benchmarks/test_needle_runner.py::test_visualize_script_is_a_shim_of_the_module",
         "tests/benchmarks/test_ruler_run.py::test_eval_sh",
         "tests/benchmarks/test_ruler_run.py::test_resume_after_kill_9",
+        "tests/benchmarks/test_reasoning_run.py::test_resume_after_kill_9_gives_the_same_rows",
         "tests/benchmarks/test_stop_tokens.py::test_the_run_passes_the_families_stops_to_generate_and_records_them",
         "tests/core/test_quantized_cache.py::test_benchmark_reports_bytes_by_part_and_the_fp16_ratio",
         "tests/core/test_quantized_cache.py::test_sweep_runs_quantized_variants_and_the_quantized_full_cache",
@@ -78,6 +79,7 @@ TIERS: dict[str, tuple[str, ...]] = {
         "tests/viz/test_viz.py::test_sweep_and_plot_example",
         # no process, but a runner or the leaderboard end to end, several runs each (seconds, not milliseconds)
         "tests/benchmarks/test_needle_runner.py::test_resume_skips_finished_cells",
+        "tests/benchmarks/test_reasoning_run.py::test_fullkv_then_a_decode_time_method",
         "tests/benchmarks/test_ruler_run.py::test_end_to_end_outputs_and_rescore",
         "tests/leaderboard/test_leaderboard.py::test_a_run_writes_every_cell_the_figure_and_the_page",
         "tests/leaderboard/test_leaderboard.py::test_two_shards_merged_equal_one_run",
@@ -97,6 +99,7 @@ TIERS: dict[str, tuple[str, ...]] = {
         "tests/core/test_decode_compression.py::test_300_new_tokens_never_hold_more_than_budget_plus_interval",
     ),
     "real_model": (
+        "tests/benchmarks/test_reasoning_run.py::test_fullkv_and_a_decode_time_method_on_the_default_model",
         "tests/generation/test_generation.py::test_use_cache_false_runs_the_unpatched_attention",
         "tests/models/test_equivalence.py::test_fullkv_logits_equal_unpatched",
         "tests/models/test_equivalence.py::test_every_class_keeps_and_generates_what_llama_does",

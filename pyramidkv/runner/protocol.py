@@ -127,6 +127,15 @@ class Benchmark:
     def meta_extra(self, args, files: list[SampleFile]) -> dict:
         return {}
 
+    def check_method(self, args, method, files: list[SampleFile]) -> None:
+        """ValueError (one line) for what the method cannot do on these samples, before any weights load (the
+        protocol has checked each prompt against it already: check_samples)."""
+
+    # A benchmark that decodes each sample its own way (one trace per sample, compared with fullkv's: the reasoning
+    # runner) sets this to a function (model, tokenizer, method, sample, sample_file, args) -> the prediction row;
+    # None: the protocol's batched generate and `prediction_row`.
+    decode_sample = None
+
     def stop_token_ids(self, generation_config, tokenizer, sample_file: SampleFile) -> list[int]:
         """The ids that stop a sample's answer: the file's own, else the model's end tokens (its generation
         config's eos ids, the tokenizer's eos, the chat template's end of turn: generation.end_token_ids)."""
@@ -279,6 +288,7 @@ def run_benchmark(benchmark: Benchmark, argv: Optional[Sequence[str]] = None) ->
             check_cache_files(args, files, method, cache_configuration(benchmark, args, method),
                               identity_before_loading(config, model_check[3]))
         check_kl_flags(args, files)
+        benchmark.check_method(args, method, files)
         if args.prepare_only:
             print(out_dir)
             return 0
@@ -418,6 +428,12 @@ def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], 
                     model, tokenizer = load_run_model(args, out_dir)
                 bar.set_postfix_str(sample_file.name)
                 for batch in batches(pending, args.eval_batch_size, benchmark.batch_by_length):
+                    if benchmark.decode_sample is not None:
+                        for sample in batch:
+                            writer.append(benchmark.decode_sample(model, tokenizer, method, sample, sample_file, args))
+                            bar.update(1)
+                        done_now += len(batch)
+                        continue
                     if args.kl_vs_fullkv:
                         for sample in batch:
                             output, fields = decode_scored(model, tokenizer, method, sample, sample_file, references,

@@ -11,6 +11,7 @@ import pytest
 
 from pyramidkv.benchmarks.longbench.run import LongBench
 from pyramidkv.benchmarks.needle.run import Needle
+from pyramidkv.benchmarks.reasoning.run import Reasoning
 from pyramidkv.benchmarks.ruler.run import Ruler
 from pyramidkv.runner.method_args import method_from_args
 from pyramidkv.runner.protocol import build_parser, not_generating_args
@@ -27,7 +28,7 @@ NON_GENERATING_BEFORE = {
     "eval_batch_size", "num_samples", "max_num_examples", "tasks", "context_lengths", "datasets", "s_len", "e_len",
     "step", "num_depths", "questions_per_context", "save_compressed", "load_compressed",
 }
-ADAPTERS = {"ruler": Ruler, "longbench": LongBench, "needle": Needle}
+ADAPTERS = {"ruler": Ruler, "longbench": LongBench, "needle": Needle, "reasoning": Reasoning}
 
 
 def _dests(benchmark) -> set[str]:
@@ -74,6 +75,10 @@ SELECTIONS = {
         "num_depths": (["2"], ["3"]),
         "questions_per_context": (["1"], ["2"]),
     }),
+    "reasoning": (["--tasks", "chain", "--num_samples", "1"], {
+        "tasks": (["chain"], ["chain", "gsm8k"]),
+        "num_samples": (["1"], ["2"]),
+    }),
 }
 
 
@@ -110,6 +115,7 @@ RESUMES = {
     "ruler": (["--tasks", "niah_single_1"], ["--num_samples", "7"], ["--seed", "7"]),
     "longbench": (["--datasets", "multi_news"], ["--max_num_examples", "7"], ["--max_length", "700"]),
     "needle": ([], ["--e_len", "7000"], ["--answer_prefix", "Sure:"]),
+    "reasoning": (["--tasks", "chain"], ["--num_samples", "7"], ["--chain_steps", "7"]),
 }
 
 
