@@ -201,7 +201,8 @@ class _Run:
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], width - mask.shape[1])], dim=1)
             first = _FirstToken(width, [len(f) for f in forced])
             stop = _BytesAtStop(cache, width, [len(f) for f in forced], set(self.stops), self.max_new_tokens)
-            bar = tqdm(total=steps, unit="step", desc=f"question ({max(len(f) for f in forced) + 1} tokens) + answer",
+            left = max(len(f) for f in forced)   # question tokens left to feed one per step (beyond the shared length)
+            bar = tqdm(total=steps, unit="step", desc=f"question ({left + 1} tokens) + answer" if left else "answer",
                        dynamic_ncols=True, leave=False, delay=PROGRESS_DELAY)
             with bar:
                 output = self.model.generate(

@@ -47,8 +47,9 @@ def test_fullkv_answers_equal_generate_on_context_plus_question(sharp_llama):
     with LogitsRecorder(model) as shared_logits:
         answers = answer_questions(model, tokenizer, CONTEXTS[:1], QUESTIONS[:1], make_method("fullkv"), NEW,
                                    stop_token_ids=[])[0]
-    # forwards: the context, then per question its tokens and NEW - 1 answer tokens
-    per_question = [len(q) + NEW - 1 for q in QUESTIONS[0]]
+    # forwards: the context, then per question its tokens but the last in one forward (none for a 1-token question),
+    # the last, and NEW - 1 answer tokens
+    per_question = [(len(q) > 1) + NEW for q in QUESTIONS[0]]
     assert len(shared_logits.out) == 1 + sum(per_question)
     ends = [1 + sum(per_question[:k + 1]) for k in range(len(per_question))]
     for k, question in enumerate(QUESTIONS[0]):
@@ -139,8 +140,9 @@ def test_multi_turn_holds_the_decode_budget_over_5_turns(sharp_llama):
     finally:
         handle.remove()
     assert [a.turn for a in answers] == [1, 2, 3, 4, 5]
-    fed = len(CONTEXTS[0]) + sum(len(q) for q in questions) + 5 * 10
-    assert len(held) == 1 + fed - len(CONTEXTS[0]) - 1           # every token fed but the last answer's last
+    # forwards: the context; per turn the question (after the previous answer's last token) but its last token in
+    # one forward, then 10 answer forwards (the question's last token first)
+    assert len(held) == 1 + 5 * (1 + 10)
     assert max(held) <= budget + interval and held[-1] >= budget  # the bound holds; the conversation fills it
 
 
@@ -221,16 +223,18 @@ def test_pipeline_refuses_a_value_of_the_wrong_type_in_one_line(sharp_llama, con
 
 
 def test_a_question_fed_token_by_token_shows_its_progress(sharp_llama, capsys, monkeypatch):
-    """Issue 40, item 10: a question is one decode step per token (a 3,000-token one ran 8 minutes silently): a bar
-    counts the steps, with the rate and the time left, once the call has run PROGRESS_DELAY seconds (0 here)."""
+    """Issue 40, item 10: what goes one decode step per token (a 3,000-token question ran 8 minutes silently) shows a
+    bar counting the steps, with the rate and the time left, once the call has run PROGRESS_DELAY seconds (0 here).
+    A batch's questions go in one forward for the length they share (10 tokens here): the longer one's other 30
+    tokens, then the answers, are the steps."""
     model, tokenizer, _ = sharp_llama
     monkeypatch.setattr(shared, "PROGRESS_DELAY", 0.0)
-    question = CONTEXTS[1][:40]
-    answer_questions(model, tokenizer, [CONTEXTS[0]], [[question]], make_method("snapkv", budget=64, window_size=8),
-                     NEW)
+    questions = [[CONTEXTS[1][:40]], [CONTEXTS[1][50:60]]]
+    answer_questions(model, tokenizer, [CONTEXTS[0], CONTEXTS[1]], questions,
+                     make_method("snapkv", budget=64, window_size=8), NEW)
     err = capsys.readouterr().err
-    steps = len(question) - 1 + NEW                     # its first token goes with the context's last
-    assert "question (40 tokens) + answer" in err and f"/{steps} [" in err and "<" in err, err[-300:]
+    steps = 40 - 10 + NEW                               # the shared 10 (the last of them fed first) in one forward
+    assert "question (31 tokens) + answer" in err and f"/{steps} [" in err and "<" in err, err[-300:]
 
 def test_snapshot_restore_shares_no_tensor_with_the_cache(sharp_llama):
     """A restore hands the cache fresh copies: decoding after it cannot write into the snapshot."""
