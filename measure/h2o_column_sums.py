@@ -2,6 +2,7 @@
 layer of SmolLM2-135M's shape (9 query heads, 3 KV heads, head dim 64), random float32 tensors, one prompt.
 
     PYTHONPATH=. python measure/h2o_column_sums.py --lengths 1024 4096 --rounds 3 [--device cpu|cuda]
+        [--dtype bfloat16] [--json FILE]
 
 Rows, interleaved each round, median of the rounds (thread CPU time on the CPU, synchronized wall time on CUDA):
   sdpa      torch's scaled_dot_product_attention, causal (what the plain prefill runs; no column sums)
@@ -13,6 +14,7 @@ Prints each row's seconds and its ratio to sdpa; decides core/fused_column_sums.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
@@ -28,7 +30,10 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--json", default=None, help="the medians and ratios per length (for scripts/gpu_check.py)")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(1)
     device = torch.device(args.device)
 
@@ -38,10 +43,11 @@ def main() -> None:
             return time.perf_counter()
         return time.thread_time()
 
+    report = {}
     for n in args.lengths:
         torch.manual_seed(0)
-        q = torch.randn(1, 9, n, 64, device=device)
-        k, v = torch.randn(1, 3, n, 64, device=device), torch.randn(1, 3, n, 64, device=device)
+        q = torch.randn(1, 9, n, 64, device=device, dtype=dtype)
+        k, v = (torch.randn(1, 3, n, 64, device=device, dtype=dtype) for _ in range(2))
         real = torch.ones(1, n, dtype=torch.bool, device=device)
         rows = {
             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -62,6 +68,12 @@ def main() -> None:
         print(f"n = {n}, {device.type}, median of {args.rounds}:")
         for name, t in times.items():
             print(f"  {name:9s} {statistics.median(t):8.4f} s  {statistics.median(t) / base:5.2f}x sdpa")
+        report[n] = {name: {"seconds": statistics.median(t), "x_sdpa": round(statistics.median(t) / base, 3)}
+                     for name, t in times.items()}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "dtype": args.dtype, "rounds": args.rounds, "lengths": report}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

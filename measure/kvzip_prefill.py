@@ -1,6 +1,10 @@
 """KVzip's prefill against the plain prefill (no compression), thread CPU time, one torch thread, rows interleaved.
 
     PYTHONPATH=. python measure/kvzip_prefill.py --lengths 1024 4096 --rounds 3 [--old FILE]
+        [--model_path DIR --device cuda --dtype bfloat16 --json FILE]
+
+On the CPU the clock is the thread's CPU time (one torch thread); on CUDA synchronized wall time.
+--json FILE: the medians and ratios per length, and the FLOP floor, for scripts/gpu_check.py.
 
 --old FILE: a core/reconstruction.py of another commit (`git show REV:pyramidkv/core/reconstruction.py > FILE`);
 its Reconstruction.attend is timed as the row "kvzip (old)" in the same process, interleaved with the others.
@@ -14,6 +18,7 @@ of every repeat query with its chunk's keys), with and without that score produc
 from __future__ import annotations
 
 import importlib.util
+import json
 import statistics
 import sys
 import time
@@ -53,9 +58,22 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--old", default=None)
+    ap.add_argument("--model_path", default=None, help="default: the default model's converted folder")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    model, tokenizer = load_model(str(default_model_path()), attn_implementation="sdpa", device="cpu")
+    device = torch.device(args.device)
+    model, tokenizer = load_model(args.model_path or str(default_model_path()), attn_implementation="sdpa",
+                                  device=args.device, dtype=args.dtype)
+
+    def clock():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.thread_time()
+
     new_attend = reconstruction.Reconstruction.attend
     old_attend = None
     if args.old:
@@ -67,7 +85,7 @@ def main() -> None:
     method = make_method("kvzip", budget_ratio=0.3)
 
     def plain(tokens):
-        model(torch.tensor([tokens]), use_cache=True)
+        model(torch.tensor([tokens], device=device), use_cache=True)
 
     plans = {}
 
@@ -78,7 +96,7 @@ def main() -> None:
                 with compress(model, method) as patch:
                     cache = patch.new_cache([tokens], tokenizer)
                     plans[len(tokens)] = cache.reconstruction.plans
-                    model(torch.tensor([tokens]), past_key_values=cache, use_cache=True)
+                    model(torch.tensor([tokens], device=device), past_key_values=cache, use_cache=True)
             finally:
                 reconstruction.Reconstruction.attend = new_attend
         return run
@@ -86,6 +104,7 @@ def main() -> None:
     rows = {"plain": plain, "kvzip": kvzip(new_attend)}
     if old_attend is not None:
         rows["kvzip (old)"] = kvzip(old_attend)
+    report = {}
     for n in args.lengths:
         tokens = chat_prompt_ids(tokenizer, n)
         times = {name: [] for name in rows}
@@ -94,9 +113,9 @@ def main() -> None:
                 run(tokens[:256])
             for _ in range(args.rounds):
                 for name, run in rows.items():
-                    start = time.thread_time()
+                    start = clock()
                     run(tokens)
-                    times[name].append(time.thread_time() - start)
+                    times[name].append(clock() - start)
         base = statistics.median(times["plain"])
         print(f"n = {len(tokens)} tokens ({n} context), median of {args.rounds}:")
         for name, t in times.items():
@@ -104,6 +123,14 @@ def main() -> None:
         plain, repeat, score = multiply_adds(model.config, len(tokens), plans[len(tokens)])
         print(f"  FLOP floor  {(plain + repeat) / plain:5.2f}x plain ({(plain + repeat - score) / plain:5.2f}x without "
               f"the score's product); plain {plain / 1e9:.0f} G multiply-adds")
+        report[n] = {"tokens": len(tokens), "seconds": {k: statistics.median(t) for k, t in times.items()},
+                     "x_plain": {k: round(statistics.median(t) / base, 3) for k, t in times.items()},
+                     "flop_floor": round((plain + repeat) / plain, 3),
+                     "flop_floor_without_score": round((plain + repeat - score) / plain, 3)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "dtype": str(next(model.parameters()).dtype), "rounds": args.rounds,
+                       "lengths": report}, f, indent=1)
 
 
 if __name__ == "__main__":
