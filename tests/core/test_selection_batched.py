@@ -35,3 +35,18 @@ def test_a_random_share_and_unequal_budgets_still_take_the_per_head_rule():
     drawn = select_kept_positions(scores, 0, [20] * 3, 2, random_fraction=0.5,
                                   generator_for=lambda head: torch.Generator().manual_seed(head))
     assert [len(p) for p in drawn] == [20] * 3
+
+
+@pytest.mark.parametrize("counts", [[4, 4, 4], [4, 2, 5]])
+def test_gathering_the_kept_rows_copies_each_head_s_own_rows(counts):
+    """KeptKV.gather (one index_select for all heads when the counts are equal) against row-by-row indexing."""
+    from pyramidkv.core.kept import KeptKV
+
+    torch.manual_seed(1)
+    keys, values = torch.randn(3, 12, 8), torch.randn(3, 12, 8)
+    positions = [torch.randperm(10)[:c].sort().values + 2 for c in counts]
+    kept = KeptKV.gather(keys, values, positions, pad=2)
+    want_k = torch.stack([keys[h, int(i)] for h, p in enumerate(positions) for i in p])
+    want_v = torch.stack([values[h, int(i)] for h, p in enumerate(positions) for i in p])
+    assert torch.equal(kept.keys, want_k) and torch.equal(kept.values, want_v)
+    assert kept.lengths == counts and kept.positions.tolist() == [int(i) - 2 for p in positions for i in p]
