@@ -1,6 +1,8 @@
-"""H2O's column sums beside a fused attention kernel: the kernel gives the prompt's causal attention and each query
-row's logsumexp (natural log) over the keys it sees; one more product per chunk of queries, [q / sqrt(D), -lse] .
-[k, 1] = the row's log-probability of each key, gives the probabilities, exp'd and summed over the real queries:
+"""H2O's column sums beside a fused attention kernel (its prefill path on CUDA): the kernel's causal attention and
+each row's logsumexp, then one more product per chunk of queries for the probabilities.
+
+The kernel returns each query row's logsumexp (natural log) over the keys it sees; [q / sqrt(D), -lse] . [k, 1] is
+the row's log-probability of each key, exp'd and summed over the real queries:
 
     column_sum[h, j] = sum_{i >= j, i real} exp(q_i . k_j / sqrt(D) - lse_i)                     [B, Hq, n]
 
