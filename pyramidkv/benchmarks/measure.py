@@ -1,5 +1,6 @@
 """What the measuring scripts share (measure/benchmark_latency_memory.py, benchmark_paired_decode.py,
-teacher_forced_nll.py): a plain-text prompt of an exact length, and method specs with the script's budget."""
+teacher_forced_nll.py, kvzip_prefill.py): a plain-text prompt of an exact length (or one user turn in the chat
+template), and method specs with the script's budget."""
 
 from __future__ import annotations
 
@@ -18,6 +19,15 @@ def prompt_ids(tokenizer, n: int) -> torch.Tensor:
     if len(ids) < n:
         raise ValueError(f"could not build a {n}-token prompt")
     return torch.tensor([ids])
+
+
+def chat_prompt_ids(tokenizer, n: int) -> list[int]:
+    """The token ids of one user turn of n tokens of TEXT in the tokenizer's chat template, generation prompt
+    included (what KVzip's repeat passes reconstruct: the context between the template's prefix and suffix)."""
+    text = tokenizer.decode(prompt_ids(tokenizer, n)[0])
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer(rendered, add_special_tokens=False).input_ids
 
 
 def method_from_spec(spec: str, budget: int, gqa_layout: str = "kv_head") -> Method:

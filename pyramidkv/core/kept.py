@@ -48,12 +48,21 @@ class KeptKV:
         """keys, values: [H, n, D] of one prompt; positions: per head, ascending padded positions (pad =
         the prompt's left padding). merged: per head the kept (keys, values) a merge rule rewrote, stored
         instead of the gathered rows."""
+        lengths = [len(p) for p in positions]
+        if (merged is None and lengths and lengths[0] and len(set(lengths)) == 1 and len(lengths) == keys.shape[0]
+                and keys.is_contiguous()
+                and values.is_contiguous()):
+            # every head the same count: one index_select of the [H * n, D] rows for all heads
+            heads, n, _ = keys.shape
+            flat = torch.cat(positions)
+            rows = (flat.view(heads, -1) + torch.arange(0, heads * n, n, device=flat.device)[:, None]).view(-1)
+            return cls(keys.flatten(0, 1).index_select(0, rows), values.flatten(0, 1).index_select(0, rows), lengths,
+                       flat - pad)
         if merged is None:  # index_select: advanced indexing (keys[h, idx]) took ms per head on a busy CPU
             merged = ([keys[h].index_select(0, idx) for h, idx in enumerate(positions)],
                       [values[h].index_select(0, idx) for h, idx in enumerate(positions)])
         kept_keys, kept_values = torch.cat(merged[0]), torch.cat(merged[1])
-        return cls(kept_keys.contiguous(), kept_values.contiguous(), [len(p) for p in positions],
-                   torch.cat(positions) - pad)
+        return cls(kept_keys.contiguous(), kept_values.contiguous(), lengths, torch.cat(positions) - pad)
 
     @classmethod
     def from_heads(cls, heads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> "KeptKV":

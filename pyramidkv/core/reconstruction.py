@@ -24,8 +24,10 @@ How it is computed: the queries are grouped by stored head ([H, g * m, D] agains
 are not repeated). The score is the same quantity as exp(logit - logsumexp_K'), the logsumexp over exactly K'. On
 CPU (no soft-cap) the fused kernel runs on segments of the keys ([prefix, chunk]; the other chunks; the repeat's own,
 causal) and returns each segment's row logsumexp: the output is the segments' outputs weighted by them, the score's
-logsumexp is that of [prefix, chunk] and the repeat's, and the score pass only multiplies the queries by the chunk's
-keys (blocks of QUERY_BLOCK queries). Elsewhere (another device, a soft-capped model) the output is the public
+logsumexp is that of [prefix, chunk] and the repeat's, and the score pass is one product per block of QUERY_BLOCK
+queries, [q, -logsumexp] . [k / sqrt(D), 1] (the subtraction inside the product), then a max over the queries.
+The last layer's output is read by nothing (its scores are all the repeat needs of it): there the output is not
+computed and `RepeatDone` ends the repeat's forward before that layer's output projection, MLP and final norm. Elsewhere (another device, a soft-capped model) the output is the public
 fused kernel's with a causal mask, or the explicit softmax under a soft-cap, and the scores come from blocked logits
 over K' alone.
 """
@@ -40,6 +42,11 @@ import torch
 from pyramidkv.components import AttentionForm
 
 QUERY_BLOCK = 256   # repeat queries per block of the score pass (bounds its [Hq, block, prefix + chunk + m] logits)
+
+
+class RepeatDone(Exception):
+    """Raised by the last layer's repeat attention once its scores are recorded: nothing of the forward after it
+    (that layer's output projection and MLP, the final norm) is read, so the repeat's forward stops there."""
 
 
 @dataclass
@@ -71,6 +78,7 @@ class Reconstruction:
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     current: Optional[tuple[int, RepeatChunk]] = None
     repeat_tokens: int = 0    # tokens the repeat passes ran, all prompts (the prefill's extra work)
+    last_layer: Optional[int] = None   # the model's last layer: its repeat records scores only (RepeatDone)
 
     def attend(self, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                prompt_keys: torch.Tensor, prompt_values: torch.Tensor, pad: int, form: AttentionForm) -> torch.Tensor:
@@ -94,16 +102,18 @@ class Reconstruction:
         grouped = queries[0].float().reshape(heads, group * m, dim)               # [H, g * m, D], head-major
         width = chunk.stop - chunk.start
         device = queries.device
+        last = layer == self.last_layer     # its output is read by nothing
+        edges = (plan.prefix, chunk.start, chunk.stop, read, m, group)
         if not form.capped and _FLASH_CPU is not None and device.type == "cpu":
-            best, out = _segmented(grouped, every_k, every_v, plan.prefix, chunk.start, chunk.stop, read, m, group)
+            best, out = _segmented(grouped, every_k, every_v, *edges, output=not last)
         else:
-            best, out = _blocked(grouped, every_k, every_v, plan.prefix, chunk.start, chunk.stop, read, m, group, form)
-        out = out.reshape(num_q, m, dim)
-        best = best.reshape(num_q, width)
+            best, out = _blocked(grouped, every_k, every_v, *edges, form, output=not last)
         if layer not in self.scores:
             self.scores[layer] = torch.zeros(len(self.plans), num_q, pad + n, dtype=torch.float32, device=keys.device)
-        self.scores[layer][b, :, pad + chunk.start:pad + chunk.stop] = best
-        return out[None].to(queries.dtype)
+        self.scores[layer][b, :, pad + chunk.start:pad + chunk.stop] = best.reshape(num_q, width)
+        if last:
+            raise RepeatDone
+        return out.reshape(num_q, m, dim)[None].to(queries.dtype)
 
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -115,12 +125,13 @@ def _flash(queries, keys, values, causal=False):
     return out, lse
 
 
-def _segmented(grouped, every_k, every_v, prefix, start, stop, read, m, group):
+def _segmented(grouped, every_k, every_v, prefix, start, stop, read, m, group, output=True):
     """The repeat's attention on CPU by the fused kernel, run on segments of the keys so that its row logsumexps
     give the score's denominator: [prefix, chunk] and the rest of the prompt's read keys (no mask), the repeat's own
     (causal); the output is their logsumexp-weighted sum, the score's logsumexp is over [prefix, chunk, repeat]
-    alone. grouped [H, g * m, D] (head-major), every_k, every_v [H, read + m, D] float32. Returns the scores
-    [H, g, chunk] (maximised over the queries) and the output [H, g * m, D]."""
+    alone. grouped [H, g * m, D] (head-major), every_k, every_v [H, read + m, D] float32; output=False: the scores
+    only (the rest of the prompt's keys is not read). Returns the scores [H, g, chunk] (maximised over the queries)
+    and the output [H, g * m, D] (None without output)."""
     heads, _, dim = grouped.shape
     inside_k = torch.cat([every_k[:, :prefix], every_k[:, start:stop]], 1)
     inside_v = torch.cat([every_v[:, :prefix], every_v[:, start:stop]], 1)
@@ -130,31 +141,36 @@ def _segmented(grouped, every_k, every_v, prefix, start, stop, read, m, group):
     outs = [out_in[0], out_own.reshape(heads, group * m, dim)]
     lses = [lse_in[0], lse_own.reshape(heads, group * m)]
     denominator = torch.logaddexp(lses[0], lses[1])        # logsumexp over K' = [prefix, chunk, repeat]
-    if start > prefix or stop < read:                     # the other chunks: in the output's softmax, not the score's
-        rest_k = torch.cat([every_k[:, prefix:start], every_k[:, stop:read]], 1)
-        rest_v = torch.cat([every_v[:, prefix:start], every_v[:, stop:read]], 1)
-        out_rest, lse_rest = _flash(grouped[None], rest_k[None], rest_v[None])
-        outs.append(out_rest[0])
-        lses.append(lse_rest[0])
-    lses = torch.stack(lses)
-    weights = (lses - torch.logsumexp(lses, 0)).exp()
-    out = sum(o * w[..., None] for o, w in zip(outs, weights))
-    # the score: exp(logit - logsumexp_K'), the chunk's logits read once, maximised over the queries
-    chunk_kt = every_k[:, start:stop].transpose(1, 2) * dim ** -0.5
-    denominator = denominator.view(heads, group, m)
+    out = None
+    if output:
+        if start > prefix or stop < read:                 # the other chunks: in the output's softmax, not the score's
+            rest_k = torch.cat([every_k[:, prefix:start], every_k[:, stop:read]], 1)
+            rest_v = torch.cat([every_v[:, prefix:start], every_v[:, stop:read]], 1)
+            out_rest, lse_rest = _flash(grouped[None], rest_k[None], rest_v[None])
+            outs.append(out_rest[0])
+            lses.append(lse_rest[0])
+        lses = torch.stack(lses)
+        weights = (lses - torch.logsumexp(lses, 0)).exp()
+        out = sum(o * w[..., None] for o, w in zip(outs, weights))
+    # the score: exp(logit - logsumexp_K'), the chunk's logits read once, maximised over the queries; the
+    # subtraction rides in the product as one more coordinate, [q, -lse] . [k / sqrt(D), 1]
+    chunk_k = every_k[:, start:stop] * dim ** -0.5
+    chunk_kt = torch.cat([chunk_k, torch.ones_like(chunk_k[..., :1])], -1).transpose(1, 2)    # [H, D + 1, chunk]
+    lifted = torch.cat([grouped, -denominator[..., None]], -1).view(heads, group, m, dim + 1)
     best = torch.full((heads, group, stop - start), float("-inf"), dtype=torch.float32, device=grouped.device)
     for first in range(0, m, QUERY_BLOCK):
         last = min(first + QUERY_BLOCK, m)
-        block = grouped.view(heads, group, m, dim)[:, :, first:last]
-        logits = torch.matmul(block.reshape(heads, -1, dim), chunk_kt).view(heads, group, last - first, -1)
-        best = torch.maximum(best, logits.sub_(denominator[:, :, first:last, None]).amax(2))
+        block = lifted[:, :, first:last].reshape(heads, -1, dim + 1)
+        logits = torch.matmul(block, chunk_kt).view(heads, group, last - first, -1)
+        best = torch.maximum(best, logits.amax(2))
     return best.exp(), out
 
 
-def _blocked(grouped, every_k, every_v, prefix, start, stop, read, m, group, form):
+def _blocked(grouped, every_k, every_v, prefix, start, stop, read, m, group, form, output=True):
     """The repeat's attention by explicit products (a soft-capped model's; any device): the output by the fused
     kernel where the logits are not capped, by the explicit softmax where they are; the scores in blocks of queries
-    over K' = [prefix, chunk, repeat] alone. Returns the scores [H, g, chunk] and the output."""
+    over K' = [prefix, chunk, repeat] alone. Returns the scores [H, g, chunk] and the output (None: output=False,
+    where the logits are not capped)."""
     heads, _, dim = grouped.shape
     # K' = [prefix, chunk, repeat]: the keys the score's softmax covers (its denominator, the authors' extent)
     width = stop - start
@@ -187,6 +203,8 @@ def _blocked(grouped, every_k, every_v, prefix, start, stop, read, m, group, for
         lse = torch.logsumexp(logits, -1, keepdim=True)
         best = torch.maximum(best, (logits[..., inside] - lse).amax(2))
     best = best.exp()
+    if not output and not form.capped:
+        return best, None
     if not form.capped:  # the output the next layer reads: the fused kernel, grouped, causal in the repeat
         visible = torch.arange(read + m, device=device)[None, :] <= read + torch.arange(m, device=device)[:, None]
         out = torch.nn.functional.scaled_dot_product_attention(

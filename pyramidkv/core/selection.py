@@ -63,6 +63,16 @@ def select_kept_positions(
     real_len = n - pad_len
     window = min(window_size, real_len)
     sinks = min(num_sinks, real_len - window)
+    budget = head_budgets[0] if len(set(head_budgets)) == 1 else None
+    if (budget is not None and window + sinks <= budget < real_len
+            and not int(random_fraction * (budget - window - sinks) + 1e-9)):
+        # every head the same count, none drawn: one top-k over all heads (each row as the loop below does it)
+        first = pad_len + sinks
+        chosen = top_k_recent_first(scores[:, first: n - window], budget - window - sinks) + first
+        parts = [chosen, torch.arange(n - window, n, device=scores.device).expand(num_heads, window)]
+        if sinks:
+            parts.insert(0, torch.arange(pad_len, first, device=scores.device).expand(num_heads, sinks))
+        return list(torch.cat(parts, 1).unbind(0))
     kept: list[torch.Tensor] = []
     for head, budget in enumerate(head_budgets):
         if budget < window + sinks:

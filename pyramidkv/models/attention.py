@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from pyramidkv.components import AttentionForm
 from pyramidkv.core.cache import CompressedCache
-from pyramidkv.core.scoring import PLAIN, attention_with_column_sums, probabilities, real_positions
+from pyramidkv.core.fused_column_sums import column_sums_attention
+from pyramidkv.core.scoring import PLAIN, probabilities, real_positions
 from pyramidkv.sparse_prefill.attention import sparse_prefill_attention
 
 # (module, hidden_states, position_ids, position_embeddings) -> (q, k, v), RoPE applied: the glue's project_qkv
@@ -146,8 +147,8 @@ def compressed_attention_forward(
             out, weights, density = sparse_prefill_attention(scaled, keys, values, pattern, output_attentions)
             cache.prefill_density[layer] = density
         elif not output_attentions and (window is None or window >= q_len) and cache.needs_column_sums(bsz, q_len):
-            out, column_sums = attention_with_column_sums(scaled, keys, values, real_positions(pads, q_len, keys.device),
-                                                          form=form)
+            out, column_sums = column_sums_attention(scaled, keys, values, real_positions(pads, q_len, keys.device),
+                                                     form=form)
             out = out.transpose(1, 2)
         else:
             out, weights = full_attention(module, implementation, queries, keys, values, attention_mask,

@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache
 
 from pyramidkv.components import AttentionForm, ModelShape
 from pyramidkv.core.cache import CompressedCache
+from pyramidkv.core.reconstruction import RepeatDone
 from pyramidkv.methods.base import Method
 from pyramidkv.models import gemma2, llama, mistral, mixtral, phi3, qwen2
 from pyramidkv.models.attention import compressed_attention_forward
@@ -215,9 +216,10 @@ class CompressionPatch:
 def run_repeats(decoder_module, cache: CompressedCache) -> None:
     """A reconstructing method's repeat passes, once the prompt's prefill has run with every layer waiting: each
     compressed prompt's repeat inputs through the decoder alone (positions from the first of the prompt's suffix,
-    which the repeat does not read; the cache in its repeat mode: nothing is stored), then every layer keeps what
-    they scored (core/reconstruction.py)."""
+    which the repeat does not read; the cache in its repeat mode: nothing is stored; each forward ends after the
+    last layer's attention, RepeatDone), then every layer keeps what they scored (core/reconstruction.py)."""
     recon, prompt = cache.reconstruction, cache.prompt
+    recon.last_layer = cache.model_shape.num_layers - 1
     prompt.edges = [(plan.prefix, plan.suffix) for plan in recon.plans]
     device = prompt.waiting[0].keys.device
     for b, plan in enumerate(recon.plans):
@@ -226,8 +228,11 @@ def run_repeats(decoder_module, cache: CompressedCache) -> None:
         start = prompt.real_lens[b] - plan.suffix
         for chunk in plan.chunks:
             recon.current = (b, chunk)
-            decoder_module(input_ids=torch.tensor([chunk.ids], device=device), past_key_values=cache, use_cache=True,
-                           position_ids=torch.arange(start, start + len(chunk.ids), device=device)[None])
+            try:
+                decoder_module(input_ids=torch.tensor([chunk.ids], device=device), past_key_values=cache,
+                               use_cache=True, position_ids=torch.arange(start, start + len(chunk.ids), device=device)[None])
+            except RepeatDone:    # the last layer's scores are in: nothing after them is read
+                pass
             recon.repeat_tokens += len(chunk.ids)
     recon.current = None
     cache.reconstructed()

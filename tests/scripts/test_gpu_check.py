@@ -65,3 +65,14 @@ def test_the_budget_shape_is_fixed_at_the_allocation_s_level(method, same, moved
     across_layers = [[[70, 70]], [[58, 58]]]              # moved from layer 1 to layer 0
     assert (CHECK.budget_shape(method, within_layer) == CHECK.budget_shape(method, counts)) is same
     assert (CHECK.budget_shape(method, across_layers) == CHECK.budget_shape(method, counts)) is moved
+
+
+def test_every_step_has_a_cap_and_a_function_and_the_targets_are_timed_rows():
+    """The steps table, the caps and the step functions name the same steps; the prefill targets' rows are rows the
+    timings step times, at contexts it runs on the device; both modes size the prefill_ratios step."""
+    assert set(CHECK.STEPS) == set(CHECK.CAPS_S) == set(CHECK.STEP_FUNCTIONS)
+    contexts = {context for context, _ in CHECK.SIZES["cuda"]["timings"]}
+    for row, context in CHECK.PREFILL_TARGETS:
+        assert row in CHECK.TIMING_METHODS and context in contexts, (row, context)
+    for sizes in CHECK.SIZES.values():
+        assert sizes["kvzip_lengths"] and sizes["column_sum_lengths"]
