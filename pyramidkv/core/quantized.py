@@ -18,8 +18,8 @@ Keys are stored after RoPE, except for quantizers with `keys_before_rope` (KVQua
 rotated first (in float32, at the token's RoPE position, kept as int32) and rotated again when read. With ThinK the
 prefill-quantized keys are thin (after RoPE, which mixes channels c and c + D/2). Attention: scores per part, one
 joint softmax (float32), values per part; scale and zero fold into the query and the probabilities, so quantized
-parts are read as levels, never dequantized (pyramidkv.quantization.kernels), the stack in as few spans as the
-scratch bound allows. See docs/quantization.md.
+parts are read as levels, never dequantized (pyramidkv.quantization.kernels); a stack of plain groups as one grid
+of cells (quantization/cells.py), others in as few spans as the scratch bound allows. See docs/quantization.md.
 """
 
 from __future__ import annotations
