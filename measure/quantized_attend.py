@@ -46,7 +46,7 @@ def main() -> None:
     ap = ArgumentParser(description=__doc__)
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096])
     ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--nbits", type=int, default=2)
+    ap.add_argument("--nbits", type=int, default=2, choices=(2, 4, 8))
     args = ap.parse_args()
     torch.set_num_threads(1)
     grid = DecodeBlocks.grid
