@@ -200,9 +200,11 @@ class DecodeBlocks:
         """All rows as a segment-major grid of cells (cells.py), when every stacked block is plain and no RoPE
         positions are stored; else None (read in spans). Kept until the next push."""
         if self._grid is None:
-            keys, values = self.keys.block()[0], self.values.block()[0]
-            ok = self.stacked > 0 and self.positions is None and plain(keys) and plain(values)
-            self._grid = grid_of(keys, values, self.segment, self.slot, self.count, self.most) if ok else False
+            self._grid = False                                          # nothing stacked: nothing to read
+            if self.stacked and self.positions is None:
+                keys, values = self.keys.block()[0], self.values.block()[0]
+                if plain(keys) and plain(values):
+                    self._grid = grid_of(keys, values, self.segment, self.slot, self.count, self.most)
         return self._grid or None
 
     def dequantize(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

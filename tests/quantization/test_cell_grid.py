@@ -91,3 +91,12 @@ def test_soft_capped_grid_masks_empty_cells_after_the_cap():
 def test_blocks_with_outliers_or_low_rank_terms_are_not_read_as_a_grid():
     store = grown_store([[70, 130, 33]], GEARQuantizer(group_size=16, residual_length=16), 20)
     assert store.decoded.stacked > 0 and store.decoded.grid() is None
+
+
+def test_a_store_with_nothing_stacked_reads_without_a_grid():
+    """GEAR's prefill blocks stay whole (outliers, low-rank term): before a group leaves the window the stack is
+    empty, and attention reads the blocks and the window alone."""
+    store = grown_store([[70, 130, 33]], GEARQuantizer(group_size=16, residual_length=16), 0)
+    assert store.decoded.stacked == 0 and store.decoded.grid() is None
+    queries = torch.randn(1, 6, 1, HEAD_DIM, generator=torch.Generator().manual_seed(4))
+    assert torch.isfinite(store.attend(queries)).all()
