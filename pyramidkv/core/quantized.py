@@ -18,8 +18,8 @@ Keys are stored after RoPE, except for quantizers with `keys_before_rope` (KVQua
 rotated first (in float32, at the token's RoPE position, kept as int32) and rotated again when read. With ThinK the
 prefill-quantized keys are thin (after RoPE, which mixes channels c and c + D/2). Attention: scores per part, one
 joint softmax (float32), values per part; scale and zero fold into the query and the probabilities, so quantized
-parts are read as levels, never dequantized (pyramidkv.quantization.kernels), the stack in as few spans as the
-scratch bound allows. See docs/quantization.md.
+parts are read as levels, never dequantized (pyramidkv.quantization.kernels); a stack of plain groups as one grid
+of cells (quantization/cells.py), others in as few spans as the scratch bound allows. See docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -189,8 +189,7 @@ class QuantizedStore(LayerStore):
         bsz, num_q_heads, q_len, dim = queries.shape
         segs, rows, dtype = self.segments, num_q_heads // self.heads * q_len, queries.dtype
         grouped = queries.reshape(segs, rows, dim) * dim ** -0.5
-        lowest = torch.finfo(dtype).min
-        parts = []
+        lowest, parts = torch.finfo(dtype).min, []
         # Prefill blocks read whole: [S, rows, P] with P the most any segment quantized (fewer: masked).
         longest = max((group.tokens for group in self.prefill), default=0)
         whole = len(self.prefill) == 1 and self.prefill[0].segments.numel() == segs
@@ -206,17 +205,19 @@ class QuantizedStore(LayerStore):
                 else:
                     pre[group.segments, :, :group.tokens] = scores
             parts.append(pre)
-        # Stacked groups: a grid [S * J, rows, G] (the group in slot j of segment s in cell s * J + j), read as
-        # [S, rows, J * G].
-        g, slots = self.quantizer.group_size, self.decoded.most
-        spans = self.decoded.spans(max(1, CHUNK_ELEMENTS // (g * dim)))
-        if slots:
-            grid = grouped.new_full((segs * slots, rows, g), lowest)
+        # Stacked groups, [S, rows, J * G]: plain ones (KIVI's) as one grid of cells (quantization/cells.py), others
+        # in spans into a table [S * J, rows, G] (the group in slot j of segment s in cell s * J + j).
+        g, slots, grid = self.quantizer.group_size, self.decoded.most, self.decoded.grid()
+        spans = [] if grid else self.decoded.spans(max(1, CHUNK_ELEMENTS // (g * dim)))
+        if grid:
+            parts.append(grid.scores(grouped, self.scratch, self.form.cap).to(dtype))
+        elif slots:
+            table = grouped.new_full((segs * slots, rows, g), lowest)
             for span in spans:
                 queries_of_rows = grouped.index_select(0, span.segment)
                 scores = self._key_scores(span.keys, queries_of_rows, 0, g, span.key_codebooks, span.positions)
-                grid.index_copy_(0, span.cell, scores.to(dtype))
-            parts.append(grid.view(segs, slots, rows, g).transpose(1, 2).reshape(segs, rows, slots * g))
+                table.index_copy_(0, span.cell, scores.to(dtype))
+            parts.append(table.view(segs, slots, rows, g).transpose(1, 2).reshape(segs, rows, slots * g))
         # Full-precision window: [S, rows, F], rows not held masked.
         width = self.fp_width
         fp_keys, fp_mask = self.fp_keys[:, :width].transpose(1, 2), self.fp_mask[:, None, :width]
@@ -232,13 +233,13 @@ class QuantizedStore(LayerStore):
                 part = weighted_values(group.values, p[..., a:min(a + step, stop)], a, min(a + step, stop), dtype,
                                        scratch=self.scratch)
                 out = out + part if whole else out.index_add(0, group.segments, part)
-        if slots:
-            cells = probs[..., longest:longest + slots * g].view(segs, rows, slots, g).transpose(1, 2)
-            cells = cells.reshape(segs * slots, rows, g)
+        if grid:
+            out = out + grid.values_of(probs[..., longest:longest + slots * g], self.scratch).to(dtype)
+        elif slots:
+            cells = probs[..., longest:longest + slots * g].view(segs, rows, slots, g).transpose(1, 2).flatten(0, 1)
             for span in spans:
-                part = weighted_values(span.values, cells.index_select(0, span.cell), 0, g, dtype, span.value_codebooks,
-                                       self.scratch)
-                out = out.index_add(0, span.segment, part)
+                out = out.index_add(0, span.segment, weighted_values(
+                    span.values, cells.index_select(0, span.cell), 0, g, dtype, span.value_codebooks, self.scratch))
         return out.reshape(bsz, num_q_heads, q_len, dim)
 
     # ---- inspection ----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from pyramidkv.quantization.block import QuantizedBlock
+from pyramidkv.quantization.cells import CellGrid, grid_of, plain
 from pyramidkv.quantization.kernels import dequantize_span
 
 # The parts of quantized storage, in the order bytes are reported ("residual": full-precision rows;
@@ -153,6 +154,7 @@ class DecodeBlocks:
         self.cell = self.slot
         self.prefill_rows = 0
         self._spans: dict[int, list[StackSpan]] = {}
+        self._grid: Optional[CellGrid] = None
 
     @property
     def stacked(self) -> int:
@@ -178,7 +180,7 @@ class DecodeBlocks:
         self.count[segments] += groups
         self.most = int(self.count.max())
         self.cell = self.segment * self.most + self.slot               # a row's place in a [S * most] grid
-        self._spans = {}
+        self._spans, self._grid = {}, None
         if prefill:
             self.prefill_rows = self.keys.rows
 
@@ -193,6 +195,17 @@ class DecodeBlocks:
                                      None if self.positions is None else self.positions[a:b]))
             self._spans[rows] = out
         return self._spans[rows]
+
+    def grid(self) -> Optional[CellGrid]:
+        """All rows as a segment-major grid of cells (cells.py), when every stacked block is plain and no RoPE
+        positions are stored; else None (read in spans). Kept until the next push."""
+        if self._grid is None:
+            self._grid = False                                          # nothing stacked: nothing to read
+            if self.stacked and self.positions is None:
+                keys, values = self.keys.block()[0], self.values.block()[0]
+                if plain(keys) and plain(values):
+                    self._grid = grid_of(keys, values, self.segment, self.slot, self.count, self.most)
+        return self._grid or None
 
     def dequantize(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of some rows, float32 [len(rows), G, D] each (keys as stored: before RoPE for KVQuant)."""
