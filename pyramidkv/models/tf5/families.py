@@ -59,7 +59,9 @@ def key_rotation(model, method_name: str) -> HalfRotation:
         raise ValueError(f"{method_name} works on keys before RoPE, and {model.config.model_type}: "
                          f"{row.why_no_rotation}")
     rotary = decoder(model).rotary_emb
-    if getattr(model.config, "partial_rotary_factor", 1.0) not in (None, 1.0):
+    rope = getattr(model.config, "rope_parameters", None) or {}
+    partial = getattr(model.config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor") or 1.0
+    if partial != 1.0:
         raise ValueError(f"{method_name} works on keys before RoPE, and this {model.config.model_type} rotates part "
                          f"of each head (partial_rotary_factor): the key rotation needs a glue row")
     return HalfRotation(functools.partial(position_ids_table, rotary))
