@@ -121,7 +121,7 @@ class CompressionPatch:
         self.model, self.method, self.glue = model, method, None
         self._modules, self._hook, self._repeat_hook, self._cache_implementation = [], None, None, None
         self._undo_interface = None
-        if method.quant_method is not None or method.needs_rotation:
+        if method.needs_rotation or getattr(method.quant_method, "keys_before_rope", False):
             tf5_families.key_rotation(model, method.name)   # refused here, not at the first forward
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -195,7 +195,8 @@ class CompressionPatch:
         method (KVzip) repeats."""
         needed = self.method.quant_method is not None or self.method.needs_rotation
         if INTERFACE_LINE:
-            rotation = tf5_families.key_rotation(self.model, self.method.name) if needed else None
+            has = tf5_families.family(self.model.config.model_type).rotation is not None   # else not needed: checked
+            rotation = tf5_families.key_rotation(self.model, self.method.name) if needed and has else None
             cache = InterfaceCache(self.method, self.shape, rotation=rotation)
         else:
             rotation = self.glue.key_rotation(self.model) if needed else None
