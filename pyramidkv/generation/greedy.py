@@ -17,6 +17,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from pyramidkv.methods.base import Method
+from pyramidkv.models.line import CACHE_ARGUMENT
 from pyramidkv.models.patch import compress
 
 
@@ -87,7 +88,7 @@ def generate(
     with compress(model, method) as patch, _prompt_then_decode(model, decode_threads):
         cache = patch.new_cache(token_lists, tokenizer)
         output = model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+            input_ids=input_ids, attention_mask=attention_mask, **{CACHE_ARGUMENT: cache},
             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=False, temperature=None,
             top_p=None, top_k=None, num_beams=1, eos_token_id=eos or None, pad_token_id=pad_id,
             stopping_criteria=StoppingCriteriaList([stop := _BytesAtStop(cache, width, [0] * len(token_lists),
@@ -205,7 +206,7 @@ def _generate_after_questions(model, tokenizer, contexts: list[list[int]], quest
     with compress(model, method) as patch, _prompt_then_decode(model, decode_threads):
         cache = patch.new_cache(contexts, tokenizer)
         output = model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=steps,
+            input_ids=input_ids, attention_mask=attention_mask, **{CACHE_ARGUMENT: cache}, max_new_tokens=steps,
             do_sample=False, temperature=None, top_p=None, top_k=None, num_beams=1, eos_token_id=None,
             pad_token_id=pad_id,
             logits_processor=LogitsProcessorList([_FeedQuestions(width, questions, eos, min_new_tokens)]),

@@ -13,3 +13,4 @@ INTERFACE_LINE = int(VERSION.split(".")[0]) >= 5   # the attention interface is 
 def line_name() -> str:
     """The installed line in words, for messages."""
     return f"transformers {VERSION} ({'the 5.x line' if INTERFACE_LINE else 'the pinned line'})"
+CACHE_ARGUMENT = "cache" if INTERFACE_LINE else "past_key_values"   # a forward's / generate()'s cache argument
