@@ -48,8 +48,11 @@ def install(model, implementation: str, needs_hidden: bool) -> Callable[[], None
             kwargs[HIDDEN_KEY] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         return args, kwargs
 
-    handles = [m.register_forward_pre_hook(add_cache, with_kwargs=True) for m in attention_modules(model)]
     model.set_attn_implementation(registered_name(implementation))
+    if model.config._attn_implementation != registered_name(implementation):   # transformers only warns
+        raise ValueError(f"{type(model).__name__} cannot switch its attention implementation (it does not call "
+                         f"the attention interface), so pyramidkv cannot run it on the 5.x line")
+    handles = [m.register_forward_pre_hook(add_cache, with_kwargs=True) for m in attention_modules(model)]
 
     def undo() -> None:
         for handle in handles:
