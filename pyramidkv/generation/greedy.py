@@ -21,6 +21,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from pyramidkv.core.chunked import PrefillChunks
 from pyramidkv.generation.chunked import prefill_in_chunks
 from pyramidkv.methods.base import Method
+from pyramidkv.models.line import CACHE_ARGUMENT
 from pyramidkv.models.patch import compress
 
 
@@ -108,7 +109,7 @@ def generate(
             PrefillChunks(prefill_chunk_size).check(method, patch.shape)
             prefill_in_chunks(model, cache, input_ids, prefill_chunk_size)
         output = model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+            input_ids=input_ids, attention_mask=attention_mask, **{CACHE_ARGUMENT: cache},
             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=False, temperature=None,
             top_p=None, top_k=None, num_beams=1, eos_token_id=eos or None, pad_token_id=pad_id,
             stopping_criteria=StoppingCriteriaList([stop := _BytesAtStop(cache, width, [0] * len(token_lists),
@@ -238,7 +239,7 @@ def feed_together(model, cache, sequence: torch.Tensor, mask: torch.Tensor, forc
     try:
         with torch.no_grad():
             model(input_ids=grown[:, sequence.shape[1] - 1:width], attention_mask=full, position_ids=positions,
-                  past_key_values=cache, use_cache=True)
+                  **{CACHE_ARGUMENT: cache}, use_cache=True)
     finally:
         torch.set_num_threads(decode_threads)
     return grown, [f[common:] for f in forced]
@@ -254,7 +255,7 @@ def _generate_after_questions(model, tokenizer, contexts: list[list[int]], quest
         positions = attention_mask.long().cumsum(-1) - 1
         positions.masked_fill_(attention_mask == 0, 1)    # as generate() gives a left-padded prompt
         with torch.no_grad():   # the contexts, then the questions' common length in one forward
-            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
+            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, **{CACHE_ARGUMENT: cache},
                   use_cache=True)
         first = torch.tensor([[q[0]] for q in questions], device=input_ids.device)
         sequence, forced = feed_together(model, cache, torch.cat([input_ids, first], dim=1), attention_mask,
@@ -262,7 +263,7 @@ def _generate_after_questions(model, tokenizer, contexts: list[list[int]], quest
         fed = sequence.shape[1]
         mask = torch.cat([attention_mask, attention_mask.new_ones(len(contexts), fed - width)], dim=1)
         output = model.generate(
-            input_ids=sequence, attention_mask=mask, past_key_values=cache,
+            input_ids=sequence, attention_mask=mask, **{CACHE_ARGUMENT: cache},
             max_new_tokens=max(len(f) for f in forced) + max_new_tokens,
             do_sample=False, temperature=None, top_p=None, top_k=None, num_beams=1, eos_token_id=None,
             pad_token_id=pad_id,

@@ -31,6 +31,7 @@ from pyramidkv.generation.greedy import (
     default_stop_token_ids, feed_together,
 )
 from pyramidkv.methods.base import Method
+from pyramidkv.models.line import CACHE_ARGUMENT
 from pyramidkv.models.patch import compress
 
 MODES = ("multi_request", "multi_turn")
@@ -179,7 +180,7 @@ class _Run:
         start = time.perf_counter()
         with _prompt_then_decode(self.model, self.decode_threads):
             output = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                                past_key_values=cache, use_cache=True)
+                                **{CACHE_ARGUMENT: cache}, use_cache=True)
         self.next_logits = output.logits[:, -1]     # [B, vocab]: the distribution of each context's next token
         seconds = time.perf_counter() - start
         if self.on_compressed is not None:
@@ -206,7 +207,7 @@ class _Run:
                        dynamic_ncols=True, leave=False, delay=PROGRESS_DELAY)
             with bar:
                 output = self.model.generate(
-                    input_ids=sequence, attention_mask=mask, past_key_values=cache, max_new_tokens=steps,
+                    input_ids=sequence, attention_mask=mask, **{CACHE_ARGUMENT: cache}, max_new_tokens=steps,
                     do_sample=False, temperature=None, top_p=None, top_k=None, num_beams=1, eos_token_id=None,
                     pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                     else self.tokenizer.eos_token_id,

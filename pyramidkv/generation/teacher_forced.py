@@ -22,6 +22,7 @@ from pyramidkv.core.snapshot import restore, snapshot
 from pyramidkv.generation.greedy import Generation, _held, _token_ids, _vocab_size, default_stop_token_ids
 from pyramidkv.generation.shared import _Run
 from pyramidkv.methods.base import Method
+from pyramidkv.models.line import CACHE_ARGUMENT
 from pyramidkv.models.patch import compress
 
 
@@ -68,7 +69,7 @@ def score_reference(model, tokenizer, prompt: Sequence[int], reference: Sequence
         rows, step_seconds = [first_logits], []
         for token in reference[:-1]:
             start = time.perf_counter()
-            out = model(input_ids=torch.tensor([[token]], device=input_ids.device), past_key_values=cache,
+            out = model(input_ids=torch.tensor([[token]], device=input_ids.device), **{CACHE_ARGUMENT: cache},
                         use_cache=True)
             step_seconds.append(time.perf_counter() - start)
             rows.append(out.logits[0, -1].float())

@@ -24,6 +24,7 @@ import torch
 from pyramidkv.generation.greedy import _token_ids, _vocab_size, default_stop_token_ids
 from pyramidkv.generation.shared import _Run
 from pyramidkv.methods.base import Method
+from pyramidkv.models.line import CACHE_ARGUMENT
 from pyramidkv.models.patch import compress
 
 
@@ -134,7 +135,7 @@ def decode_trace(model, tokenizer, prompt: Sequence[int], method: Method, max_ne
                 if token in stops or len(tokens) == max_new_tokens:
                     break
                 start, start_cpu = time.perf_counter(), time.thread_time()
-                out = model(input_ids=torch.tensor([[token]], device=input_ids.device), past_key_values=cache,
+                out = model(input_ids=torch.tensor([[token]], device=input_ids.device), **{CACHE_ARGUMENT: cache},
                             use_cache=True)
                 wall += time.perf_counter() - start
                 cpu += time.thread_time() - start_cpu

@@ -13,7 +13,10 @@ from typing import Optional, Union
 import torch
 
 from pyramidkv.models.default_model import DEFAULT_MODEL_NAME, default_model_path
+from pyramidkv.models.line import INTERFACE_LINE
 from pyramidkv.models.patch import ATTENTION_IMPLEMENTATIONS, MODEL_GLUE, check_family_implementation
+from pyramidkv.models.tf5.attention import BASES
+from pyramidkv.models.tf5.families import family
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # accelerate's placement strategies, as from_pretrained(device_map=...) takes them by name
@@ -94,10 +97,16 @@ def check_model(model_path: str = DEFAULT_MODEL_NAME, attn_implementation: str =
     config = AutoConfig.from_pretrained(path)
     if model_class is not None:
         config = config_as(config, model_class)
-    if config.model_type not in MODEL_GLUE:
+    if INTERFACE_LINE:   # the 5.x line: the family's row and the implementations the interface extends
+        family(config.model_type)
+        if attn_implementation not in BASES:
+            raise ValueError(f"attn_implementation {attn_implementation!r} is not supported on the 5.x line; use "
+                             f"{' or '.join(BASES)} (or the pinned line: requirements.txt)")
+    elif config.model_type not in MODEL_GLUE:
         raise ValueError(f"unsupported model type {config.model_type!r} ({model_path}); "
                          f"supported: {', '.join(MODEL_GLUE)}")
-    check_family_implementation(config.model_type, attn_implementation)
+    else:
+        check_family_implementation(config.model_type, attn_implementation)
     if isinstance(device_map, dict):
         check_device_map_modules(device_map, config)
     return path, config, device, dtype
@@ -201,8 +210,13 @@ def load_model(
 
     path, config, device, dtype = check_model(model_path, attn_implementation, device, dtype, model_class,
                                               device_map)
-    model_class = MODEL_GLUE[config.model_type].causal_lm
-    kwargs = dict(config=config, torch_dtype=DTYPES[dtype], attn_implementation=attn_implementation)
+    if INTERFACE_LINE:   # 5.x: the auto class (Gemma3's text checkpoints: Gemma3ForCausalLM); `dtype`, not torch_dtype
+        from transformers import AutoModelForCausalLM
+
+        model_class, dtype_argument = AutoModelForCausalLM, "dtype"
+    else:
+        model_class, dtype_argument = MODEL_GLUE[config.model_type].causal_lm, "torch_dtype"
+    kwargs = {"config": config, dtype_argument: DTYPES[dtype], "attn_implementation": attn_implementation}
     if device_map is None:
         model = model_class.from_pretrained(path, **kwargs).to(device)
     else:

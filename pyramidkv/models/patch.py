@@ -27,6 +27,10 @@ from pyramidkv.methods.base import Method
 from pyramidkv.models import gemma2, llama, mistral, mixtral, phi3, qwen2
 from pyramidkv.models.attention import compressed_attention_forward
 from pyramidkv.models.glue import ModelGlue, decoder
+from pyramidkv.models.line import INTERFACE_LINE
+from pyramidkv.models.tf5 import families as tf5_families, hooks as tf5_hooks
+from pyramidkv.models.tf5.cache import InterfaceCache
+from pyramidkv.models.tf5.form import config_form
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +83,14 @@ class UncompressedWarning(UserWarning):
 
 
 class CompressionPatch:
-    """Patches a model to use a compressed cache with `method`; `remove()` (or leaving the `with`) undoes it."""
+    """Patches a model to use a compressed cache with `method`; `remove()` (or leaving the `with`) undoes it.
+    On the 5.x transformers line the patch is pyramidkv's registered attention function and a pre-hook per
+    attention module (models/tf5/), not a forward per module."""
 
     def __init__(self, model, method: Method):
+        if INTERFACE_LINE:
+            self._check_interface(model, method)
+            return
         model_type = getattr(model.config, "model_type", None)
         if model_type not in MODEL_GLUE:
             raise ValueError(f"unsupported model type {model_type!r}; supported: {', '.join(MODEL_GLUE)}")
@@ -110,12 +119,31 @@ class CompressionPatch:
         self._modules = []
         self._hook = self._repeat_hook = None
         self._cache_implementation = None
+        self._undo_interface = None
+
+    def _check_interface(self, model, method: Method) -> None:
+        """The 5.x line's checks: the family's row (models/tf5/families.py), the implementation, the form."""
+        if not isinstance(method, Method):
+            raise TypeError(f"method must be a pyramidkv Method (see pyramidkv.make_method), got {type(method).__name__}")
+        if getattr(model, "_pyramidkv_patch", None) is not None:
+            raise RuntimeError("this model is already patched by pyramidkv; remove that patch first")
+        self.implementation, form = tf5_hooks.check_model(model)
+        self.shape = model_shape(model.config, next(model.parameters()).dtype.itemsize, self.implementation, form)
+        method.check_model(self.shape)
+        check_shared_layers(model, method)
+        self.model, self.method, self.glue = model, method, None
+        self._modules, self._hook, self._repeat_hook, self._cache_implementation = [], None, None, None
+        self._undo_interface = None
+        if method.needs_rotation or getattr(method.quant_method, "keys_before_rope", False):
+            tf5_families.key_rotation(model, method.name)   # refused here, not at the first forward
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def apply(self) -> "CompressionPatch":
+        if INTERFACE_LINE:
+            self._undo_interface = tf5_hooks.install(self.model, self.implementation, self.method.needs_hidden)
         forward = functools.partial(compressed_attention_forward, project_qkv=self.glue.project_qkv,
-                                    implementation=self.implementation)
-        for layer in decoder(self.model).layers:
+                                    implementation=self.implementation) if self.glue is not None else None
+        for layer in decoder(self.model).layers if forward is not None else ():
             attention = layer.self_attn
             if not isinstance(attention, self.glue.attention_classes):
                 raise TypeError(f"unexpected attention class {type(attention).__name__}")
@@ -136,6 +164,9 @@ class CompressionPatch:
         return self
 
     def remove(self) -> None:
+        if self._undo_interface is not None:
+            self._undo_interface()
+            self._undo_interface = None
         for attention, patched, before in self._modules:
             if before is None:
                 delattr(attention, patched)  # back to the class's forward
@@ -160,7 +191,7 @@ class CompressionPatch:
 
     def _reconstruct(self, module, args, kwargs, output):
         """After the decoder's forward: where it was a reconstructing method's prefill, run its repeat passes."""
-        cache = kwargs.get("past_key_values")
+        cache = tf5_hooks.given_cache(kwargs)[1]
         if not isinstance(cache, CompressedCache) or cache.prompt is None or len(cache.prompt.waiting) == 0:
             return None
         if cache.reconstruction is None:
@@ -176,14 +207,20 @@ class CompressionPatch:
         """An empty cache for one generate(); prompts (token-id lists) and their tokenizer: what a reconstructing
         method (KVzip) repeats."""
         needed = self.method.quant_method is not None or self.method.needs_rotation
-        rotation = self.glue.key_rotation(self.model) if needed else None
-        cache = CompressedCache(self.method, self.shape, rotation=rotation)
+        if INTERFACE_LINE:
+            has = tf5_families.family(self.model.config.model_type).rotation is not None   # else not needed: checked
+            rotation = tf5_families.key_rotation(self.model, self.method.name) if needed and has else None
+            cache = InterfaceCache(self.method, self.shape, rotation=rotation)
+        else:
+            rotation = self.glue.key_rotation(self.model) if needed else None
+            cache = CompressedCache(self.method, self.shape, rotation=rotation)
         if self.method.reconstructs and prompts is not None:
             cache.reconstruction = self.method.reconstruction(prompts, tokenizer)
         return cache
 
     def _provide_cache(self, module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        argument, cache = tf5_hooks.given_cache(kwargs) if INTERFACE_LINE else ("past_key_values",
+                                                                                 kwargs.get("past_key_values"))
         inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
         if inputs is None and args:
             inputs = args[0]
@@ -208,7 +245,7 @@ class CompressionPatch:
                              "start from an empty cache (or pass a pyramidkv CompressedCache)")
         cache = self.new_cache()
         cache.set_padding(kwargs.get("attention_mask"), bsz, seq_len)
-        kwargs["past_key_values"] = cache
+        kwargs[argument] = cache
         return args, kwargs
 
 
@@ -229,8 +266,9 @@ def run_repeats(decoder_module, cache: CompressedCache) -> None:
         for chunk in plan.chunks:
             recon.current = (b, chunk)
             try:
-                decoder_module(input_ids=torch.tensor([chunk.ids], device=device), past_key_values=cache,
-                               use_cache=True, position_ids=torch.arange(start, start + len(chunk.ids), device=device)[None])
+                decoder_module(input_ids=torch.tensor([chunk.ids], device=device), use_cache=True,
+                               position_ids=torch.arange(start, start + len(chunk.ids), device=device)[None],
+                               **{"cache" if INTERFACE_LINE else "past_key_values": cache})
             except RepeatDone:    # the last layer's scores are in: nothing after them is read
                 pass
             recon.repeat_tokens += len(chunk.ids)
@@ -238,15 +276,20 @@ def run_repeats(decoder_module, cache: CompressedCache) -> None:
     cache.reconstructed()
 
 
-def model_shape(config, dtype_bytes: int = 0, implementation: Optional[str] = None) -> ModelShape:
+def model_shape(config, dtype_bytes: int = 0, implementation: Optional[str] = None,
+                form: Optional[AttentionForm] = None) -> ModelShape:
     """What a method's checks need to know of a model, from its config (and the bytes of its dtype, and the
     attention implementation: None, the config's), with its attention form as the family's glue builds it (none
-    for a family without one)."""
+    for a family without one; on the 5.x line as its attention modules ask for it, models/tf5/form.py) unless
+    `form` is given."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     context = getattr(config, "max_position_embeddings", 0) or 0
     glue = MODEL_GLUE.get(config.model_type)
-    form = AttentionForm()
-    if glue is not None:
+    if form is None and INTERFACE_LINE:
+        form = config_form(config)
+    elif form is None and glue is None:
+        form = AttentionForm()
+    elif form is None:
         implementation = implementation or getattr(config, "_attn_implementation", None) or "eager"
         form = glue.attention_form(config, implementation)
     return ModelShape(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,

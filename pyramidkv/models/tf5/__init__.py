@@ -1,0 +1,1 @@
+"""The 5.x transformers line: the engine behind the attention interface (docs/transformers5.md)."""
