@@ -27,7 +27,7 @@ from pyramidkv.generation.greedy import _prompt_then_decode
 from pyramidkv.methods import parse_method_spec
 from pyramidkv.models.default_model import default_model_path
 from pyramidkv.runner.arguments import ArgumentParser
-from tests.prompts import STORY
+from pyramidkv.benchmarks.measure import TEXT as STORY   # filler words (a measure script does not import tests)
 
 
 def text_tokens(tokenizer, n: int, offset: int = 0) -> list[int]:

@@ -31,7 +31,7 @@ def child(n: int, steps: int) -> None:
 
     from pyramidkv import compress, load_model, make_method
     from pyramidkv.models.line import CACHE_ARGUMENT, VERSION
-    from tests.prompts import STORY
+    from pyramidkv.benchmarks.measure import TEXT as STORY   # filler words (a measure script does not import tests)
 
     torch.set_num_threads(1)
     model, tokenizer = load_model(attn_implementation="sdpa", device="cpu")
