@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import importlib.util
+import os
+import signal
+import subprocess
+import time
 import typing
 from pathlib import Path
 
@@ -94,3 +100,35 @@ class TokenIds:
 
     def decode(self, ids, skip_special_tokens=True) -> str:
         return " ".join(str(i) for i in ids)
+
+
+def kill_after_rows(cmd: list[str], out: Path, rows: int = 2, env: dict | None = None) -> bytes:
+    """Start the runner `cmd`, kill -9 it once `out` holds `rows` lines (at most 300 s), and return what `out` held
+    then. Fails if the run ended before it could be killed."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.is_file() and out.read_bytes().count(b"\n") >= rows:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return out.read_bytes()
+
+
+@contextlib.contextmanager
+def float64_tiny_llama():
+    """A 2-layer tiny random Llama (vocab 96) in float64, computed on one thread while the context is open."""
+    from tests.conftest import tiny_llama
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield copy.deepcopy(tiny_llama(layers=2, vocab=96, std=0.2)).double()
+    finally:
+        torch.set_num_threads(threads)

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from pyramidkv.benchmarks.reasoning.run import main
-from tests.helpers import ROOT
+from tests.helpers import ROOT, kill_after_rows
 
 SMALL = ["--tasks", "chain", "gsm8k", "--num_samples", "2", "--max_new_tokens", "20", "--chain_steps", "3"]
 H2O = ["--method", "h2o", "--max_capacity_prompts_ratio", "1", "--decode_budget", "48", "--decode_interval", "4"]
@@ -183,20 +181,7 @@ def test_resume_after_kill_9_gives_the_same_rows(sharp_model_dir, tmp_path):
     cmd = [sys.executable, str(ROOT / "run_reasoning.py"), *argv, "--save_dir", str(tmp_path / "killed")]
     out = _folder(tmp_path / "killed", sharp_model_dir, "full", "fullkv") / "chain.jsonl"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            if out.is_file() and out.read_bytes().count(b"\n") >= 2:
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, "the run ended before it could be killed"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    partial = out.read_bytes()
+    partial = kill_after_rows(cmd, out, env=env)
     assert 2 <= partial.count(b"\n") < num
     with open(out, "ab") as f:                     # as if the kill had landed mid-write
         f.write(b'{"index": 5, "pred": "tor')

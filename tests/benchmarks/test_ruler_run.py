@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from pyramidkv.benchmarks.ruler.run import main
-from tests.helpers import ROOT
+from tests.helpers import ROOT, kill_after_rows
 
 
 def _args(model_dir, save_dir, *extra, method=("--method", "snapkv", "--max_capacity_prompts", "64")):
@@ -78,20 +76,7 @@ def test_resume_after_kill_9(tiny_model_dir, tmp_path):
            *_args(tiny_model_dir, tmp_path, "--tasks", "niah_single_1", "--context_lengths", "512",
                   "--num_samples", str(num))]
     out = tmp_path / f"{Path(tiny_model_dir).name}_64" / "snapkv" / "niah_single_1_512.jsonl"
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            if out.is_file() and out.read_bytes().count(b"\n") >= 2:
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, "the run ended before it could be killed"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    partial = out.read_bytes()
+    partial = kill_after_rows(cmd, out)
     done_before = partial.count(b"\n")
     assert 2 <= done_before < num
     # As if the kill had landed mid-write: a torn last line.

@@ -5,7 +5,6 @@ layer and head after every forward, the same stored keys and values, the same to
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -13,18 +12,15 @@ import torch
 from pyramidkv import make_method
 from pyramidkv.core.decoding import DecodeCompressor
 from pyramidkv.generation import generate
-from tests.conftest import tiny_llama
-from tests.helpers import TokenIds
+from tests.helpers import TokenIds, float64_tiny_llama
 
 STEPS = 40
 
 
 @pytest.fixture(scope="module")
 def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield copy.deepcopy(tiny_llama(layers=2, vocab=96, std=0.2)).double()
-    torch.set_num_threads(threads)
+    with float64_tiny_llama() as tiny:
+        yield tiny
 
 
 def run(model, prompts, method, steps=STEPS):

@@ -14,8 +14,7 @@ import torch
 from pyramidkv import make_method
 from pyramidkv.core.decoding import DecodeCompressor
 from pyramidkv.models.patch import compress
-from tests.conftest import tiny_llama
-from tests.helpers import kvzap_artifact
+from tests.helpers import float64_tiny_llama, kvzap_artifact
 
 CONTEXT, QUESTION, ANSWER = 40, 30, 6
 # float64 throughout: one forward and q forwards differ by the order of the same sums (the file passes at this
@@ -46,10 +45,8 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield copy.deepcopy(tiny_llama(layers=2, vocab=96, std=0.2)).double()
-    torch.set_num_threads(threads)
+    with float64_tiny_llama() as tiny:
+        yield tiny
 
 
 @pytest.fixture(scope="module")
