@@ -26,6 +26,7 @@ from pyramidkv.methods.nacl import NACL
 from pyramidkv.methods.pyramidkv import PyramidKV
 from pyramidkv.methods.qfilter import QFilter
 from pyramidkv.methods.quest import Quest
+from pyramidkv.methods.rkv import RKV
 from pyramidkv.methods.scissorhands import Scissorhands
 from pyramidkv.methods.settings import (budget_flag_applies, build_method, method_from_spec, method_spec, sizing_of,
                                         split_spec)
@@ -37,7 +38,7 @@ from pyramidkv.methods.zigzagkv import ZigZagKV
 
 METHODS: dict[str, type[Method]] = {
     cls.name: cls for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, L2Norm, AdaKV, AdaPyramidKV, HeadKV,
-                              ZigZagKV, CAM, ThinK, NACL, Scissorhands, Quest, MiniCache, MInferenceMethod, KVzip,
+                              ZigZagKV, CAM, ThinK, NACL, Scissorhands, RKV, Quest, MiniCache, MInferenceMethod, KVzip,
                               ExpectedAttention, AdaExpectedAttention, KeyDiff, TOVA, KVzap, DuoAttention, QFilter,
                               KVzipHead)
 }
