@@ -1,6 +1,10 @@
-"""R-KV (Cai et al., 2025, "R-KV: Redundancy-aware KV Cache Compression for Reasoning Models", arXiv 2505.24133;
-code: github.com/Zefan-Cai/R-KV): a token's importance (the attention of a window of recent queries) minus its
-redundancy (how alike its key is to the other keys), re-selected every `decode_interval` generated tokens.
+"""R-KV (Cai et al., 2025, "R-KV: Redundancy-aware KV Cache Compression for Training-Free Reasoning Models
+Acceleration", arXiv 2505.24133), as its code github.com/Zefan-Cai/R-KV does it: score = mix_lambda (0.07) x the
+attention of the last window_size (8) queries, max-pooled along positions (GQA: the query group's logits reduced by
+their max), minus (1 - mix_lambda) x the key's redundancy (softmax of its mean cosine similarity to every held key,
+each key's newest near-duplicate spared); per KV head the top budget - window_size plus the window. The prompt is cut
+to the budget at prefill and the cache re-selected back to it every decode_interval (128) generated tokens
+(decode_budget defaults to the budget).
 
 The authors' rule, read from their code (commit d15c976; `rkv/compression/r1_kv.py` R1KV.update_kv, `rkv/utils.py`
 compute_attention_scores and cal_similarity, `rkv/modeling.py` the query cache and CausalLM_forward, `run_math.py`
@@ -29,9 +33,11 @@ token count, prompt included, is 1 mod 128, from the first such count after the 
 decode_budget + decode_interval, so the first decode-time compression comes after decode_interval generated
 tokens; in steady state both compress every 128 tokens from budget + 128 to budget); batches (theirs read the
 redundancy of prompt 0 for the whole batch and score padding as tokens; here each prompt's real tokens alone);
-arithmetic (theirs bfloat16 with float32 softmax; here float32, or float64 for a float64 model); kept tokens
-stay in position order (theirs in top-k order: attention does not depend on it); the running count is per
-generation (theirs a model attribute never reset between prompts).
+arithmetic (theirs bfloat16 with float32 softmax; here float32, or float64 for a float64 model); the order of the
+held tokens (theirs, after a compression, hold the kept tokens in top-k order, by score, then the window, so at the
+next compression their max pooling pools neighbours in that order and their "most recent" near-duplicate is the
+last in it; here both go by position, the evident intent, and the first compression is the same in both); the
+running count is per generation (theirs a model attribute never reset between prompts).
 """
 
 from __future__ import annotations

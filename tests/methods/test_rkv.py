@@ -1,6 +1,6 @@
-"""R-KV: the engine's kept sets against a float64 step-by-step simulation of the authors' rule (github.com/Zefan-Cai/R-KV,
-r1_kv.py / utils.py / modeling.py, written here from their description in pyramidkv/methods/rkv.py) on a tiny random
-Llama, at every forward and in every layer and KV head; a left-padded batch of three equals each prompt alone; the
+"""R-KV: the engine's kept sets against a float64 step-by-step simulation of the authors' rule
+(github.com/Zefan-Cai/R-KV, r1_kv.py / utils.py / modeling.py, written here from their description in
+pyramidkv/methods/rkv.py) on a tiny random Llama, at every forward and in every layer and KV head; a left-padded batch of three equals each prompt alone; the
 bytes stay below fullkv's; bad settings are refused in one line."""
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ def simulate(model, tokens: list[int], prompt_len: int, budget: int, interval: i
                 q, k = apply_rotary_pos_emb(q, k, cos, sin)
                 all_k[layer] = k[0] if all_k[layer] is None else torch.cat([all_k[layer], k[0]], dim=1)
                 all_v[layer] = v[0] if all_v[layer] is None else torch.cat([all_v[layer], v[0]], dim=1)
-                recent_q[layer] = (q[0] if recent_q[layer] is None else torch.cat([recent_q[layer], q[0]], 1))[:, -window:]
+                joined = q[0] if recent_q[layer] is None else torch.cat([recent_q[layer], q[0]], dim=1)
+                recent_q[layer] = joined[:, -window:]                                  # the query cache
                 outputs = []
                 for head in range(heads):
                     g = head // group
