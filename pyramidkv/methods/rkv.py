@@ -1,5 +1,5 @@
-"""R-KV (Cai et al., 2025, "R-KV: Redundancy-aware KV Cache Compression for Training-Free Reasoning Models
-Acceleration", arXiv 2505.24133), as its code github.com/Zefan-Cai/R-KV does it: score = mix_lambda (0.07) x the
+"""R-KV (Cai et al., 2025, arXiv 2505.24133), "R-KV: Redundancy-aware KV Cache Compression for Training-Free
+Reasoning Models Acceleration", as its code github.com/Zefan-Cai/R-KV does it: score = mix_lambda (0.07) x the
 attention of the last window_size (8) queries, max-pooled along positions (GQA: the query group's logits reduced by
 their max), minus (1 - mix_lambda) x the key's redundancy (softmax of its mean cosine similarity to every held key,
 each key's newest near-duplicate spared); per KV head the top budget - window_size plus the window. The prompt is cut
@@ -26,7 +26,7 @@ the defaults), each point as implemented here:
   * schedule (modeling.py 101-173, 589-611; r1_kv.py 46): the prompt is compressed to `budget` at prefill by the
     same rule when it holds >= budget tokens; while decoding the cache grows and is compressed back to budget
     every divide_length = 128 tokens (run_math.py 154), the window's queries being the last window_size (8)
-    queries, the newest included. Defaults budget 128 (scripts/run.sh), window_size 8, kernel 7, lambda 0.07.
+    queries, the newest included. Defaults: budget 128 (their run.sh), window_size 8, kernel 7, lambda 0.07.
 
 Differences (docs/methods.md, "R-KV", lists them with the reasons): the firing phase (theirs: when the running
 token count, prompt included, is 1 mod 128, from the first such count after the prompt; here: when a head holds
