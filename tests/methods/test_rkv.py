@@ -1,7 +1,7 @@
 """R-KV: the engine's kept sets against a float64 step-by-step simulation of the authors' rule
 (github.com/Zefan-Cai/R-KV, r1_kv.py / utils.py / modeling.py, written here from their description in
-pyramidkv/methods/rkv.py) on a tiny random Llama, at every forward and in every layer and KV head; a left-padded batch of three equals each prompt alone; the
-bytes stay below fullkv's; bad settings are refused in one line."""
+pyramidkv/methods/rkv.py) on a tiny random Llama, at every forward and in every layer and KV head; a left-padded
+batch of three equals each prompt alone; the bytes stay below fullkv's; bad settings are refused in one line."""
 
 from __future__ import annotations
 
