@@ -95,18 +95,21 @@ def redundancy(keys: torch.Tensor, real: torch.Tensor, threshold: float) -> torc
     k = keys.to(dtype)
     unit = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
     n = k.shape[2]
-    first = (~real).sum(dim=-1)[..., None, None]                 # [B, H, 1, 1]: the first real token (left padding)
-    index = torch.arange(n, device=k.device)
+    padded = not bool(real.all())
+    first = (~real).sum(dim=-1, keepdim=True)                     # [B, H, 1]: the first real token (left padding)
     columns = torch.zeros(real.shape, dtype=dtype, device=k.device)
     for start in range(0, n, ROW_CHUNK):
         stop = min(start + ROW_CHUNK, n)
         sim = unit[:, :, start:stop] @ unit.transpose(-1, -2)       # [B, H, c, n]
-        pair = real[..., start:stop, None] & real[..., None, :]
-        pair = pair & (index[start:stop, None] != index[None, :])   # the diagonal counts 0
-        sim = sim.masked_fill(~pair, 0.0)
-        newest = torch.where(sim > threshold, index, first).amax(dim=-1, keepdim=True)   # [B, H, c, 1]
-        sim = sim.scatter(-1, newest, 0.0)
+        if padded:
+            sim.masked_fill_(~(real[..., start:stop, None] & real[..., None, :]), 0.0)
+        sim.diagonal(offset=start, dim1=-2, dim2=-1).zero_()        # a key is no duplicate of itself
+        above = sim > threshold
+        # Each row's newest near-duplicate: the last column above the threshold (none: the first real token).
+        last = n - 1 - above.flip(-1).to(torch.uint8).argmax(dim=-1)
+        newest = torch.where(above.any(dim=-1), last, first)         # [B, H, c]
         columns += sim.sum(dim=2)
+        columns.scatter_add_(-1, newest, -sim.gather(-1, newest[..., None])[..., 0])   # spared: its entry counts 0
     mean = columns / real.sum(dim=-1, keepdim=True).clamp(min=1).to(dtype)
     return torch.softmax(mean.masked_fill(~real, float("-inf")), dim=-1).nan_to_num(0.0)
 
