@@ -76,8 +76,8 @@ def importance(queries: torch.Tensor, keys: torch.Tensor, real: torch.Tensor, wi
     w = min(window, queries.shape[2], n)
     group = queries.shape[1] // heads
     q = queries[:, :, queries.shape[2] - w:].to(dtype).reshape(bsz, heads, group, w, dim)
-    logits = form.cap(q @ keys.to(dtype)[:, :, None].transpose(-1, -2) / dim ** 0.5).amax(dim=2)   # [B, H, w, n - ...]
-    logits = logits[..., : n - w]
+    before = keys[:, :, : n - w].to(dtype)[:, :, None]                # [B, H, 1, n - w, D]
+    logits = form.cap(q @ before.transpose(-1, -2) / dim ** 0.5).amax(dim=2)   # [B, H, w, n - w]: max over the group
     allowed = real[..., None, : n - w]
     probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1, dtype=dtype).nan_to_num(0.0)
     rows = real[..., n - w:, None].to(dtype)                      # a padding query (a prompt shorter than w) counts 0
