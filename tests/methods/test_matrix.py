@@ -76,7 +76,7 @@ QUANTIZER_SETTINGS = {
     "gear": dict(group_size=8, residual_length=32, rank=2, decode_rank=1),
 }
 # Quest evicts nothing: its budget is the tokens of the pages each decode step reads (tests/methods/test_quest.py).
-CALIBRATED = ("qfilter_path", "kvzip_head_path")   # calibrated methods' files written for the tiny model
+CALIBRATED = ("qfilter_path", "kvzip_head_path", "triattention_path")   # calibrated methods' files written for the tiny model
 
 AXES = {
     "method": list(METHODS),
