@@ -115,6 +115,10 @@ class TriAttention(Method):
             raise ValueError("triattention compresses while decoding (back to the budget every decode_interval "
                              "tokens); decode_budget=None would never evict: give decode_budget >= 1 or leave it out "
                              "(the budget)")
+        if self.sizing.outcome:
+            raise ValueError("triattention keeps a token budget as it decodes (back to it every decode_interval "
+                             "tokens); it does not combine with threshold eviction (a count that is an outcome): give "
+                             "budget or budget_ratio")
         if self.decode.decode_budget is None and self.budget is None:
             raise ValueError(f"triattention with budget_ratio (max_capacity_prompts_ratio) {self.budget_ratio!r} needs "
                              f"decode_budget (the tokens a head holds while decoding); give decode_budget >= 1, or a "

@@ -226,6 +226,7 @@ def test_a_file_of_another_model_is_refused_in_one_line(tiny, tiny_model_dir, tm
     (dict(budget=32, frequency_window=0), "frequency_window must be an integer >= 1"),
     (dict(budget=32, offset_aggregation="median"), "offset_aggregation must be one of mean|max"),
     (dict(budget=32, decode_interval=0), "decode_interval must be an integer >= 1"),
+    (dict(threshold=0.5), "does not combine with threshold eviction"),
 ])
 def test_bad_settings_are_refused_in_one_line(settings, fragment):
     with pytest.raises(ValueError) as refusal:
