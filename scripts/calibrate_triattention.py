@@ -70,7 +70,8 @@ def calibrate(model, token_lists: list[list[int]]) -> dict[str, torch.Tensor]:
         magnitudes = pairs.abs().sum(dim=2) if magnitudes is None else magnitudes + pairs.abs().sum(dim=2)
         count += q.shape[2]
     mean = sums / count
-    return {"q_mean_real": mean.real.float(), "q_mean_imag": mean.imag.float(), "q_abs_mean": (magnitudes / count).float()}
+    return {"q_mean_real": mean.real.float(), "q_mean_imag": mean.imag.float(),
+            "q_abs_mean": (magnitudes / count).float()}
 
 
 def calibration_texts(tokenizer, folder: Path, num_texts: int, length: int) -> tuple[list[list[int]], list[dict]]:

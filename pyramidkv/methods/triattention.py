@@ -1,10 +1,14 @@
-"""TriAttention (Mao et al., 2026, arXiv 2604.04921; code github.com/WeianMao/triattention): each head's queries
-before RoPE have a stable centre; the attention a future query will give a key is predicted from that centre alone,
-as a trigonometric series over the RoPE frequencies in the distance between the key's position and the future
-query's. Keys are scored with no query of the prompt at all, while decoding.
+"""TriAttention (Mao et al., 2026, arXiv 2604.04921), "TriAttention: Efficient Long Reasoning with Trigonometric KV
+Compression": each head's queries before RoPE have a stable centre; the attention a future query will give a key is
+predicted from that centre alone, as a trigonometric series over the RoPE frequencies in the distance between the
+key's position and the future query's. Keys are scored with no query of the prompt at all, while decoding.
 
-The authors' rule, read from their HF code (`triattention/methods/pruning_utils.py` = PU, `triattention/methods/
-triattention.py` = TA, `scripts/calibrate.py` = CAL, `scripts/cli.py`, `scripts/worker.py`; commit c3744ee6):
+Defaults are the authors' HF experiment settings: per layer and KV head, back to the budget each time the cache
+holds budget + 128 tokens, no recent window; the centres shipped for SmolLM2 (scripts/calibrate_triattention.py).
+
+The authors' rule, read from their HF code (repository WeianMao/triattention, commit c3744ee6: PU =
+`triattention/methods/pruning_utils.py`, TA = `triattention/methods/triattention.py`, CAL = their
+`WeianMao/triattention/scripts/calibrate.py`, and their `cli.py` and `worker.py` in the same folder):
 
 * Calibration (CAL 156-237): one forward of plain text; per layer and query head the queries before RoPE, as
   complex pairs z_f = q[f] + i q[f + D/2] (the rotate_half pairing, PU 86-98), f < D/2; kept: the complex mean

@@ -37,7 +37,8 @@ def tiny(tmp_path_factory):
     model = tiny_llama(layers=2, vocab=96, std=0.2)
     texts = torch.randint(3, 96, (2, 24), generator=torch.Generator().manual_seed(1)).tolist()
     made = {"kind": "triattention", "model": model_record(str(tmp_path_factory.mktemp("none") / "x"), model.config)}
-    path = save_artifact(tmp_path_factory.mktemp("tri") / "centres.safetensors", CALIBRATE.calibrate(model, texts), made)
+    path = save_artifact(tmp_path_factory.mktemp("tri") / "centres.safetensors", CALIBRATE.calibrate(model, texts),
+                         made)
     prompt = torch.randint(3, 96, (PROMPT,), generator=torch.Generator().manual_seed(2)).tolist()
     yield model, texts, prompt, str(path)
     torch.set_num_threads(threads)
