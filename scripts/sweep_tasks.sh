@@ -40,23 +40,36 @@ done
 
 source "$(dirname "${BASH_SOURCE[0]}")/public_harness_settings.sh"
 
-# check_sweep_tasks BENCHMARK [extra runner args...]: every run of the grid has valid arguments (each runner
-# checks its flags and method with --print_run_dir, loading nothing), so one bad variant stops the sweep
-# before its first run, with a summary of every bad one. Sets SWEEP_RUN_DIRS: the runs' folders, in task order.
+# check_sweep_tasks BENCHMARK [extra runner args...]: every run of the grid has valid arguments (checked as each
+# runner's --print_run_dir checks them, loading nothing, all in one process: scripts/run_dirs.py), so one bad
+# variant stops the sweep before its first run, with a summary of every bad one. Sets SWEEP_RUN_DIRS: the runs'
+# folders, in task order.
 check_sweep_tasks() {
   local benchmark=$1; shift
-  local task bad=0 dir err
-  err=$(mktemp)
+  local task bad=0 i=0 status value
+  local -a lines
   SWEEP_RUN_DIRS=()
+  sweep_runner "$benchmark" >/dev/null || return 2
+  mapfile -t lines < <(
+    for task in "${SWEEP_TASKS[@]}"; do
+      sweep_task_argv "$benchmark" "$task" "$@" --print_run_dir
+      printf '%s\0' "$(( ${#SWEEP_ARGV[@]} - 1 ))" "${SWEEP_ARGV[@]:1}"
+    done | PYTHONPATH="$_sweep_repo${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python}" "$_sweep_repo/scripts/run_dirs.py" \
+      "$benchmark")
+  if [ "${#lines[@]}" -ne "${#SWEEP_TASKS[@]}" ]; then
+    echo "error: checking the sweep's ${#SWEEP_TASKS[@]} runs gave ${#lines[@]} answers (scripts/run_dirs.py failed)" >&2
+    return 2
+  fi
   for task in "${SWEEP_TASKS[@]}"; do
-    if dir=$(SWEEP_QUIET=1 run_sweep_task "$benchmark" "$task" "$@" --print_run_dir 2>"$err"); then
-      SWEEP_RUN_DIRS+=("$dir")
+    IFS=$'\t' read -r status value <<< "${lines[$i]}"
+    i=$((i + 1))
+    if [ "$status" = ok ]; then
+      SWEEP_RUN_DIRS+=("$value")
     else
       bad=$((bad + 1))
-      echo "invalid run '$task': $(tail -n 1 "$err")" >&2
+      echo "invalid run '$task': $value" >&2
     fi
   done
-  rm -f "$err"
   if [ "$bad" -gt 0 ]; then
     echo "error: $bad of ${#SWEEP_TASKS[@]} runs of the sweep have invalid arguments; nothing was run" >&2
     return 2
@@ -75,24 +88,37 @@ record_sweep_runs() {
   done
 }
 
-# run_sweep_task BENCHMARK "method budget|variant" [extra runner args...]: one run, results in the usual layout.
-run_sweep_task() {
+# sweep_runner BENCHMARK: the runner script of a benchmark (printed), or an error.
+sweep_runner() {
+  case "$1" in
+    longbench) echo run_longbench.py ;;
+    ruler) echo run_ruler.py ;;
+    needle) echo run_needle_in_haystack.py ;;
+    *) echo "unknown benchmark '$1'; use longbench, ruler or needle" >&2; return 2 ;;
+  esac
+}
+
+# sweep_task_argv BENCHMARK "method budget|variant" [extra runner args...]: sets SWEEP_ARGV to the run's command
+# (the runner's path, then its arguments).
+sweep_task_argv() {
   local benchmark=$1 task=$2; shift 2
   local head=${task%%|*} variant=${task#*|}
   local method=${head% *} budget=${head#* }
   local runner
-  case "$benchmark" in
-    longbench) runner=run_longbench.py ;;
-    ruler) runner=run_ruler.py ;;
-    needle) runner=run_needle_in_haystack.py ;;
-    *) echo "unknown benchmark '$benchmark'; use longbench, ruler or needle" >&2; return 2 ;;
-  esac
+  runner=$(sweep_runner "$benchmark") || return 2
   local budget_args=()
   if [ "$budget" != "-" ]; then budget_args=(--max_capacity_prompts "$budget"); fi
   local method_args=()
   if [ "${PUBLIC_HARNESS_SETTINGS:-0}" = "1" ]; then mapfile -t method_args < <(public_harness_method_args "$method"); fi
   local variant_args=()
   if [ "$variant" != "-" ] && [ "$variant" != "$task" ]; then read -r -a variant_args <<< "$variant"; fi
-  if [ -z "${SWEEP_QUIET:-}" ]; then echo ">>> $benchmark: method=$method budget=$budget ${method_args[*]} ${variant_args[*]}" >&2; fi
-  "${PYTHON:-python}" "${SWEEP_ROOT:+$SWEEP_ROOT/}$runner" --method "$method" "${budget_args[@]}" "${method_args[@]}" "${variant_args[@]}" "$@"
+  SWEEP_ARGV=("${SWEEP_ROOT:+$SWEEP_ROOT/}$runner" --method "$method" "${budget_args[@]}" "${method_args[@]}" \
+    "${variant_args[@]}" "$@")
+}
+
+# run_sweep_task BENCHMARK "method budget|variant" [extra runner args...]: one run, results in the usual layout.
+run_sweep_task() {
+  sweep_task_argv "$@" || return 2
+  if [ -z "${SWEEP_QUIET:-}" ]; then echo ">>> $1 '$2': ${SWEEP_ARGV[*]:1}" >&2; fi
+  "${PYTHON:-python}" "${SWEEP_ARGV[@]}"
 }

@@ -9,6 +9,7 @@ import importlib.util
 import os
 import signal
 import subprocess
+import sys
 import time
 import typing
 from pathlib import Path
@@ -79,15 +80,20 @@ def kvzap_artifact(model, path, tokens: int = 40, seed: int = 0) -> str:
 
 def write_calibrations(folder: Path, config, seed: int = 0) -> dict[str, str]:
     """Random calibration files of the shape an in-memory model (`config`) needs, by the method setting that reads
-    each: Q-Filters' filters and KVzip's head scores (tests where only the shape matters: the matrices)."""
+    each: Q-Filters' filters, KVzip's head scores and TriAttention's query centres (tests where only the shape matters: the matrices)."""
     from pyramidkv.methods.calibrated import model_record, save_artifact
 
     generator = torch.Generator().manual_seed(seed)
     record = model_record(str(folder / "in-memory-model"), config)   # no folder there: known by shape alone
     layers, kv_heads, dim = record["num_layers"], record["num_kv_heads"], record["head_dim"]
     filters = torch.nn.functional.normalize(torch.randn(layers, kv_heads, dim, generator=generator), dim=-1)
+    heads = record["num_query_heads"]
+    real, imag = (torch.randn(layers, heads, dim // 2, generator=generator) for _ in range(2))
+    centres = {"q_mean_real": real, "q_mean_imag": imag,
+               "q_abs_mean": torch.complex(real, imag).abs() + torch.rand(layers, heads, dim // 2, generator=generator)}
     files = {"qfilter_path": ("qfilter", {"filters": filters}),
-             "kvzip_head_path": ("kvzip-head", {"head_scores": torch.rand(layers, kv_heads, generator=generator)})}
+             "kvzip_head_path": ("kvzip-head", {"head_scores": torch.rand(layers, kv_heads, generator=generator)}),
+             "triattention_path": ("triattention", centres)}
     return {setting: str(save_artifact(folder / f"{kind}.safetensors", tensors, {"kind": kind, "model": record}))
             for setting, (kind, tensors) in files.items()}
 
@@ -132,3 +138,13 @@ def float64_tiny_llama():
         yield copy.deepcopy(tiny_llama(layers=2, vocab=96, std=0.2)).double()
     finally:
         torch.set_num_threads(threads)
+
+
+def stand_in_python(folder: Path, body: str) -> str:
+    """An interpreter for the sweep scripts' PYTHON that runs `body` (sh) for each run, but hands the grid's check
+    (scripts/run_dirs.py) to this interpreter, with this checkout on the path: the check is real."""
+    path = Path(folder) / "python"
+    path.write_text(f'#!/bin/sh\ncase "$1" in */run_dirs.py) PYTHONPATH="{ROOT}" exec "{sys.executable}" "$@";; '
+                    f'esac\n{body}\n')
+    path.chmod(0o755)
+    return str(path)

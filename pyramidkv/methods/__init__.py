@@ -34,13 +34,14 @@ from pyramidkv.methods.snapkv import SnapKV
 from pyramidkv.methods.streamingllm import StreamingLLM
 from pyramidkv.methods.think import ThinK
 from pyramidkv.methods.tova import TOVA
+from pyramidkv.methods.triattention import TriAttention
 from pyramidkv.methods.zigzagkv import ZigZagKV
 
 METHODS: dict[str, type[Method]] = {
     cls.name: cls for cls in (FullKV, StreamingLLM, H2O, SnapKV, PyramidKV, L2Norm, AdaKV, AdaPyramidKV, HeadKV,
                               ZigZagKV, CAM, ThinK, NACL, Scissorhands, RKV, Quest, MiniCache, MInferenceMethod, KVzip,
                               ExpectedAttention, AdaExpectedAttention, KeyDiff, TOVA, KVzap, DuoAttention, QFilter,
-                              KVzipHead)
+                              KVzipHead, TriAttention)
 }
 
 

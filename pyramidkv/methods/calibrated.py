@@ -31,7 +31,8 @@ RECORD_KEY = "pyramidkv_calibration"
 RECORD_SHA_KEY = "record_sha256"
 PACKAGED_DIR = Path(__file__).resolve().parent / "data" / "calibrated"
 SCRIPTS = {"kvzap-linear": "calibrate_kvzap.py --model_type linear", "kvzap-mlp": "calibrate_kvzap.py --model_type mlp",
-           "duo": "calibrate_duo.py", "qfilter": "calibrate_qfilter.py", "kvzip-head": "kvzip_head_scores.py"}
+           "duo": "calibrate_duo.py", "qfilter": "calibrate_qfilter.py", "kvzip-head": "kvzip_head_scores.py",
+           "triattention": "calibrate_triattention.py"}
 
 
 def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:

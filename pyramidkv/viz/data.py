@@ -19,6 +19,8 @@ import torch
 from pyramidkv.core.context import ScoreContext
 from pyramidkv.core.scoring import scores_per_stored_head
 from pyramidkv.methods.base import Method
+from pyramidkv.models.glue import decoder
+from pyramidkv.models.line import CACHE_ARGUMENT
 from pyramidkv.models.patch import MODEL_GLUE, compress
 
 
@@ -109,7 +111,11 @@ def num_layers(model) -> int:
 
 def decoder_layers(model):
     """The model's decoder layers (`model.model.layers` for Llama/Mistral causal LMs)."""
-    return getattr(model, "model", model).layers
+    return decoder(model).layers
+
+
+class _LayerDone(Exception):
+    """Raised by a hook once the layer it waits for has run: the layers above it are not needed."""
 
 
 def check_index(kind: str, index: int, count: int) -> int:
@@ -153,11 +159,14 @@ def attention_weights(model, prompt: Prompt, layer: int) -> np.ndarray:
 
     def keep_weights(module, args, output):
         captured["weights"] = output[1]
+        raise _LayerDone
 
     handles = [attention.register_forward_pre_hook(ask_for_weights, with_kwargs=True),
                attention.register_forward_hook(keep_weights)]
-    try:
-        model(_input_ids(model, prompt), use_cache=False)
+    try:   # the decoder up to this layer: the layers above it and the LM head would compute what is never read
+        decoder(model)(_input_ids(model, prompt), use_cache=False)
+    except _LayerDone:
+        pass
     finally:
         for h in handles:
             h.remove()
@@ -216,7 +225,8 @@ def prefill(model, prompt: Prompt, method: Method, capture_layers: Sequence[int]
     try:
         with compress(model, method) as patch:
             cache = patch.new_cache()
-            model(_input_ids(model, prompt), past_key_values=cache, use_cache=True)
+            # the decoder alone: the LM head's logits over the prompt are not read here
+            decoder(model)(_input_ids(model, prompt), use_cache=True, **{CACHE_ARGUMENT: cache})
     finally:
         for h in handles:
             h.remove()

@@ -76,7 +76,7 @@ QUANTIZER_SETTINGS = {
     "gear": dict(group_size=8, residual_length=32, rank=2, decode_rank=1),
 }
 # Quest evicts nothing: its budget is the tokens of the pages each decode step reads (tests/methods/test_quest.py).
-CALIBRATED = ("qfilter_path", "kvzip_head_path")   # calibrated methods' files written for the tiny model
+CALIBRATED = ("qfilter_path", "kvzip_head_path", "triattention_path")   # calibrated methods' files written for the tiny model
 
 AXES = {
     "method": list(METHODS),
@@ -506,6 +506,11 @@ CASES = [dict(zip(AXES, row)) for row in [
     ('qfilter', 'threshold', 'uniform', None, None, None),
     ('kvzip_head', 'threshold', 'uniform', None, None, None),
     ('scissorhands', 'threshold', 'uniform', None, None, 36),
+    ('triattention', 'uniform', 'uniform', None, None, None),
+    ('triattention', 'adakv', 'pyramid', 'pivot', None, 36),
+    ('triattention', 'uniform', 'zigzag', 'weighted', None, None),
+    ('triattention', 'headkv', 'uniform', 'mergingpress', None, None),
+    ('triattention', 'global', 'uniform', None, None, None),
 ]]
 
 REFUSED = [dict(zip(AXES, row)) for row in [
@@ -559,6 +564,8 @@ REFUSED = [dict(zip(AXES, row)) for row in [
     ('duo_attention', 'threshold', 'uniform', None, None, 36),
     ('kvzip_head', 'uniform', 'uniform', 'pivot', None, None),
     ('kvzip_head', 'uniform', 'uniform', 'cam', None, None),
+    ('triattention', 'uniform', 'uniform', 'cam', None, None),
+    ('triattention', 'threshold', 'uniform', None, None, None),
 ]]
 
 

@@ -4,13 +4,12 @@ model loaded, nothing run; the sweep reads paths from the caller's folder and th
 from __future__ import annotations
 
 import os
-import stat
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import ROOT, load_script
+from tests.helpers import ROOT, load_script, stand_in_python
 
 
 SCRIPTS = {name: load_script(name, ROOT / path) for name, path in (
@@ -135,11 +134,9 @@ def test_calibration_scripts_refuse_bad_values_before_the_model_loads(name, argv
 
 
 def fake_python(folder) -> str:
-    """A stand-in interpreter printing the folder it runs in and its arguments."""
-    path = folder / "python"
-    path.write_text('#!/bin/sh\necho "$PWD $*"\n')
-    path.chmod(path.stat().st_mode | stat.S_IEXEC)
-    return str(path)
+    """A stand-in interpreter printing the folder it runs in and its arguments (the grid's check, run_dirs.py,
+    runs for real)."""
+    return stand_in_python(folder, 'echo "$PWD $*"')
 
 
 def test_sweep_reads_a_relative_save_dir_from_the_callers_folder(tmp_path):
@@ -170,3 +167,32 @@ def test_slurm_count_checks_every_run_of_the_grid(tmp_path):
     got = subprocess.run(["bash", "scripts/slurm/sweep.sbatch", "--count"], cwd=ROOT, capture_output=True, text=True,
                          env=env)
     assert got.returncode == 2 and "--count ruler results/ruler" in got.stdout
+
+
+def test_run_dirs_checks_each_run_as_its_runner_would(tmp_path, capsys, monkeypatch):
+    """scripts/run_dirs.py (the sweep's one-process grid check): per run the folder --print_run_dir prints, or the
+    runner's own one-line error, in order; a malformed input is refused."""
+    import io
+
+    from pyramidkv.benchmarks.ruler.run import main as ruler_main
+
+    run_dirs = load_script("run_dirs", ROOT / "scripts" / "run_dirs.py")
+    good = ["--method", "snapkv", "--max_capacity_prompts", "64", "--save_dir", str(tmp_path), "--print_run_dir"]
+    bad = ["--method", "snapkv", "--max_capacity_prompts", "0", "--save_dir", str(tmp_path), "--print_run_dir"]
+    assert run_dirs.parse_runs(b"2\0a\0\0" b"0\0" b"1\0c d\0") == [["a", ""], [], ["c d"]]
+    for malformed in (b"2\0a\0", b"x\0", b"1\0a"):
+        with pytest.raises(ValueError):
+            run_dirs.parse_runs(malformed)
+
+    data = b"".join(f"{len(run)}\0".encode() + b"".join(a.encode() + b"\0" for a in run) for run in (good, bad))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    assert run_dirs.main(["ruler"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # the reference: the runner itself, one run at a time
+    assert ruler_main(good) == 0
+    assert lines[0] == f"ok\t{capsys.readouterr().out.strip()}"
+    with pytest.raises(SystemExit):
+        ruler_main(bad)
+    assert lines[1] == f"error\t{capsys.readouterr().err.strip().splitlines()[-1]}"
+    assert "max_capacity_prompts" in lines[1] and len(lines) == 2
+    assert run_dirs.main(["bogus"]) == 2 and "unknown benchmark 'bogus'" in capsys.readouterr().err

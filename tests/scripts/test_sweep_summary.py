@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.helpers import ROOT
+from tests.helpers import ROOT, stand_in_python
 
 
 def bash(cmd: str, **env) -> subprocess.CompletedProcess:
@@ -47,7 +47,7 @@ def test_sweep_variants_run_each_method_and_budget_with_each_flag_set():
 
 
 def test_slurm_array_index_runs_its_own_task(tmp_path):
-    env = dict(METHODS="snapkv h2o", BUDGETS="64 128", PYTHON="echo")
+    env = dict(METHODS="snapkv h2o", BUDGETS="64 128", PYTHON=stand_in_python(tmp_path, 'echo "$@"'))
     out = str(tmp_path / "out")
     assert "5 tasks: --array=0-4" in bash(f"bash scripts/slurm/sweep.sbatch --count ruler {out}", **env).stdout
     assert not (tmp_path / "out").exists()                                  # counting writes nothing
@@ -59,22 +59,21 @@ def test_slurm_array_index_runs_its_own_task(tmp_path):
     assert got.stdout.split() == ["run_ruler.py", "--method", "fullkv", "--save_dir", out]
     got = bash(f"bash scripts/slurm/sweep.sbatch ruler {out}", SLURM_ARRAY_TASK_ID="9", **env)
     assert got.returncode == 2 and "past the 5 tasks" in got.stderr
-    got = bash(f"bash scripts/sweep.sh bogus {out}", PYTHON="echo", METHODS="snapkv", BUDGETS="64", FULLKV="0")
+    got = bash(f"bash scripts/sweep.sh bogus {out}", PYTHON=env["PYTHON"], METHODS="snapkv", BUDGETS="64", FULLKV="0")
     assert got.returncode != 0 and "unknown benchmark 'bogus'" in got.stderr
 
 
 def test_sweep_lists_its_runs_once_for_the_summary(tmp_path):
-    """Each array task adds the grid's run folders (the runners' --print_run_dir) to sweep_runs.txt, each once."""
-    python = tmp_path / "python"
-    python.write_text('#!/bin/sh\nfor a; do [ "$a" = --method ] && m=next && continue; '
-                      '[ "$m" = next ] && m=$a; done\necho "$SAVE/m_x/$m"\n')
-    python.chmod(0o755)
+    """Each array task adds the grid's run folders (as the runners' --print_run_dir names them) to sweep_runs.txt,
+    each once."""
+    python = stand_in_python(tmp_path, 'echo "$@"')
     out = tmp_path / "out"
     for index in ("0", "1", "0"):
-        got = bash(f"bash scripts/slurm/sweep.sbatch ruler {out}", SLURM_ARRAY_TASK_ID=index, PYTHON=str(python),
-                   SAVE=str(out), METHODS="snapkv", BUDGETS="64")
+        got = bash(f"bash scripts/slurm/sweep.sbatch ruler {out}", SLURM_ARRAY_TASK_ID=index, PYTHON=python,
+                   METHODS="snapkv", BUDGETS="64")
         assert got.returncode == 0, got.stderr
-    assert (out / "sweep_runs.txt").read_text().splitlines() == ["ruler m_x/fullkv", "ruler m_x/snapkv"]
+    assert (out / "sweep_runs.txt").read_text().splitlines() == ["ruler smollm2-135m_full/fullkv",
+                                                                 "ruler smollm2-135m_64/snapkv"]
 
 
 def write_result(root: Path, method: str, budget, scores: dict, folder_name: str | None = None, average="mean"):

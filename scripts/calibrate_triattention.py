@@ -1,0 +1,157 @@
+"""Calibrate TriAttention (Mao et al., 2026, arXiv 2604.04921) for any supported model: the query-centre file
+`triattention` reads (docs/methods.md, "TriAttention").
+
+    python scripts/calibrate_triattention.py [--model_path M] [--model_class C] [--out FILE] [--num_texts 2]
+        [--length 1024] [--haystack_dir DIR]
+
+Texts: the essays (sorted by file name) joined by blank lines, tokenized without special tokens and cut into
+`num_texts` consecutive windows of `length` tokens (the authors use one text of up to 32,768 tokens). Per layer and
+query head every position's query before RoPE (the layer's own projection and RoPE, undone with the model's
+rotation), as complex pairs z_f = q[f] + i q[f + D/2]: the complex mean over every position of every text
+(`q_mean_real`, `q_mean_imag`) and the mean magnitude (`q_abs_mean`), each [layers, query heads, head dim / 2],
+accumulated in float64 and saved in float32 with the record (model, data and digests, settings, CPU seconds).
+Default --out: "{model}_triattention.safetensors" (model = the last component of the model path, lowercased).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pyramidkv.runner.arguments import ArgumentParser, output_file
+
+
+def pre_rope_queries(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer the queries [B, Hq, n, D] before RoPE of one forward of input_ids: the glue's projection with RoPE,
+    as the layer's attention computes it, then that rotation undone at positions 0 .. n - 1 (float32)."""
+    from pyramidkv.models.glue import decoder
+    from pyramidkv.models.patch import MODEL_GLUE
+
+    glue = MODEL_GLUE[model.config.model_type]
+    rotation = glue.key_rotation(model)
+    layers = decoder(model).layers
+    out: list = [None] * len(layers)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+
+    def capture(index):
+        def hook(module, args, kwargs):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            q, _, _ = glue.project_qkv(module, hidden, kwargs.get("position_ids"), kwargs.get("position_embeddings"))
+            out[index] = rotation.rotate(q.detach().float(), positions, inverse=True)
+        return hook
+
+    hooks = [layer.self_attn.register_forward_pre_hook(capture(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return out
+
+
+def calibrate(model, token_lists: list[list[int]]) -> dict[str, torch.Tensor]:
+    """{q_mean_real, q_mean_imag, q_abs_mean} [L, Hq, D/2] float32: per layer and query head the complex mean and
+    the mean magnitude of the pre-RoPE query pairs over every position of every text (sums in float64)."""
+    device = next(model.parameters()).device
+    sums = total = magnitudes = None
+    count = 0
+    for tokens in token_lists:
+        queries = pre_rope_queries(model, torch.tensor([tokens], device=device))
+        q = torch.stack([layer[0] for layer in queries]).double().cpu()          # [L, Hq, n, D]
+        half = q.shape[-1] // 2
+        pairs = torch.complex(q[..., :half], q[..., half:])                      # [L, Hq, n, D/2]
+        sums = pairs.sum(dim=2) if sums is None else sums + pairs.sum(dim=2)
+        magnitudes = pairs.abs().sum(dim=2) if magnitudes is None else magnitudes + pairs.abs().sum(dim=2)
+        count += q.shape[2]
+    mean = sums / count
+    return {"q_mean_real": mean.real.float(), "q_mean_imag": mean.imag.float(),
+            "q_abs_mean": (magnitudes / count).float()}
+
+
+def calibration_texts(tokenizer, folder: Path, num_texts: int, length: int) -> tuple[list[list[int]], list[dict]]:
+    """(num_texts windows of `length` tokens, the sources read: [{file, sha256}]) from the .txt files of `folder`; a
+    ValueError when they hold too few tokens."""
+    files = sorted(folder.glob("*.txt"))
+    ids, sources, need = [], [], num_texts * length
+    for path in files:
+        data = path.read_bytes()
+        sources.append({"file": path.name, "sha256": hashlib.sha256(data).hexdigest()})
+        ids += tokenizer(data.decode("utf-8") + "\n\n", add_special_tokens=False).input_ids
+        if len(ids) >= need:
+            break
+    if len(ids) < need:
+        raise ValueError(f"the {len(files)} .txt files of {folder} hold {len(ids)} tokens, fewer than --num_texts "
+                         f"{num_texts} x --length {length}; lower one of them")
+    return [ids[i * length:(i + 1) * length] for i in range(num_texts)], sources
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
+    from pyramidkv.models.patch import MODEL_GLUE
+
+    parser = ArgumentParser(prog="calibrate_triattention.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
+    parser.add_argument("--model_class", choices=list(MODEL_GLUE), default=None,
+                        help="load the weights as this architecture (as the runners' --model_class)")
+    parser.add_argument("--out", default=None, type=output_file,
+                        help="output file (default {model}_triattention.safetensors), checked before the work")
+    parser.add_argument("--num_texts", type=int, default=2, help="texts of --length tokens (the authors: one)")
+    parser.add_argument("--length", type=int, default=1024, help="tokens per text (the authors: up to 32,768)")
+    parser.add_argument("--haystack_dir", default=None, help="folder of .txt files (default: the Paul Graham essays)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    args = parser.parse_args(argv)
+    for name in ("num_texts", "length"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def main(argv=None) -> Path:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from pyramidkv.benchmarks.prompting import essay_dir
+    from pyramidkv.components import check_output
+    from pyramidkv.methods.calibrated import model_record, save_artifact
+    from pyramidkv.models.loading import check_model, load_model
+    from pyramidkv.runner.results import _git_commit, _versions
+
+    out = Path(args.out or f"{Path(str(args.model_path).rstrip('/')).name.lower()}_triattention.safetensors")
+    try:   # every check before the weights load
+        if args.out is None:
+            check_output(out)
+        path, config, _, _ = check_model(args.model_path, "sdpa", args.device, args.dtype, args.model_class)
+        if args.length > config.max_position_embeddings:
+            raise ValueError(f"--length {args.length} exceeds the model's {config.max_position_embeddings} positions")
+        folder = Path(args.haystack_dir) if args.haystack_dir else essay_dir()
+        texts, sources = calibration_texts(AutoTokenizer.from_pretrained(path), folder, args.num_texts, args.length)
+    except (ValueError, OSError) as e:
+        print(f"calibrate_triattention.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    model, _ = load_model(args.model_path, attn_implementation="sdpa", device=args.device, dtype=args.dtype,
+                          model_class=args.model_class)
+    started, cpu = time.time(), time.process_time()
+    tensors = calibrate(model, texts)
+    record = {"kind": "triattention", "model": {**model_record(path, model.config), "name": args.model_path},
+              "data": {"folder": folder.name, "sources": sources, "num_texts": args.num_texts, "length": args.length},
+              "settings": {"dtype": args.dtype, "pairs": "rotate_half: q[f] + i q[f + D/2]",
+                           "statistics": "complex mean and mean magnitude over every position, float64 sums"},
+              "cpu_seconds": round(time.process_time() - cpu, 1),
+              "wall_seconds": round(time.time() - started, 1), "git_commit": _git_commit(),
+              "versions": _versions(["torch", "transformers"])}
+    save_artifact(out, tensors, record)
+    print(f"centres {tuple(tensors['q_mean_real'].shape)} in {record['cpu_seconds']} CPU s "
+          f"({record['wall_seconds']} s) -> {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
