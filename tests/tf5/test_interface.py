@@ -101,7 +101,8 @@ def test_gemma3_stores_keys_before_rope_and_gives_back_the_models_own():
 
 
 def test_refusals_are_one_line():
-    """A family rotating part of each head refuses methods that store keys before RoPE; a family not in the table,
+    """A family rotating part of each head refuses methods that store keys before RoPE; a hybrid with linear-attention
+    layers (Qwen3-Next) is refused; a family not in the table,
     and an implementation the interface does not extend, are refused naming what is supported."""
     model = tiny("phi3", partial_rotary_factor=0.5)
     with pytest.raises(ValueError, match="rotates part of each head") as refused:
@@ -112,6 +113,13 @@ def test_refusals_are_one_line():
     other = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2))
     with pytest.raises(ValueError, match="unsupported model type 'gpt2' on the 5.x line"):
         compress(other, make_method("fullkv"))
+    hybrid = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen3_next", vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention"]))
+    with pytest.raises(ValueError, match="qwen3_next is refused on the 5.x line: its linear-attention layers") as refused:
+        compress(hybrid, make_method("fullkv"))
+    assert "\n" not in str(refused.value)
     flex = tiny("llama", attn="flex_attention")
     with pytest.raises(ValueError, match="is not supported on the 5.x line"):
         compress(flex, make_method("fullkv"))

@@ -36,10 +36,13 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family(),
     "qwen2": Family(),
     "qwen3": Family(),
+    "qwen3_moe": Family(),   # Qwen3's attention; the experts are in the MLP, which the engine does not see
     "phi3": Family(),
     "gemma3_text": Family(rotation="layer_type"),
     "gpt_oss": Family(refused="its attention adds per-head sinks (s_aux) to the softmax, which the engine's "
                               "stores do not apply"),
+    "qwen3_next": Family(refused="its linear-attention layers (gated DeltaNet) keep a recurrent state, not keys and "
+                                 "values, which the engine's stores cannot hold or compress"),
 }
 
 
