@@ -19,7 +19,6 @@ import torch
 from pyramidkv.core.context import ScoreContext
 from pyramidkv.core.scoring import scores_per_stored_head
 from pyramidkv.methods.base import Method
-from pyramidkv.models.line import CACHE_ARGUMENT
 from pyramidkv.models.patch import MODEL_GLUE, compress
 
 
@@ -217,7 +216,7 @@ def prefill(model, prompt: Prompt, method: Method, capture_layers: Sequence[int]
     try:
         with compress(model, method) as patch:
             cache = patch.new_cache()
-            model(_input_ids(model, prompt), use_cache=True, **{CACHE_ARGUMENT: cache})
+            model(_input_ids(model, prompt), past_key_values=cache, use_cache=True)
     finally:
         for h in handles:
             h.remove()
