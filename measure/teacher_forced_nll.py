@@ -21,6 +21,7 @@ import torch
 
 from pyramidkv import DEFAULT_MODEL_NAME, compress, load_model
 from pyramidkv.benchmarks.measure import method_from_spec
+from pyramidkv.models.line import CACHE_ARGUMENT
 from pyramidkv.runner.arguments import ArgumentParser
 from pyramidkv.runner.results import atomic_write_json, read_jsonl
 
@@ -38,7 +39,7 @@ def text_ids(tokenizer, data_file: Path, tokens: int) -> torch.Tensor:
 def mean_nll(model, ids: torch.Tensor, method, context_length: int) -> float:
     with compress(model, method) as patch:
         cache = patch.new_cache()
-        out = model(ids[:, :context_length], past_key_values=cache, use_cache=True)
+        out = model(ids[:, :context_length], use_cache=True, **{CACHE_ARGUMENT: cache})
         logits = out.logits[:, -1]
         total, count = 0.0, 0
         for pos in range(context_length, ids.shape[1]):

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from pyramidkv.models.line import INTERFACE_LINE
 from pyramidkv.runner.arguments import ArgumentParser, output_file
 
 REPEAT = "\n\nRepeat the previous context exactly."
@@ -76,7 +77,7 @@ def targets(model, ids: list[int], user: tuple[int, int], copy: tuple[int, int])
         hidden = kwargs["hidden_states"][0]                                   # [n, E]
         weights = output[1][0]                                                # [Hq, n, n]
         heads, dim = weights.shape[0], module.head_dim
-        kv_heads = module.num_key_value_heads
+        kv_heads = heads // module.num_key_value_groups                        # (5.x modules lack num_key_value_heads)
         values = module.v_proj(hidden).view(-1, kv_heads, dim)               # [n, Hkv, D]
         values = values.repeat_interleave(heads // kv_heads, dim=1)           # [n, Hq, D]
         w_o = module.o_proj.weight.view(-1, heads, dim)                       # [E, Hq, D]
@@ -90,9 +91,16 @@ def targets(model, ids: list[int], user: tuple[int, int], copy: tuple[int, int])
         return (output[0], None, *output[2:])                                 # the weights are not kept
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in attention_modules(model)]
+    # 4.44.2's sdpa modules fall back to eager for output_attentions; 5.x's sdpa returns no weights: eager for this
+    # forward there.
+    implementation = model.config._attn_implementation
+    if INTERFACE_LINE:
+        model.set_attn_implementation("eager")
     try:
         decoder(model)(torch.tensor([ids], device=model.device), output_attentions=True, use_cache=False)   # no logits
     finally:
+        if INTERFACE_LINE:
+            model.set_attn_implementation(implementation)
         for handle in handles:
             handle.remove()
     return torch.stack(xs), torch.stack(ys)

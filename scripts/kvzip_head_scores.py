@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from pyramidkv.models.line import CACHE_ARGUMENT
 from pyramidkv.runner.arguments import ArgumentParser, output_file
 
 
@@ -37,7 +38,7 @@ def sample_scores(model, tokenizer, tokens: list[int], chunk_size: int) -> torch
     device = next(model.parameters()).device
     with torch.no_grad(), compress(model, method) as patch:
         cache = patch.new_cache([tokens], tokenizer)
-        model(torch.tensor([tokens], device=device), past_key_values=cache, use_cache=True)
+        model(torch.tensor([tokens], device=device), use_cache=True, **{CACHE_ARGUMENT: cache})
     scores = cache.reconstruction.scores
     return torch.stack([scores[layer][0].reshape(kv_heads, -1).amax(-1).cpu() for layer in range(len(scores))])
 

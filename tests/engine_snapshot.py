@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from pyramidkv.models.line import CACHE_ARGUMENT
 from tests.near_ties import DecisionLog, Disagreement, NearTie, from_mask, near_ties, report, to_mask
 
 REFERENCE = Path(__file__).parent / "data" / "engine_snapshot.json"
@@ -140,7 +141,7 @@ def record(model, tokenizer, method, token_lists: list[list[int]], new_tokens: i
         cache = patch.new_cache(token_lists, tokenizer)   # KVzip repeats each prompt
         hook = model.register_forward_hook(after_prefill)
         try:
-            out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
+            out = model.generate(input_ids=ids, attention_mask=mask, **{CACHE_ARGUMENT: cache},
                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                  temperature=None, top_p=None, top_k=None, num_beams=1,
                                  pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True,

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from pyramidkv import compress
+from pyramidkv.models.line import CACHE_ARGUMENT
 
 # The repository root, for tests in any subfolder of tests/.
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +51,8 @@ def prefill(model, ids, method, attention_mask=None, position_ids=None, tokenize
             [[t for t, real in zip(row, mask) if real] for row, mask in zip(ids.tolist(), attention_mask.tolist())]
         cache = patch.new_cache(rows if tokenizer is not None else None, tokenizer)
         with torch.no_grad():
-            model(ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache, use_cache=True)
+            model(ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                  **{CACHE_ARGUMENT: cache})
     return cache
 
 

@@ -89,7 +89,12 @@ def _compare_decoding(got: dict, expected: dict, b: int, tolerance: float) -> st
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_engine_matches_the_record(smollm2, reference, name, request):
-    model, tokenizer = smollm2
+    compare_with_the_record(*smollm2, reference, name, request)
+
+
+def compare_with_the_record(model, tokenizer, reference: dict, name: str, request) -> None:
+    """A run of configuration `name` against the record, by the rules of the module docstring (also the 5.x line's
+    run against the pinned line's record: tests/tf5/test_engine_snapshot.py)."""
     expected = reference["configs"][name]
     got, decisions = snapshot_entry(model, tokenizer, name)
     recorded = [Decision.from_row(row) for row in expected["decisions"]]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, ClassVar, Optional, Protocol
 import torch
 
 from pyramidkv.components import AttentionForm
+from pyramidkv.core.rotary import layer_rotation
 
 if TYPE_CHECKING:
     from pyramidkv.allocation.base import ModelShape
@@ -46,7 +47,8 @@ class ScoreContext:
     positions: long RoPE positions: at prefill [B, n] the prompt rows' (padding included); at decode [1, H, m]
     (DecodeScoreContext).
     rotation: the model's RoPE (core/rotary.py) where the cache was given it (the model patch does for methods
-    with `needs_rotation`: queries before RoPE, RoPE at other positions), else None.
+    with `needs_rotation`: queries before RoPE, RoPE at other positions), else None; this layer's where the
+    model's RoPE differs by layer (`layer_rotation`).
     reconstruction: [B, Hq, n] float32, for methods that `reconstruct` (KVzip): the most attention each key got
     from the repeat passes (core/reconstruction.py), given once they have run (queries and real are None then).
     hidden: [B, n, E] the layer's attention input (the hidden states after its norm) of the scored tokens, for
@@ -68,6 +70,9 @@ class ScoreContext:
     reconstruction: Optional[torch.Tensor] = None
     hidden: Optional[torch.Tensor] = None
     model: Optional["ModelShape"] = None
+
+    def __post_init__(self):
+        self.rotation = layer_rotation(self.rotation, self.layer_idx)   # this layer's (RoPE by layer: Gemma3)
 
     @property
     def form(self) -> AttentionForm:

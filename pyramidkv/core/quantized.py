@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from pyramidkv.core.kept import KeptKV
-from pyramidkv.core.rotary import KeyRotation
+from pyramidkv.core.rotary import KeyRotation, layer_rotation
 from pyramidkv.core.scoring import PLAIN, probabilities
 from pyramidkv.core.store import Heads, LayerStore, StoreSetup
 from pyramidkv.quantization.base import Quantizer
@@ -46,8 +46,8 @@ class QuantizedStore(LayerStore):
     @classmethod
     def open(cls, kept: list[KeptKV], setup: StoreSetup, layer_idx: int) -> "QuantizedStore":
         setup.method.quant_method.check_head_dim(kept[0].keys.shape[-1])
-        return cls(setup.method.quant_method, kept, setup.rope_positions(kept), setup.real_lens, setup.rotary,
-                   setup.scratch, setup.form)
+        return cls(setup.method.quant_method, kept, setup.rope_positions(kept), setup.real_lens,
+                   layer_rotation(setup.rotary, layer_idx), setup.scratch, setup.form)
 
     def __init__(self, quantizer: Quantizer, kept: list[KeptKV], rope_positions: list[torch.Tensor],
                  real_lens: list[int], rotary: Optional[KeyRotation], scratch: Optional[Scratch] = None, form=PLAIN):

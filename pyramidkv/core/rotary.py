@@ -16,3 +16,9 @@ class KeyRotation(Protocol):
         """x [..., T, D] rotated to RoPE positions [..., T] (long), as the model rotates its keys; inverse:
         that rotation undone. float32."""
         ...
+
+
+def layer_rotation(rotation, layer: int):
+    """The rotation of one layer: a model whose RoPE differs by layer (Gemma3's local and global bases) gives its
+    rotation as an object with `for_layer(layer) -> KeyRotation`; any other rotation (or None) serves every layer."""
+    return rotation.for_layer(layer) if hasattr(rotation, "for_layer") else rotation

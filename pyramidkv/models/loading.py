@@ -13,10 +13,10 @@ from typing import Optional, Union
 import torch
 
 from pyramidkv.models.default_model import DEFAULT_MODEL_NAME, default_model_path
-from pyramidkv.models.line import INTERFACE_LINE
+from pyramidkv.models.line import INTERFACE_LINE, PINNED, line_name
 from pyramidkv.models.patch import ATTENTION_IMPLEMENTATIONS, MODEL_GLUE, check_family_implementation
 from pyramidkv.models.tf5.attention import BASES
-from pyramidkv.models.tf5.families import family
+from pyramidkv.models.tf5.families import FAMILIES, family
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # accelerate's placement strategies, as from_pretrained(device_map=...) takes them by name
@@ -94,6 +94,7 @@ def check_model(model_path: str = DEFAULT_MODEL_NAME, attn_implementation: str =
     check_attn_implementation(attn_implementation, device)
     dtype = resolve_dtype(dtype, device)
     path = resolve_model_path(model_path)
+    check_line_has_family(path, model_path)
     config = AutoConfig.from_pretrained(path)
     if model_class is not None:
         config = config_as(config, model_class)
@@ -110,6 +111,23 @@ def check_model(model_path: str = DEFAULT_MODEL_NAME, attn_implementation: str =
     if isinstance(device_map, dict):
         check_device_map_modules(device_map, config)
     return path, config, device, dtype
+
+
+def check_line_has_family(path: str, model_path: str) -> None:
+    """A local checkpoint of a family this line has no row for (read from its config.json, before transformers
+    parses it: 4.44.2 cannot parse a Qwen3 or Gemma3 config) is refused in one line naming the line that has it,
+    or saying that neither has it."""
+    config_file = Path(path) / "config.json"
+    model_type = json.loads(config_file.read_text()).get("model_type") if config_file.is_file() else None
+    here, there = (FAMILIES, MODEL_GLUE) if INTERFACE_LINE else (MODEL_GLUE, FAMILIES)
+    if model_type is None or model_type in here:
+        return
+    other = (f"the pinned line (transformers {PINNED}: requirements.txt, make setup)" if INTERFACE_LINE else
+             "the 5.x line (requirements-tf5.txt, make setup-tf5)")
+    if model_type in there:
+        raise ValueError(f"model type {model_type!r} ({model_path}) runs on {other}, not under {line_name()}")
+    raise ValueError(f"unsupported model type {model_type!r} ({model_path}): neither transformers line supports it "
+                     f"({line_name()}: {', '.join(here)}; {other}: {', '.join(there)})")
 
 
 def resolve_device_map(device_map: DeviceMap) -> DeviceMap:

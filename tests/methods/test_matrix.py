@@ -55,6 +55,7 @@ from pyramidkv.components import setting_help
 from pyramidkv.generation import generate
 from pyramidkv.merging import MERGE_RULES
 from pyramidkv.methods import METHODS, budget_flag_applies, make_method
+from pyramidkv.models.line import CACHE_ARGUMENT
 from pyramidkv.models.patch import model_shape
 from pyramidkv.quantization import QUANTIZERS
 from pyramidkv.sparse_prefill import SPARSE_PREFILLS
@@ -213,7 +214,7 @@ def held_after_each_forward(model, prompt, method) -> tuple[list, list[int]]:
     states, budgets = [], []
 
     def record(module, args, kwargs, output):
-        cache = kwargs["past_key_values"]
+        cache = kwargs[CACHE_ARGUMENT]   # the line's name for the cache argument
         states.append([cache.held_counts(layer)[0] for layer in range(LAYERS)])
         if len(states) == 1:
             budgets.extend(cache.layer_budgets_used(0))

@@ -20,6 +20,7 @@ SETTINGS = {
     "llama": {},
     "qwen2": {},
     "qwen3": {},   # q_norm / k_norm on each head before RoPE
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),   # Qwen3's attention, MoE MLPs
     "mistral": dict(sliding_window=24),   # every layer slides (W = 24 < the 40-token prompts)
     "phi3": dict(bos_token_id=1, eos_token_id=2, pad_token_id=0),   # fused qkv_proj
     # sliding and global layers, each type with its own RoPE base; a query scalar other than head_dim

@@ -91,12 +91,16 @@ FEWER_BYTES = {
     "adakv": dict(name="adakv", budget=BUDGET, window_size=4),
     "kivi2": dict(name="fullkv", **KIVI2),
     "decode_budget": dict(name="snapkv", budget=BUDGET, window_size=4, decode_budget=BUDGET, decode_interval=2),
+    # keys before RoPE: the family's key rotation (Gemma3: one per layer type)
+    "kvquant": dict(name="fullkv", quant_method="kvquant", group_size=8),
+    "expected_attention": dict(name="expected_attention", budget=BUDGET, window_size=4),
 }
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_kvzip_adakv_kivi2_and_a_decode_budget_store_fewer_bytes_than_fullkv(model_type, tokenizer):
-    """Each runs a greedy generate to the end and holds fewer bytes than fullkv after the same tokens (kvzip's
+    """Each (and KVQuant and Expected Attention, which rotate keys outside the model) runs a greedy generate to the
+    end and holds fewer bytes than fullkv after the same tokens (kvzip's
     repeat passes need the tokenizer's ids: the model's vocabulary is the tokenizer's). Mistral as v0.2 and later
     (no window); Gemma3's sliding layers refuse kvzip, whose repeats attend the whole prompt (on both lines)."""
     model = tiny(model_type, vocab_size=len(tokenizer), **({"sliding_window": None} if model_type == "mistral" else {}))
