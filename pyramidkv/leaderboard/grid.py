@@ -131,7 +131,8 @@ def entries_of(spec: str, ratios, context_length: int) -> list[Entry]:
         try:     # the budget at the grid's length must hold the window (prompts shorter still: their runner refuses)
             method.check_prompt(context_length)
         except ValueError as e:
-            raise ValueError(f"--methods {spec} at ratio {ratio:g} and --context_length {context_length}: {e}") from None
+            raise ValueError(f"--methods {spec} at ratio {ratio:g} and --context_length {context_length}: "
+                             f"{e}") from None
         out.append(Entry(method_spec(method), cls.name, treatment, ratio))
     return out
 

@@ -93,7 +93,8 @@ def figure(rows: list[dict]) -> str:
     """Score vs fraction kept (left, with the paired 95 % interval of the difference from fullkv where measured),
     KL from fullkv vs fraction kept (middle) and the block-freeable share at 16 tokens (right, beside 1 - kept: the
     bytes freed): a line per method swept over ratios, a point per method placed at its measured share, fullkv's
-    score as the ceiling; failed entries as red crosses on the axis. The SVG's text, with fixed metadata, so the same CSV gives the same bytes."""
+    score as the ceiling; failed entries as red crosses on the axis. The SVG's text, with fixed metadata, so the
+    same CSV gives the same bytes."""
     import io
 
     import matplotlib
@@ -210,8 +211,8 @@ def page(rows: list[dict], csv_name: str, figure_name: str, command: str) -> str
                    f"{_fmt(e['kept'], 2)} | {_fmt(e['score'])} | {_interval(e['vs_fullkv'])} | "
                    + " | ".join(_fmt(e["tasks"].get(t), 0) for t in tasks)
                    + f" | {_next(e)} | {_kl(e['kl'])} | {_fmt(e['agreement'], 2)} | {_fmt(e['kv_bytes_x_fullkv'], 2)} | "
-                   f"{_fmt(e['block_free_16'], 2)} | {_fmt(e['block_free_32'], 2)} | {_fmt(e['prefill_ms'], 0)} | {_fmt(e['decode_ms_per_token'], 0)} | {shared} | "
-                   f"{state.replace('|', '/')} |")
+                   f"{_fmt(e['block_free_16'], 2)} | {_fmt(e['block_free_32'], 2)} | {_fmt(e['prefill_ms'], 0)} | "
+                   f"{_fmt(e['decode_ms_per_token'], 0)} | {shared} | {state.replace('|', '/')} |")
     return "\n".join(out) + "\n"
 
 
