@@ -53,7 +53,8 @@ test-tf5: setup-tf5
 benchmark: setup
 	$(PY) measure/benchmark_latency_memory.py
 
-# The whole leaderboard grid on the embedded model (about a night on 2 CPU cores: docs/leaderboard.md), published to
+# The whole leaderboard grid on the embedded model (about 17-18 h on 2 CPU cores since 16:1 and 32:1: docs/results.md;
+# shard it), published to
 # docs/leaderboard.md; a rerun resumes. LEADERBOARD_ARGS="--methods snapkv h2o --num_samples 2" narrows it.
 leaderboard: setup
 	$(PY) -m pyramidkv.leaderboard --save_dir results/leaderboard --publish docs $(LEADERBOARD_ARGS)

@@ -23,6 +23,7 @@ from pyramidkv.generation.chunked import prefill_in_chunks
 from pyramidkv.methods.base import Method
 from pyramidkv.models.line import CACHE_ARGUMENT
 from pyramidkv.models.patch import compress
+from pyramidkv.sizing.blocks import BLOCK_SIZES, freeable_share
 
 
 @dataclass
@@ -35,6 +36,9 @@ class Generation:
     # the prompt stopped, and how many it had seen then (prompt + fed tokens); None otherwise.
     held_tokens: Optional[list[list[int]]] = None
     seen_tokens: Optional[int] = None
+    # Every method: per block size (sizing/blocks.py BLOCK_SIZES) the share of the full cache's blocks that no head
+    # of their layer holds a token in when the prompt stopped (what a paged engine could return to its pool).
+    block_free: Optional[dict[int, float]] = None
 
 
 @torch.no_grad()
@@ -121,7 +125,8 @@ def generate(
         new = output[row, width:].tolist()
         cut = next((i for i, tok in enumerate(new) if tok in stops), len(new))
         text = tokenizer.decode(new[:cut], skip_special_tokens=True)
-        results.append(Generation(text, len(tokens), cut, cache.final_kv_bytes(row), *_held(cache, row, stop.held)))
+        results.append(Generation(text, len(tokens), cut, cache.final_kv_bytes(row), *_held(cache, row, stop.held),
+                                  stop.blocks.get(row) or blocks_free_now(cache, row)))
     return results
 
 
@@ -278,7 +283,7 @@ def _generate_after_questions(model, tokenizer, contexts: list[list[int]], quest
         cut = next((i for i, tok in enumerate(answer) if tok in eos), len(answer))
         text = tokenizer.decode(answer[:cut], skip_special_tokens=True)
         results.append(Generation(text, len(context) + len(question), cut, cache.final_kv_bytes(row),
-                                  *_held(cache, row, stop.held)))
+                                  *_held(cache, row, stop.held), stop.blocks.get(row) or blocks_free_now(cache, row)))
     return results
 
 
@@ -291,6 +296,7 @@ class _BytesAtStop(StoppingCriteria):
         self.cache, self.width, self.question_lens = cache, width, question_lens
         self.stops, self.max_new_tokens = stops, max_new_tokens
         self.held: dict[int, tuple[list[list[int]], int]] = {}   # per row that stopped: _held_now then
+        self.blocks: dict[int, dict[int, float]] = {}              # per row that stopped: blocks_free_now then
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         for row, question in enumerate(self.question_lens):
@@ -299,6 +305,8 @@ class _BytesAtStop(StoppingCriteria):
                 self.cache.record_stop(row)
                 if self.cache.method.sizing.outcome and row not in self.held:
                     self.held[row] = _held_now(self.cache, row)
+                if row not in self.blocks:
+                    self.blocks[row] = blocks_free_now(self.cache, row)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
@@ -306,6 +314,14 @@ def _held_now(cache, row: int) -> tuple[list[list[int]], int]:
     """(per layer and stored head the tokens prompt `row` holds, the tokens it has seen: prompt + appended)."""
     held = [cache.held_counts(layer)[row] for layer in range(cache.num_layers)]
     return held, cache.prompt.real_lens[row] + cache.layers[0].appended
+
+
+def blocks_free_now(cache, row: int) -> dict[int, float]:
+    """Per block size of BLOCK_SIZES, the share of the full cache's blocks (prompt + fed tokens, every layer) in
+    which no head of the layer holds a token of prompt `row` now (sizing/blocks.py)."""
+    held = [cache.held_positions(layer, row) for layer in range(cache.num_layers) if cache.layers[layer] is not None]
+    seen = cache.prompt.real_lens[row] + next(s.appended for s in cache.layers if s is not None)
+    return {size: round(freeable_share(held, seen, size), 6) for size in BLOCK_SIZES}
 
 
 def _held(cache, row: int, at_stop: dict) -> tuple[Optional[list[list[int]]], Optional[int]]:

@@ -19,7 +19,9 @@ from typing import Optional, Sequence
 import torch
 
 from pyramidkv.core.snapshot import restore, snapshot
-from pyramidkv.generation.greedy import Generation, _held, _token_ids, _vocab_size, default_stop_token_ids
+from pyramidkv.generation.greedy import (
+    Generation, _held, _token_ids, _vocab_size, blocks_free_now, default_stop_token_ids,
+)
 from pyramidkv.generation.shared import _Run
 from pyramidkv.methods.base import Method
 from pyramidkv.models.line import CACHE_ARGUMENT
@@ -94,9 +96,9 @@ def _greedy_from_prefill(run: _Run, cache, input_ids, mask, first_logits, stops,
     if first not in stops and max_new_tokens > 1:
         output, stop, _ = run.ask(cache, torch.cat([input_ids, input_ids.new_tensor([[first]])], dim=1), mask, [[]])
         answer += output[0, input_ids.shape[1] + 1:].tolist()[:max_new_tokens - 1]
-        held = _held(cache, 0, stop.held)
+        held = (*_held(cache, 0, stop.held), stop.blocks.get(0) or blocks_free_now(cache, 0))
     else:
-        held = _held(cache, 0, {})
+        held = (*_held(cache, 0, {}), blocks_free_now(cache, 0))
     cut = next((i for i, token in enumerate(answer) if token in stops), len(answer))
     text = run.tokenizer.decode(answer[:cut], skip_special_tokens=True)
     return Generation(text, prompt_tokens, cut, cache.final_kv_bytes(0), *held)

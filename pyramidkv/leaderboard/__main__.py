@@ -6,6 +6,7 @@ shared-context protocol, through the benchmark runners; then one CSV/JSON of eve
     python -m pyramidkv.leaderboard --shard 3/16                      # one SLURM array task's share
     python -m pyramidkv.leaderboard --summarize                       # the outputs from the cells done so far
     python -m pyramidkv.leaderboard --summarize --publish docs        # docs/leaderboard.md + docs/leaderboard/
+    python -m pyramidkv.leaderboard --rerender docs                   # docs/leaderboard.md again, from its CSV
 
 A rerun resumes (finished units are skipped, a killed unit continues at its missing rows). A save_dir holds one
 grid: another grid's arguments are refused (docs/leaderboard.md: treatments of methods that take no ratio).
@@ -62,6 +63,9 @@ def build_parser():
                    help="write the outputs from the cells done so far (the grid of SAVE_DIR/grid.json) and exit")
     r.add_argument("--publish", default=None, metavar="DOCS",
                    help="with the outputs, write DOCS/leaderboard.md and DOCS/leaderboard/ (CSV, JSON, figure)")
+    r.add_argument("--rerender", default=None, metavar="DOCS",
+                   help="rewrite a published DOCS/leaderboard.md, its figure and JSON from DOCS/leaderboard's CSV "
+                        "alone (the CSV given today's columns, empty where never measured) and exit")
     return parser
 
 
@@ -112,6 +116,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.rerender is not None:
+        try:
+            written = outputs.rerender(Path(args.rerender))
+        except ValueError as e:
+            parser.error(" ".join(str(e).split()))
+        print("[leaderboard] rerendered:\n  " + "\n  ".join(str(p) for p in written))
+        return 0
     save_dir = Path(args.save_dir)
     try:
         if args.summarize:

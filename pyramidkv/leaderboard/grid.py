@@ -25,7 +25,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-RATIOS = (0.25, 0.5, 0.75, 0.9)
+# 0.0625 and 0.03125: 16:1 and 32:1. A ratio whose budget at the grid's context length is below a method's window is
+# refused with the method's own one-line error (entries_of), never run with an empty or skipped compression.
+RATIOS = (0.03125, 0.0625, 0.25, 0.5, 0.75, 0.9)
 # The default grid's sizes (python -m pyramidkv.leaderboard's defaults): about one night on 2 CPU cores for the
 # embedded model (docs/results.md, "The leaderboard").
 DEFAULTS = {"save_dir": "results/leaderboard", "context_length": 4096, "num_samples": 1, "needle_depths": 3}
@@ -126,6 +128,11 @@ def entries_of(spec: str, ratios, context_length: int) -> list[Entry]:
         if cls.name in DECODE_BUDGET_METHODS:
             budget["decode_budget"] = max(1, round(ratio * context_length))
         method = build_method(cls, {**given, **budget})
+        try:     # the budget at the grid's length must hold the window (prompts shorter still: their runner refuses)
+            method.check_prompt(context_length)
+        except ValueError as e:
+            raise ValueError(f"--methods {spec} at ratio {ratio:g} and --context_length {context_length}: "
+                             f"{e}") from None
         out.append(Entry(method_spec(method), cls.name, treatment, ratio))
     return out
 

@@ -6,6 +6,9 @@ leaderboard.svg}."""
 from __future__ import annotations
 
 import shlex
+import csv
+import io
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -73,3 +76,37 @@ def write(grid: Grid, save_dir: Path, folders: dict, publish: Optional[str] = No
     for path, content in outputs.items():
         (atomic_write_text if isinstance(content, str) else atomic_write_json)(path, content)
     return list(outputs), sum(1 for r in rows if r["status"] == "failed")
+
+
+def rerender(docs: Path) -> list[Path]:
+    """Rewrite a published leaderboard from its CSV alone (DOCS/leaderboard/{grid.json, leaderboard.csv}): the CSV
+    with today's columns (a column it lacks is written empty: never measured), the JSON's cells, the figure and
+    DOCS/leaderboard.md; the paths written."""
+    from pyramidkv.leaderboard.grid import Grid
+    from pyramidkv.leaderboard.table import COLUMNS, read_csv
+    from pyramidkv.runner.results import atomic_write_json, atomic_write_text
+
+    docs = Path(docs)
+    folder = docs / "leaderboard"
+    for name in (NAMES["grid"], NAMES["csv"]):
+        if not (folder / name).is_file():
+            raise ValueError(f"{folder / name} is missing: --rerender reads DOCS/leaderboard/{NAMES['grid']} and "
+                             f"{NAMES['csv']} (written by --publish DOCS)")
+    grid = Grid(**json.loads((folder / NAMES["grid"]).read_text(encoding="utf-8")))
+    with open(folder / NAMES["csv"], encoding="utf-8", newline="") as f:
+        raw = list(csv.DictReader(f))
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({k: row.get(k) or "" for k in COLUMNS} for row in raw)
+    atomic_write_text(folder / NAMES["csv"], out.getvalue())
+    rows = read_csv(folder / NAMES["csv"])
+    written = [folder / NAMES["csv"]]
+    if (folder / NAMES["json"]).is_file():
+        record = json.loads((folder / NAMES["json"]).read_text(encoding="utf-8"))
+        atomic_write_json(folder / NAMES["json"], {**record, "command": command(grid), "cells": rows})
+        written.append(folder / NAMES["json"])
+    rendered = render(rows, grid, links="leaderboard/")
+    atomic_write_text(folder / NAMES["figure"], rendered[NAMES["figure"]])
+    atomic_write_text(docs / NAMES["page"], rendered[NAMES["page"]])
+    return written + [folder / NAMES["figure"], docs / NAMES["page"]]

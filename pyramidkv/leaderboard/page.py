@@ -7,8 +7,11 @@ entry shows its state, and the figure marks it.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Optional
+
+from pyramidkv.leaderboard.intervals import LEVEL, RESAMPLES, SEED, differences, holds_zero, paired_interval
 
 def entries(rows: list[dict]) -> list[dict]:
     """One summary per entry (spec), in the CSV's order."""
@@ -26,7 +29,9 @@ def entries(rows: list[dict]) -> list[dict]:
         entry["errors"] = sorted({c["error"] for c in cells if c["error"]})
         entry["tasks"] = {c["task"]: c["score"] for c in single}
         entry["score"] = _mean([c["score"] for c in done]) if len(done) == len(single) else None
-        for field in ("kl", "agreement", "kv_bytes_x_fullkv", "prefill_ms", "decode_ms_per_token"):
+        entry["sample_scores"] = {c["task"]: json.loads(c["sample_scores"]) for c in done if c["sample_scores"]}
+        for field in ("kl", "agreement", "kv_bytes_x_fullkv", "block_free_16", "block_free_32", "prefill_ms",
+                      "decode_ms_per_token"):
             entry[field] = _mean([c[field] for c in done])
         entry["kept"] = _mean([c["kept"] for c in done]) if entry["treatment"] in ("fixed", "outcome") else \
             entry["ratio"]
@@ -35,7 +40,36 @@ def entries(rows: list[dict]) -> list[dict]:
                                                       shared["score_later_turns"])
         entry["samples"] = sorted({int(c["samples"]) for c in cells if c["samples"] is not None})
         entry["seconds"] = math.fsum({c["part"]: c["unit_seconds"] for c in cells if c["unit_seconds"]}.values())
+    compare(list(out.values()))
     return list(out.values())
+
+
+def compare(summary: list[dict]) -> None:
+    """Each entry's paired intervals (intervals.py): `vs_fullkv` against fullkv, and `vs_next` against the entry
+    scored next below it at the same ratio (`next`: its base spec); None where the samples are not paired."""
+    full = next((e for e in summary if e["spec"] == "fullkv"), None)
+    for entry in summary:
+        entry["vs_fullkv"] = entry["vs_next"] = entry["next"] = None
+        if full is not None and entry is not full and entry["sample_scores"] and full["sample_scores"]:
+            entry["vs_fullkv"] = paired_interval(differences(entry["sample_scores"], full["sample_scores"]))
+    ranked: dict[float, list[dict]] = {}
+    for entry in summary:
+        if entry["ratio"] is not None and entry["score"] is not None:
+            ranked.setdefault(entry["ratio"], []).append(entry)
+    for group in ranked.values():
+        group.sort(key=lambda e: -e["score"])      # stable: equal scores keep the CSV's order
+        for upper, lower in zip(group, group[1:]):
+            if upper["sample_scores"] and lower["sample_scores"]:
+                upper["next"] = lower["base"]   # the same ratio: the method names it
+                upper["vs_next"] = paired_interval(differences(upper["sample_scores"], lower["sample_scores"]))
+
+
+def _interval(interval) -> str:
+    """'-12.3 [-20.0, -4.0]', with ' ≈' where the interval holds 0 (the samples cannot tell the two apart)."""
+    if interval is None:
+        return "-"
+    mean, low, high = interval
+    return f"{mean:+.1f} [{low:+.1f}, {high:+.1f}]" + (" ≈" if holds_zero(interval) else "")
 
 
 def _mean(values) -> Optional[float]:
@@ -51,10 +85,16 @@ def _kl(value) -> str:
     return "-" if value is None else f"{value:.2e}"
 
 
+def _next(entry: dict) -> str:
+    return "-" if entry["vs_next"] is None else f"{_interval(entry['vs_next'])} vs {entry['next']}"
+
+
 def figure(rows: list[dict]) -> str:
-    """Score vs fraction kept (left) and KL from fullkv vs fraction kept (right): a line per method swept over
-    ratios, a point per method placed at its measured share, fullkv's score as the ceiling; failed entries as red
-    crosses on the axis. The SVG's text, with fixed metadata, so the same CSV gives the same bytes."""
+    """Score vs fraction kept (left, with the paired 95 % interval of the difference from fullkv where measured),
+    KL from fullkv vs fraction kept (middle) and the block-freeable share at 16 tokens (right, beside 1 - kept: the
+    bytes freed): a line per method swept over ratios, a point per method placed at its measured share, fullkv's
+    score as the ceiling; failed entries as red crosses on the axis. The SVG's text, with fixed metadata, so the
+    same CSV gives the same bytes."""
     import io
 
     import matplotlib
@@ -64,7 +104,7 @@ def figure(rows: list[dict]) -> str:
 
     matplotlib.rcParams.update({"svg.hashsalt": "pyramidkv-leaderboard", "svg.fonttype": "path"})
     summary = entries(rows)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.2))
+    fig, (left, right, blocks) = plt.subplots(1, 3, figsize=(19, 5.2))
     lines: dict[str, list[dict]] = {}
     for entry in summary:
         lines.setdefault(entry["base"], []).append(entry)
@@ -85,6 +125,15 @@ def figure(rows: list[dict]) -> str:
             left.plot([e["kept"] for e in ok], [e["score"] if e["score"] is not None else math.nan for e in ok],
                       label=label, **style)
             right.plot([e["kept"] for e in ok], [e["kl"] if e["kl"] is not None else math.nan for e in ok], **style)
+            paired = [e for e in ok if e["vs_fullkv"] is not None and e["score"] is not None]
+            if paired:        # the paired interval of the difference from fullkv, drawn around the score
+                left.errorbar([e["kept"] for e in paired], [e["score"] for e in paired], fmt="none", ecolor=color,
+                              capsize=3, linewidth=0.8,
+                              yerr=[[e["vs_fullkv"][0] - e["vs_fullkv"][1] for e in paired],
+                                    [e["vs_fullkv"][2] - e["vs_fullkv"][0] for e in paired]])
+            freed = [e for e in ok if e["block_free_16"] is not None]
+            if freed:
+                blocks.plot([e["kept"] for e in freed], [e["block_free_16"] for e in freed], **style)
         for e in failed:
             x = e["ratio"] if e["ratio"] is not None else 1.0
             left.plot([x], [0], marker="x", color="red", markersize=8, linestyle="none")
@@ -94,12 +143,15 @@ def figure(rows: list[dict]) -> str:
     right.set(xlabel="fraction of the prompt kept", ylabel="mean KL from fullkv (nats / token)",
               title="KL divergence from fullkv (teacher forced)")
     right.set_yscale("symlog", linthresh=1e-4)
+    blocks.plot([0, 1], [1, 0], color="black", linestyle="--", linewidth=1, label="1 - kept (bytes freed)")
+    blocks.set(xlabel="fraction of the prompt kept", ylabel="share of 16-token blocks freeable",
+               title="paged engine: blocks no head holds (block 16)", ylim=(-0.03, 1.03))
     left.set_ylim(-3, 103)
-    for axis in (left, right):
+    for axis in (left, right, blocks):
         axis.set_xlim(0, 1.05)
         axis.grid(alpha=0.3)
     fig.legend(*left.get_legend_handles_labels(), loc="center right", fontsize=7, frameon=False)
-    fig.subplots_adjust(right=0.8, wspace=0.25)
+    fig.subplots_adjust(right=0.85, wspace=0.25)
     out = io.StringIO()
     fig.savefig(out, format="svg", metadata={"Date": None, "Creator": None})
     plt.close(fig)
@@ -139,22 +191,28 @@ def page(rows: list[dict], csv_name: str, figure_name: str, command: str) -> str
         "tasks; `KL`: mean KL divergence of the next-token distribution from fullkv's over the reference answers, "
         "teacher forced; `agree`: the greedy answer's common prefix with fullkv's; `bytes`: K/V bytes held x "
         "fullkv's; `shared`: the shared-context protocol's turn 1 / later turns (compress once, ask "
-        f"{SHARED_QUESTIONS_TEXT}).",
+        f"{SHARED_QUESTIONS_TEXT}). `free@16`, `free@32`: the share of the full cache's blocks of 16 (32) tokens in "
+        "which no head of a layer holds a token when the answer ended: what a paged engine could return to its pool "
+        "without compacting (docs/serving.md). `vs fullkv`: the score's difference from fullkv's on the same "
+        f"samples with its paired bootstrap {LEVEL:.0%} interval ({RESAMPLES} resamples within each task, numpy "
+        f"default_rng({SEED}); leaderboard/intervals.py); `vs next`: the same against the entry scored next below at "
+        "the same ratio (named); ≈ marks an interval that holds 0: the samples cannot tell the two apart. "
+        "`-`: not measured (cells run before a column existed, or one sample per cell for the intervals).",
         "",
-        "| entry | kept | score | " + " | ".join(tasks) + " | KL | agree | bytes | prefill ms | decode ms/token | shared "
-        "| state |",
-        "|---|---|---|" + "---|" * len(tasks) + "---|---|---|---|---|---|---|",
+        "| entry | kept | score | vs fullkv | " + " | ".join(tasks) + " | vs next | KL | agree | bytes | free@16 | "
+        "free@32 | prefill ms | decode ms/token | shared | state |",
+        "|---|---|---|---|" + "---|" * len(tasks) + "---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in summary:
         shared = "-" if e["shared"] is None else (
             f"{_fmt(e['shared'][1], 0)} / {_fmt(e['shared'][2], 0)}" if e["shared"][0] == "done" else e["shared"][0])
         state = e["status"] + (f": {e['errors'][0]}" if e["errors"] else "")
         out.append(f"| {e['spec'] if e['ratio'] is None else e['base'] + ' @ ' + format(e['ratio'], 'g')} | "
-                   f"{_fmt(e['kept'], 2)} | {_fmt(e['score'])} | "
+                   f"{_fmt(e['kept'], 2)} | {_fmt(e['score'])} | {_interval(e['vs_fullkv'])} | "
                    + " | ".join(_fmt(e["tasks"].get(t), 0) for t in tasks)
-                   + f" | {_kl(e['kl'])} | {_fmt(e['agreement'], 2)} | {_fmt(e['kv_bytes_x_fullkv'], 2)} | "
-                   f"{_fmt(e['prefill_ms'], 0)} | {_fmt(e['decode_ms_per_token'], 0)} | {shared} | "
-                   f"{state.replace('|', '/')} |")
+                   + f" | {_next(e)} | {_kl(e['kl'])} | {_fmt(e['agreement'], 2)} | {_fmt(e['kv_bytes_x_fullkv'], 2)} | "
+                   f"{_fmt(e['block_free_16'], 2)} | {_fmt(e['block_free_32'], 2)} | {_fmt(e['prefill_ms'], 0)} | "
+                   f"{_fmt(e['decode_ms_per_token'], 0)} | {shared} | {state.replace('|', '/')} |")
     return "\n".join(out) + "\n"
 
 

@@ -17,12 +17,15 @@ import math
 from pathlib import Path
 from typing import Optional
 
+from pyramidkv.leaderboard.intervals import differences, paired_interval
+from pyramidkv.sizing.blocks import BLOCK_SIZES
 from pyramidkv.leaderboard.grid import NEEDLE, RULER_TASKS, SHARED, SHARED_QUESTIONS, SHARED_TASK, Grid, Unit
 
 COLUMNS = ("model", "context_length", "part", "task", "method", "base", "spec", "treatment", "ratio",
-           "compression_ratio", "kept", "samples", "score", "score_turn_1", "score_later_turns", "kl", "agreement",
-           "kv_bytes", "kv_bytes_x_fullkv", "kept_share", "prefill_ms", "decode_ms_per_token", "unit_seconds",
-           "status", "error", "torch", "transformers", "pyramidkv", "git_commit")
+           "compression_ratio", "kept", "samples", "score", "vs_fullkv", "vs_fullkv_low", "vs_fullkv_high",
+           "score_turn_1", "score_later_turns", "kl", "agreement", "kv_bytes", "kv_bytes_x_fullkv", "block_free_16",
+           "block_free_32", "kept_share", "prefill_ms", "decode_ms_per_token", "unit_seconds", "status", "error",
+           "torch", "transformers", "pyramidkv", "git_commit", "sample_scores")
 
 
 def cell_tasks(grid: Grid, unit: Unit) -> list[tuple[str, str, str, str]]:
@@ -64,6 +67,11 @@ def collect(grid: Grid, save_dir: Path, folders: dict[str, Path]) -> list[dict]:
             row["kv_bytes_x_fullkv"] = _round(row["kv_bytes"] / full["kv_bytes"])
         if row["treatment"] in ("fixed", "outcome"):
             row["kept"] = row["kept_share"] if row["kept_share"] is not None else row["kv_bytes_x_fullkv"]
+        if full and row is not full and row["sample_scores"] and full["sample_scores"]:
+            mine, theirs = json.loads(row["sample_scores"]), json.loads(full["sample_scores"])
+            interval = paired_interval(differences({"t": mine}, {"t": theirs}))
+            if interval is not None:
+                row["vs_fullkv"], row["vs_fullkv_low"], row["vs_fullkv_high"] = (_round(v) for v in interval)
     return rows
 
 
@@ -94,6 +102,13 @@ def _cell(grid, unit, task, status, results, meta, key, preds, full, row_key) ->
     row["kl"] = _mean([r["kl_vs_fullkv"] for r in preds if "kl_vs_fullkv" in r])
     row["kv_bytes"] = _mean([r["kv_bytes"] for r in preds if "kv_bytes" in r])
     row["kept_share"] = _mean([r["kept_share"] for r in preds if "kept_share" in r])
+    for size in BLOCK_SIZES:
+        row[f"block_free_{size}"] = _mean([r.get(f"block_free_{size}") for r in preds])
+    if unit.part == "ruler":      # per sample, the task's own metric (its mean over the samples is the score)
+        from pyramidkv.benchmarks.ruler.scoring import score_task
+
+        row["sample_scores"] = json.dumps({str(r[row_key]): score_task(task, [r["pred"]], [r["outputs"]])
+                                           for r in preds}, separators=(",", ":"))
     row["prefill_ms"] = _mean([r["prefill_ms"] for r in preds if "prefill_ms" in r])
     row["decode_ms_per_token"] = _mean([r["decode_ms_per_token"] for r in preds if "decode_ms_per_token" in r])
     pairs = [(r["pred"], full[r[row_key]]["pred"]) for r in preds if r[row_key] in full]
@@ -137,7 +152,8 @@ def to_csv(rows: list[dict]) -> str:
     return out.getvalue()
 
 
-NUMERIC = {"context_length", "ratio", "compression_ratio", "kept", "samples", "score", "score_turn_1",
+NUMERIC = {"context_length", "ratio", "compression_ratio", "kept", "samples", "score", "vs_fullkv", "vs_fullkv_low",
+           "vs_fullkv_high", "block_free_16", "block_free_32", "score_turn_1",
            "score_later_turns", "kl", "agreement", "kv_bytes", "kv_bytes_x_fullkv", "kept_share", "prefill_ms",
            "decode_ms_per_token", "unit_seconds"}
 
@@ -145,10 +161,10 @@ NUMERIC = {"context_length", "ratio", "compression_ratio", "kept", "samples", "s
 def read_csv(path: Path) -> list[dict]:
     with open(path, encoding="utf-8", newline="") as f:
         rows = list(csv.DictReader(f))
-    for row in rows:
+    for row in rows:       # a CSV written before a column existed reads it as empty
         for k in NUMERIC:
             row[k] = None if row.get(k) in ("", None) else float(row[k])
         for k in COLUMNS:
-            if k not in NUMERIC and row.get(k) == "":
+            if k not in NUMERIC and row.get(k) in ("", None):
                 row[k] = None
     return rows

@@ -34,6 +34,14 @@ def achieved(output) -> dict:
             "kept_share_per_layer": [round(x, 6) for x in per_layer]}
 
 
+def block_fields(output) -> dict:
+    """The fields every prediction row adds: per block size the share of the full cache's blocks a paged engine
+    could free when the answer ended (`block_free_16`, `block_free_32`; sizing/blocks.py); none where the
+    generation did not record them."""
+    free = getattr(output, "block_free", None)
+    return {} if not free else {f"block_free_{size}": share for size, share in free.items()}
+
+
 def batches(samples: list, size: int, by_length: bool = False) -> list[list]:
     """Batches of at most `size` samples, each of one max_new_tokens and one batch_group, in the given order;
     with by_length (and size > 1) longest prompt first, so a batch holds prompts of near lengths: little left

@@ -38,7 +38,7 @@ from pyramidkv.runner.shared import (  # noqa: F401 (Question: the adapters')
 )
 from pyramidkv.runner.arguments import ArgumentParser
 from pyramidkv.runner.divergence import check_kl_flags
-from pyramidkv.runner.batching import achieved, batches, load_run_model  # noqa: F401 (achieved: the adapters')
+from pyramidkv.runner.batching import achieved, batches, block_fields, load_run_model  # noqa: F401 (the adapters')
 from pyramidkv.runner.cli import INPUT_ERRORS, HelpScope, add_model_and_method_args, check_run_args, fail
 from pyramidkv.runner.labels import QUESTION_AS_DECODE_SUFFIX, model_label, run_dir
 from pyramidkv.runner.method_args import (
@@ -147,7 +147,7 @@ class Benchmark:
 
     def prediction_row(self, sample: Sample, output) -> dict:
         return {self.key: sample.key, "pred": output.text, **(sample.row or {}), "prompt_tokens": output.prompt_tokens,
-                "kv_bytes": output.kv_bytes_per_prompt, **achieved(output)}
+                "kv_bytes": output.kv_bytes_per_prompt, **achieved(output), **block_fields(output)}
 
     def question_row(self, sample: Sample, question, output) -> dict:
         """What a question's row (several questions per context: runner/shared.py) adds over `prediction_row`: by

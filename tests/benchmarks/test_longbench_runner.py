@@ -14,7 +14,8 @@ from pyramidkv.benchmarks.longbench import run as R
 from tests.helpers import ROOT, longbench_data_dir
 
 MULTI_NEWS = longbench_data_dir() / "multi_news.jsonl"
-ROW_KEYS = {"_id", "pred", "answers", "all_classes", "length", "prompt_tokens", "kv_bytes"}
+ROW_KEYS = {"_id", "pred", "answers", "all_classes", "length", "prompt_tokens", "kv_bytes", "block_free_16",
+            "block_free_32"}
 
 
 @pytest.fixture

@@ -39,7 +39,10 @@ def test_end_to_end_outputs_and_rescore(tiny_model_dir, tmp_path, monkeypatch):
         rows = _lines(run / f"{task}_1024.jsonl")
         assert sorted(r["index"] for r in rows) == [0, 1, 2]
         for r in rows:
-            assert set(r) == {"index", "pred", "outputs", "length", "prompt_tokens", "kv_bytes"}
+            assert set(r) == {"index", "pred", "outputs", "length", "prompt_tokens", "kv_bytes", "block_free_16",
+                              "block_free_32"}
+            # a free 32-token block is two free 16-token blocks: the share at 32 is never above the share at 16
+            assert 0.0 <= r["block_free_32"] <= r["block_free_16"] <= 1.0
             assert r["prompt_tokens"] + max_new == r["length"] <= 1024
             assert r["kv_bytes"] > 0 and isinstance(r["pred"], str)
         data = _lines(tmp_path / "data" / Path(tiny_model_dir).name / f"{task}_1024.jsonl")

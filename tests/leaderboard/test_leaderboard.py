@@ -215,8 +215,10 @@ def test_count_shows_its_progress_while_it_checks_every_unit(tiny_model_dir, tmp
     out, err = capsys.readouterr()
     assert out.strip() == "2 units" and "checking every unit (no weights)" in err and "/2 [" in err, err[-300:]
 
-def test_the_committed_page_and_figure_are_what_the_committed_csv_gives():
-    docs = ROOT / "docs"
+@pytest.mark.parametrize("folder", ["docs", "docs/leaderboard_16_32"])
+def test_the_committed_page_and_figure_are_what_the_committed_csv_gives(folder):
+    """The published page and the reduced example at 16:1 and 32:1 (3 samples per cell)."""
+    docs = ROOT / folder
     grid = Grid(**json.loads((docs / "leaderboard" / "grid.json").read_text()))
     rendered = render(read_csv(docs / "leaderboard" / "leaderboard.csv"), grid, links="leaderboard/")
     assert rendered["leaderboard.md"] == (docs / "leaderboard.md").read_text()

@@ -52,7 +52,7 @@ REQUIRED_FIELDS = ("_id", "answers", "length")
 HUB_DATASET = "THUDM/LongBench"
 
 from pyramidkv.benchmarks.prompting import chat_frame  # noqa: E402
-from pyramidkv.runner.protocol import Benchmark, Sample, SampleFile, achieved, run_benchmark  # noqa: E402
+from pyramidkv.runner.protocol import Benchmark, Sample, SampleFile, achieved, block_fields, run_benchmark  # noqa: E402
 from pyramidkv.runner.protocol import build_parser as protocol_parser  # noqa: E402
 
 
@@ -416,7 +416,7 @@ class LongBench(Benchmark):
 
     def prediction_row(self, sample, output) -> dict:
         return {"_id": sample.key, "pred": output.text, **sample.row, "prompt_tokens": output.prompt_tokens,
-                "kv_bytes": output.kv_bytes_per_prompt, **achieved(output)}
+                "kv_bytes": output.kv_bytes_per_prompt, **achieved(output), **block_fields(output)}
 
     def score(self, args, out_dir, files, method, model):
         if not args.eval:

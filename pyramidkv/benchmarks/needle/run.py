@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 from pyramidkv.benchmarks import needle as nd
 from pyramidkv.runner.protocol import (
-    Benchmark, Question, Sample, SampleFile, achieved, run_benchmark, write_results,
+    Benchmark, Question, Sample, SampleFile, achieved, block_fields, run_benchmark, write_results,
 )
 from pyramidkv.runner.protocol import build_parser as protocol_parser
 
@@ -198,7 +198,7 @@ class Needle(Benchmark):
         return {"key": sample.key, "context_length": row["context_length"], "depth_percent": row["depth_percent"],
                 "pred": pred, **nd.score_answer(pred), "prompt_tokens": output.prompt_tokens,
                 "kv_bytes": output.kv_bytes_per_prompt, "needle_depth_actual": row["needle_depth_actual"],
-                "new_tokens": output.new_tokens, **achieved(output)}
+                "new_tokens": output.new_tokens, **achieved(output), **block_fields(output)}
 
     def score(self, args, out_dir, files, method, model) -> dict:
         from pyramidkv.runner.results import read_unique_rows

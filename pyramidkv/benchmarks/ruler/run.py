@@ -26,7 +26,7 @@ from pyramidkv.benchmarks.ruler.tasks import (
     DEFAULT_TASKS, OFFLINE_TASKS, QA_TASKS, TASKS, check_questions_per_context,
 )
 from pyramidkv.runner.protocol import (
-    Benchmark, Question, Sample, SampleFile, achieved, run_benchmark, write_results,
+    Benchmark, Question, Sample, SampleFile, achieved, block_fields, run_benchmark, write_results,
 )
 from pyramidkv.runner.protocol import build_parser as protocol_parser
 
@@ -161,7 +161,7 @@ class Ruler(Benchmark):
 
     def prediction_row(self, sample, output) -> dict:
         return {"index": sample.key, "pred": output.text, **sample.row, "prompt_tokens": output.prompt_tokens,
-                "kv_bytes": output.kv_bytes_per_prompt, **achieved(output)}
+                "kv_bytes": output.kv_bytes_per_prompt, **achieved(output), **block_fields(output)}
 
     def score(self, args, out_dir, files, method, model) -> dict:
         return score_run(out_dir, self.sets, model, method)
