@@ -66,6 +66,7 @@ TIERS: dict[str, tuple[str, ...]] = {
         "tests/scripts/test_sweep_summary.py::test_sweep_runs_a_method_without_a_budget_once",
         "tests/scripts/test_sweep_summary.py::test_sweep_variants_run_each_method_and_budget_with_each_flag_set",
         "tests/test_install.py",
+        "tests/tf5/test_runners.py",
         "tests/test_issue16_defects.py::test_a_sweep_with_one_invalid_variant_runs_nothing",
         "tests/test_issue16_defects.py::test_examples_refuse_a_bad_method_or_budget_in_one_line",
         "tests/test_issue16_defects.py::test_head_scores_checks_before_loading",
