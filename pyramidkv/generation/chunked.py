@@ -30,6 +30,7 @@ def prefill_in_chunks(model, cache, input_ids: torch.Tensor, size: int) -> Chunk
     n = input_ids.shape[1]
     bounds = chunk_bounds(n - 1, size) if n > 1 else []
     state = ChunkedPrefill(cache.method, cache.model_shape, bounds[0][1] if bounds else 1, n)
+    state.chunks = len(bounds)
     cache.pad_lens, cache.prompt, cache.chunked = [0], state.first, state
     try:
         for start, stop in bounds:

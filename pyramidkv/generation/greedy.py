@@ -39,6 +39,10 @@ class Generation:
     # Every method: per block size (sizing/blocks.py BLOCK_SIZES) the share of the full cache's blocks that no head
     # of their layer holds a token in when the prompt stopped (what a paged engine could return to its pool).
     block_free: Optional[dict[int, float]] = None
+    # With prefill_chunk_size: the chunks the prompt was prefilled in (1: it fit in one, the prefill was not
+    # chunked) and the most K/V bytes held at once during them; None without the option.
+    prefill_chunks: Optional[int] = None
+    peak_prefill_kv_bytes: Optional[int] = None
 
 
 @torch.no_grad()
@@ -107,11 +111,12 @@ def generate(
                                          stop_token_ids, min_new_tokens, decode_threads)
     input_ids, attention_mask, width, pad_id = _left_padded(model, tokenizer, token_lists)
     eos = default_stop_token_ids(model, tokenizer) if stop_token_ids is None else [int(t) for t in stop_token_ids]
+    chunked = None
     with compress(model, method) as patch, _prompt_then_decode(model, decode_threads):
         cache = patch.new_cache(token_lists, tokenizer)
         if prefill_chunk_size is not None:
             PrefillChunks(prefill_chunk_size).check(method, patch.shape)
-            prefill_in_chunks(model, cache, input_ids, prefill_chunk_size)
+            chunked = prefill_in_chunks(model, cache, input_ids, prefill_chunk_size)
         output = model.generate(
             input_ids=input_ids, attention_mask=attention_mask, **{CACHE_ARGUMENT: cache},
             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=False, temperature=None,
@@ -126,7 +131,8 @@ def generate(
         cut = next((i for i, tok in enumerate(new) if tok in stops), len(new))
         text = tokenizer.decode(new[:cut], skip_special_tokens=True)
         results.append(Generation(text, len(tokens), cut, cache.final_kv_bytes(row), *_held(cache, row, stop.held),
-                                  stop.blocks.get(row) or blocks_free_now(cache, row)))
+                                  stop.blocks.get(row) or blocks_free_now(cache, row),
+                                  chunked and chunked.chunks, chunked and cache.peak_prefill_kv_bytes))
     return results
 
 

@@ -37,9 +37,13 @@ def achieved(output) -> dict:
 def block_fields(output) -> dict:
     """The fields every prediction row adds: per block size the share of the full cache's blocks a paged engine
     could free when the answer ended (`block_free_16`, `block_free_32`; sizing/blocks.py); none where the
-    generation did not record them."""
+    generation did not record them. With --prefill_chunk_size also the chunks the prompt was prefilled in (1: the
+    prompt fit in one chunk, nothing was chunked) and the peak K/V bytes during the prefill."""
     free = getattr(output, "block_free", None)
-    return {} if not free else {f"block_free_{size}": share for size, share in free.items()}
+    fields = {} if not free else {f"block_free_{size}": share for size, share in free.items()}
+    if getattr(output, "prefill_chunks", None) is not None:   # with --prefill_chunk_size: what the prefill did
+        fields.update(prefill_chunks=output.prefill_chunks, peak_prefill_kv_bytes=output.peak_prefill_kv_bytes)
+    return fields
 
 
 def batches(samples: list, size: int, by_length: bool = False) -> list[list]:

@@ -177,6 +177,22 @@ def test_a_batch_is_chunked_prompt_by_prompt():
              for p in prompts]
     assert together == alone
     assert [g.kv_bytes_per_prompt for g in together] == [2 * (16 + 1 + 2) * 2 * 2 * 16 * 4] * 2
+    # 39 and 56 tokens before the last: chunks of 8, the first 7 and 8 long (5 and 7 chunks)
+    assert [g.prefill_chunks for g in together] == [5, 7]
+    assert [g.peak_prefill_kv_bytes for g in together] == [(2 * 16 + 8) * 2 * 2 * 16 * 4] * 2   # budgets + a chunk
+
+
+def test_the_rows_say_when_a_chunk_size_left_the_prompt_whole():
+    """A chunk size at or above the prompt's length prefills it in one forward: the row says 1 chunk (a sweep over
+    chunk sizes sees which of its runs were chunked at all); without the option the rows carry no chunk fields."""
+    from pyramidkv.runner.batching import block_fields
+
+    model, method, ids = tiny_llama(layers=2), make_method("snapkv", budget=16, window_size=4), prompt(40)[0].tolist()
+    one, = generate(model, TokenIds(), [ids], method, max_new_tokens=2, stop_token_ids=[], prefill_chunk_size=64)
+    plain, = generate(model, TokenIds(), [ids], method, max_new_tokens=2, stop_token_ids=[])
+    assert (one.prefill_chunks, one.text) == (1, plain.text)
+    assert block_fields(one)["prefill_chunks"] == 1 and "peak_prefill_kv_bytes" in block_fields(one)
+    assert plain.prefill_chunks is None and "prefill_chunks" not in block_fields(plain)
 
 
 @pytest.mark.parametrize("size, method, words", [
