@@ -28,7 +28,10 @@ def decode_row(model, ids, spec: str, budget: int, new_tokens: int, warmup: int)
     method = method_from_spec(spec, budget)
     patch = compress(model, method)
     try:
-        cache = patch.new_cache(ids.tolist(), None)
+        try:
+            cache = patch.new_cache(ids.tolist(), None)
+        except TypeError:   # checkouts before the cache took the prompt (67e8965 and older: bisecting)
+            cache = patch.new_cache()
         token = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
         times = []
         for step in range(warmup + new_tokens):
