@@ -43,6 +43,7 @@ from typing import Optional
 import torch
 
 from pyramidkv.core.context import CompressionMethod, DecodeScoreContext
+from pyramidkv.core.drop_one import drop_one
 from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.scoring import PLAIN, scores_per_stored_head, window_attention
@@ -80,6 +81,7 @@ class DecodeCompressor:
         self.peak_kv_bytes = 0                      # the most bytes stored at any moment while decoding
         self.layer_bytes = [0] * self.num_layers    # each layer's stored bytes, recounted when it changes
         self.pad_lens: list[int] = []
+        self.drop_grid = None                       # drop_one.py's constant tensors for the step's shape
         self.queries: list[Optional[torch.Tensor]] = [None] * self.num_layers        # [B, Hq, <= buffer_size, D]
         self.stats = None                           # what decode_score reads besides the tokens
         if method.accumulates_attention:
@@ -172,64 +174,9 @@ class DecodeCompressor:
             self.stats.replace(layer_idx, [torch.cat([a for *_, a in heads]) for heads in held])
 
     def _drop_one(self, layer_idx: int, fire: list[bool]) -> bool:
-        """The per-step rule's steady state (decode_interval 1, TOVA's default) without the rebuild: where each head
-        of each firing prompt holds decode_budget + 1 tokens in a full-precision store keeping the same count in every
-        head (no thin rows), no merge rule, no statistics, each such head drops its lowest-scored candidate (ties: the
-        older, as select_kept_positions), scored from the very context _reselect builds (same scores), a prompt's
-        heads in one index_select. False, changing nothing, where that does not hold (the general path runs)."""
-        store, method = self.stores[layer_idx], self.method
-        if method.merge is not None or self.stats is not None or not isinstance(store, FullPrecisionStore) or \
-                any(k.thin is not None or not k.uniform for k in store.kept):
-            return False
-        held, t, full = store.held_counts(), store.tail_len, self.budget + 1
-        if any(f and set(h) != {full} for f, h in zip(fire, held)):
-            return False
-        tail_keys, tail_values = store.tail()
-        heads, kept = store.heads, []
-        for b, k in enumerate(store.kept):
-            length, dim = k.lengths[0], k.keys.shape[-1]
-            m = length + t
-            start = store.tail_start[b]
-            tail = torch.arange(start, start + t, device=k.positions.device, dtype=k.positions.dtype)
-            keys = torch.cat([k.keys.view(heads, length, dim), tail_keys[b]], dim=1)        # [H, m, D]
-            values = torch.cat([k.values.view(heads, length, dim), tail_values[b]], dim=1)
-            positions = torch.cat([k.positions.view(heads, length), tail.expand(heads, t)], dim=1)
-            keys, values, positions = keys.reshape(-1, dim), values.reshape(-1, dim), positions.reshape(-1)
-            count = m
-            if fire[b]:
-                rows = self._lowest(layer_idx, b, keys.view(heads, m, dim), values.view(heads, m, dim),
-                                    positions.view(heads, m))
-                if rows is None:
-                    return False
-                keys, values, positions = keys.index_select(0, rows), values.index_select(0, rows), positions[rows]
-                count = m - 1
-            kept.append(KeptKV(keys, values, [count] * heads, positions))
-        store.replace(kept, max_tail=self.interval)
-        return True
-
-    def _lowest(self, layer_idx: int, b: int, keys, values, positions) -> Optional[torch.Tensor]:
-        """Prompt b's held rows [H, m, ...] (m = decode_budget + 1): the rows of [H * m] that stay (all but each head's
-        lowest-scored candidate); None where a score is NaN or budget < window + sinks (the general path decides)."""
-        method = self.method
-        m = keys.shape[1]
-        window = min(method.window_size, m)
-        sinks = min(method.selection.num_sinks, m - window)
-        if self.budget < window + sinks:
-            return None
-        buffered = self.queries[layer_idx][b:b + 1]
-        w = min(buffered.shape[2], m)
-        real = torch.ones(1, 1, m, dtype=torch.bool, device=keys.device)[:, 0]
-        ctx = DecodeScoreContext(
-            layer_idx, self.num_layers, buffered[:, :, buffered.shape[2] - w:].to(keys.dtype), keys[None], values[None],
-            real, positions=positions[None], rotation=self.rotation, model=self.model)
-        scores = scores_per_stored_head(method.decode_score(ctx), method, keys.shape[0], ctx.queries.shape[1])[0]
-        candidates = scores[:, sinks:m - window]
-        if bool(candidates.isnan().any()):
-            return None
-        lowest = sinks + candidates.argmin(dim=-1, keepdim=True)                    # [H, 1]: first of equal minima
-        every = torch.arange(m - 1, device=keys.device).expand(keys.shape[0], -1)
-        offsets = torch.arange(0, keys.shape[0] * m, m, device=keys.device)[:, None]
-        return (every + (every >= lowest) + offsets).view(-1)
+        """The per-step rule's steady state in place (core/drop_one.py); False, changing nothing, where it does not
+        apply (the general path runs)."""
+        return drop_one(self, layer_idx, fire)
 
     def _context(self, layer_idx: int, b: int, heads: list[HeldHead]) -> tuple[DecodeScoreContext, list[int]]:
         """Prompt b's held tokens in the prefill layout (DecodeScoreContext), and each head's left padding."""

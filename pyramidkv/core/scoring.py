@@ -97,7 +97,7 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, real: torch.Tens
     w = min(window_size, q, n)
     s = grouped_scores(queries[:, :, q - w :], keys, form)  # [B, Hq, w, n]
     allowed = real_per_query_head(real, queries.shape[1])[:, :, None, :]
-    if not causal:
+    if not causal or (w == 1 and pattern is None):   # one query, the last: it sees every key (no causal mask)
         return probabilities(s, allowed)
     query_pos = torch.arange(n - w, n, device=keys.device)[:, None]
     key_pos = torch.arange(n, device=keys.device)[None, :]

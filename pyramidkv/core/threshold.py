@@ -9,8 +9,11 @@ pending. Decisions run after the step's attention (a token leaving the window wa
 pushed it out); a prompt that loses a token has its held tokens rebuilt without it (physically freed), its tail
 folded into the kept rows, as a decode-time re-selection does (decoding.py).
 
-Per prompt, per layer: `pending` holds (positions [P], scores [H, P]) oldest first; positions are true
-(0 = first real prompt token).
+Per prompt, per layer: `pending` holds (first, scores [H, P]): the pending tokens are the true positions
+first .. first + P - 1 (0 = first real prompt token), oldest first. They are consecutive: every token from the first
+pending one to the newest is pending (a token >= num_sinks becomes pending as it enters and leaves only once every
+older one has), so the P' tokens leaving at a step are the first P' and, as every pending token is held in every
+head, the token at position p is row m - 1 - (newest - p) of a head holding m tokens (`_evict` cuts there).
 """
 
 from __future__ import annotations
@@ -66,12 +69,11 @@ class ThresholdDecoder:
         pending = []
         for b, real in enumerate(real_lens):
             first = max(real - self.window, self.sinks)   # true positions [first, real) are pending
-            positions = torch.arange(first, max(first, real), device=keys.device)
-            if scores is None or not positions.numel():
+            if scores is None or first >= real:
                 heads = 1 if scores is None else scores.shape[1]
-                pending.append((positions[:0], keys.new_zeros(heads, 0, dtype=torch.float32)))
+                pending.append((first, keys.new_zeros(heads, 0, dtype=torch.float32)))
             else:
-                pending.append((positions, scores[b, :, n - real + first:]))
+                pending.append((first, scores[b, :, n - real + first:]))
         self.pending[layer_idx] = pending
 
     def after_prefill(self, layer_idx: int) -> None:
@@ -86,10 +88,10 @@ class ThresholdDecoder:
         if self.window < 1:
             return 1
         steps = self.window
-        for (positions, scores), start in zip(self.pending[layer_idx], self.next_position[layer_idx]):
-            fails = positions[(scores < self.threshold).any(dim=0)]
+        for (first, scores), start in zip(self.pending[layer_idx], self.next_position[layer_idx]):
+            fails = (scores < self.threshold).any(dim=0).nonzero()
             if fails.numel():   # position p leaves after the step that appends p + W, step p + W - start + 1
-                steps = min(steps, int(fails[0]) + self.window - start + 1)
+                steps = min(steps, first + int(fails[0]) + self.window - start + 1)
         return steps
 
     def after_attend(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor = None,
@@ -110,15 +112,19 @@ class ThresholdDecoder:
         for b in range(bsz):
             start = self.next_position[layer_idx][b]
             self.next_position[layer_idx][b] = start + q_len
-            new = torch.arange(start, start + q_len, device=keys.device)
-            keep_new = new >= self.sinks
-            held_positions = torch.cat([pending[b][0], new[keep_new]])
-            held_scores = torch.cat([pending[b][1].to(scores.device), scores[b][:, keep_new]], dim=1)
-            leaving = held_positions <= start + q_len - 1 - self.window
-            pending[b] = (held_positions[~leaving], held_scores[:, ~leaving])
-            # the positions that leave [P], and per head which of them leave with a score below the threshold [H, P]
-            drops.append((held_positions[leaving], held_scores[:, leaving] < self.threshold))
-        if any(bool(fails.any()) for _, fails in drops):
+            first, held = pending[b]
+            entering = max(start, self.sinks)             # the new tokens from here on become pending
+            if entering < start + q_len:
+                new = scores[b] if entering == start else scores[b][:, entering - start:]
+                if held.shape[1]:
+                    held = torch.cat([held if held.device == new.device else held.to(new.device), new], dim=1)
+                else:
+                    first, held = entering, new
+            # the oldest pending tokens up to position newest - W leave: (their first position, fails [H, P'])
+            leaving = min(max(start + q_len - self.window - first, 0), held.shape[1])
+            pending[b] = (first + leaving, held[:, leaving:] if leaving else held)
+            drops.append((first, held[:, :leaving] < self.threshold))
+        if any(fails.shape[1] and bool(fails.any()) for _, fails in drops):
             self._evict(layer_idx, drops)
         self.layer_bytes[layer_idx] = self.stores[layer_idx].nbytes()   # the step's append, and any eviction
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
@@ -128,47 +134,67 @@ class ThresholdDecoder:
         store = self.stores[layer_idx]
         pending = self.pending[layer_idx]
         for b, f in enumerate(first):
-            positions, scores = pending[b]
-            pending[b] = (positions[positions >= f], scores[:, positions >= f])
+            start, scores = pending[b]
+            gone = min(max(f - start, 0), scores.shape[1])
+            pending[b] = (start + gone, scores[:, gone:])
         store.replace([KeptKV.from_heads([(k[p >= f], v[p >= f], p[p >= f]) for k, v, p in store.held(b)])
                        for b, f in enumerate(first)])
         self.layer_bytes[layer_idx] = store.nbytes()
 
     # ---- eviction ---------------------------------------------------------------------------
-    def _evict(self, layer_idx: int, drops: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Per prompt (positions [P], fails [H, P]): head h drops positions[fails[h]]; every prompt's held tokens
-        become its kept rows, head by head in position order (kept rows, then the tail's). In a full-precision store
-        without thin rows, a prompt's rows that stay are taken in one index_select of its kept and tail rows."""
+    def _evict(self, layer_idx: int, drops: list[tuple[int, torch.Tensor]]) -> None:
+        """Per prompt (first, fails [H, P]): head h drops the positions first + j where fails[h, j]; every prompt's
+        held tokens become its kept rows, head by head in position order (kept rows, then the tail's). In a
+        full-precision store without thin rows, each head's rows that stay are cut around the leaving rows (their
+        place known, module docstring) and a prompt's rows joined in one cat each for keys, values and positions."""
         store = self.stores[layer_idx]
         fast = isinstance(store, FullPrecisionStore) and all(k.thin is None for k in store.kept)
         kept, (tail_keys, tail_values) = [], store.tail() if fast else (None, None)
-        for b, (positions, fails) in enumerate(drops):
+        for b, (first, fails) in enumerate(drops):
             if not fast:   # the per-head rebuild
-                rows = []
+                positions, rows = torch.arange(first, first + fails.shape[1], device=fails.device), []
                 for h, (k, v, p) in enumerate(store.held(b)):
                     stay = ~torch.isin(p, positions[fails[h]])
                     self.evicted[layer_idx] += int((~stay).sum())
                     rows.append((k[stay], v[stay], p[stay]))
                 kept.append(KeptKV.from_heads(rows))
                 continue
-            held, t = store.kept[b], tail_keys.shape[2]
-            heads, device, dim = len(held.lengths), held.positions.device, held.keys.shape[-1]
-            tail = torch.arange(store.tail_start[b], store.tail_start[b] + t, device=device, dtype=held.positions.dtype)
-            every = torch.arange(heads, device=device)
-            owner = torch.cat([every.repeat_interleave(torch.tensor(held.lengths, device=device)),
-                               every.repeat_interleave(t)])                        # the head of each row
-            where = torch.cat([held.positions, tail.repeat(heads)])               # its position
-            span = int(torch.cat([where, positions]).max()) + 1 if where.numel() + positions.numel() else 1
-            head, column = fails.nonzero(as_tuple=True)
-            stay = ~torch.isin(owner * span + where, head * span + positions[column])
-            self.evicted[layer_idx] += int((~stay).sum())
-            rows = torch.sort(owner, stable=True).indices                          # head by head, in position order
-            rows = rows[stay[rows]]
-            kept.append(KeptKV(torch.cat([held.keys, tail_keys[b].reshape(-1, dim)]).index_select(0, rows),
-                               torch.cat([held.values, tail_values[b].reshape(-1, dim)]).index_select(0, rows),
-                               torch.bincount(owner[rows], minlength=heads).tolist(), where[rows]))
+            kept.append(self._cut(store.kept[b], tail_keys[b], tail_values[b], store.tail_start[b], first,
+                                  fails.tolist(), layer_idx))
         store.replace(kept)
         self.compressions[layer_idx] += 1
+
+    def _cut(self, held: KeptKV, tail_keys: torch.Tensor, tail_values: torch.Tensor, tail_start: int, first: int,
+             fails: list[list[bool]], layer_idx: int) -> KeptKV:
+        """One prompt's kept rows (flat, lengths per head) and tail [H, t, D] (positions tail_start ..) less the
+        positions first + j where fails[h][j], head by head: slices of both, joined by one cat per tensor."""
+        t = tail_keys.shape[1]
+        newest = tail_start + t - 1
+        tail_positions = torch.arange(tail_start, newest + 1, device=held.positions.device, dtype=held.positions.dtype)
+        keys, values, positions = [held.keys[:0]], [held.values[:0]], [held.positions[:0]]   # never empty lists
+        lengths, offset = [], 0
+        for h, length in enumerate(held.lengths):
+            # the head's rows in order: kept [offset, offset + length), then its tail; row r of the m it holds is
+            # kept row offset + r (r < length) or tail row r - length
+            m = length + t
+            cuts = [m - 1 - (newest - (first + j)) for j, fail in enumerate(fails[h]) if fail]
+            self.evicted[layer_idx] += len(cuts)
+            a = 0
+            for r in cuts + [m]:
+                for lo, hi, part in ((a, min(r, length), 0), (max(a, length), r, 1)):
+                    if lo < hi:
+                        if part == 0:
+                            keys.append(held.keys[offset + lo:offset + hi])
+                            values.append(held.values[offset + lo:offset + hi])
+                            positions.append(held.positions[offset + lo:offset + hi])
+                        else:
+                            keys.append(tail_keys[h, lo - length:hi - length])
+                            values.append(tail_values[h, lo - length:hi - length])
+                            positions.append(tail_positions[lo - length:hi - length])
+                a = r + 1
+            lengths.append(m - len(cuts))
+            offset += length
+        return KeptKV(torch.cat(keys), torch.cat(values), lengths, torch.cat(positions))
 
 
 def decoder_for(method: CompressionMethod, stores: list, model: ModelShape, stored_heads: int, rotation=None):

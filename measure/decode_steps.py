@@ -1,0 +1,80 @@
+"""Decode time per token of method specs after one untimed prefill each: the thread's CPU time (time.thread_time,
+one torch thread) of each greedy step, median over the steps, and each row as a ratio to the first. The prefill is
+not timed and runs once per row (measure/benchmark_latency_memory.py times both and repeats every row): this is the
+cheap figure for decode-time work such as per-step eviction, on a machine too loaded for the full benchmark.
+
+    PYTHONPATH=. python measure/decode_steps.py --context_length 4096 --budget 256 \
+        --methods snapkv fullkv tova kvzap duo_attention --new_tokens 24 --warmup 4
+
+Base and branch side by side: run it twice at once, PYTHONPATH at each checkout, same arguments. Each row also
+reports what its cache holds after the last step (tokens summed over layers and heads, and bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from pyramidkv import DEFAULT_MODEL_NAME, compress, load_model
+from pyramidkv.benchmarks.measure import method_from_spec, prompt_ids
+
+
+@torch.no_grad()
+def decode_row(model, ids, spec: str, budget: int, new_tokens: int, warmup: int) -> dict:
+    method = method_from_spec(spec, budget)
+    patch = compress(model, method)
+    try:
+        try:
+            cache = patch.new_cache(ids.tolist(), None)
+        except TypeError:   # checkouts before the cache took the prompt (67e8965 and older: bisecting)
+            cache = patch.new_cache()
+        token = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        times = []
+        for step in range(warmup + new_tokens):
+            start = time.thread_time()
+            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            if step >= warmup:
+                times.append(time.thread_time() - start)
+        held = sum(sum(cache.held_counts(layer)[0]) for layer in range(len(cache.layers)))
+        return {"decode_s_per_token": statistics.median(times), "held_tokens": held, "kv_bytes": cache.kv_bytes()}
+    finally:
+        patch.remove()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
+    parser.add_argument("--context_length", type=int, default=4096)
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--methods", nargs="+", default=["snapkv", "fullkv", "tova", "kvzap", "duo_attention"])
+    parser.add_argument("--new_tokens", type=int, default=24)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    for flag in ("context_length", "budget", "new_tokens"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    torch.set_num_threads(1)
+    model, tokenizer = load_model(args.model_path, "sdpa", "cpu", None)
+    ids = prompt_ids(tokenizer, args.context_length)
+    rows = {spec: decode_row(model, ids, spec, args.budget, args.new_tokens, args.warmup) for spec in args.methods}
+    first = rows[args.methods[0]]["decode_s_per_token"]
+    print(f"\nn = {args.context_length}, budget {args.budget}, {args.new_tokens} timed steps after {args.warmup}, "
+          f"thread CPU time, 1 thread\n\n| row | decode ms/token | x {args.methods[0]} | held tokens | KV MiB |\n"
+          "|---|---|---|---|---|")
+    for spec, r in rows.items():
+        print(f"| {spec} | {1000 * r['decode_s_per_token']:.1f} | {r['decode_s_per_token'] / first:.3f} | "
+              f"{r['held_tokens']} | {r['kv_bytes'] / 2**20:.2f} |")
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"arguments": vars(args), "results": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

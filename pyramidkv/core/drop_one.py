@@ -1,0 +1,86 @@
+"""The per-step decode rule's steady state in place (decode_interval 1, TOVA's default: core/decoding.py).
+
+Where each head of each firing prompt holds decode_budget + 1 tokens in a full-precision store keeping the same count
+in every head (no thin rows), with no merge rule and no token statistics, each such head drops its lowest-scored
+candidate (ties: the older, as select_kept_positions), scored from the very context the general re-selection builds
+(same scores), a prompt's heads in one index_select of its [H * m] held rows, instead of the rebuild through per-head
+copies, padding and sorts. The row index is the cached [H, m - 1] grid h * m + j shifted by one past each head's
+lowest (one comparison and one add a step). tests/core/test_in_place_eviction.py: the same held positions, stored
+K/V, tokens and bytes as the rebuild, step for step, on a float64 model.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pyramidkv.core.context import DecodeScoreContext
+from pyramidkv.core.full_precision import FullPrecisionStore
+from pyramidkv.core.kept import KeptKV
+from pyramidkv.core.scoring import scores_per_stored_head
+
+
+def drop_one(compressor, layer_idx: int, fire: list[bool]) -> bool:
+    """Drop each firing prompt's lowest candidate per head at this layer of `compressor` (a DecodeCompressor) and fold
+    every prompt's tail into its kept rows; False, changing nothing, where the steady state does not hold."""
+    store, method = compressor.stores[layer_idx], compressor.method
+    if method.merge is not None or compressor.stats is not None or not isinstance(store, FullPrecisionStore) or \
+            any(k.thin is not None or not k.uniform for k in store.kept):
+        return False
+    held, t, full = store.held_counts(), store.tail_len, compressor.budget + 1
+    if any(f and set(h) != {full} for f, h in zip(fire, held)):
+        return False
+    tail_keys, tail_values = store.tail()
+    heads, kept = store.heads, []
+    for b, k in enumerate(store.kept):
+        length, dim, start = k.lengths[0], k.keys.shape[-1], store.tail_start[b]
+        m = length + t
+        tail = torch.arange(start, start + t, device=k.positions.device, dtype=k.positions.dtype)
+        keys = torch.cat([k.keys.view(heads, length, dim), tail_keys[b]], dim=1)        # [H, m, D]
+        values = torch.cat([k.values.view(heads, length, dim), tail_values[b]], dim=1)
+        positions = torch.cat([k.positions.view(heads, length), tail.expand(heads, t)], dim=1)
+        count = m
+        if fire[b]:
+            rows = lowest_dropped(compressor, layer_idx, b, keys, values, positions)
+            if rows is None:
+                return False
+            keys, values = keys.view(-1, dim).index_select(0, rows), values.view(-1, dim).index_select(0, rows)
+            positions, count = positions.view(-1).index_select(0, rows), m - 1
+        kept.append(KeptKV(keys.view(-1, dim), values.view(-1, dim), [count] * heads, positions.view(-1)))
+    store.replace(kept, max_tail=compressor.interval)
+    return True
+
+
+def lowest_dropped(compressor, layer_idx: int, b: int, keys, values, positions) -> Optional[torch.Tensor]:
+    """Prompt b's held rows [H, m, ...] (m = decode_budget + 1): the rows of [H * m] that stay (all but each head's
+    lowest-scored candidate); None where a score is NaN or budget < window + sinks (the general path decides)."""
+    method = compressor.method
+    heads, m = keys.shape[:2]
+    window = min(method.window_size, m)
+    sinks = min(method.selection.num_sinks, m - window)
+    if compressor.budget < window + sinks:
+        return None
+    real, every, rows = _grid(compressor, heads, m, keys.device)   # [1, m] all real; [m - 1]; [H, m - 1]: h * m + j
+    buffered = compressor.queries[layer_idx][b:b + 1]
+    w = min(buffered.shape[2], m)
+    ctx = DecodeScoreContext(
+        layer_idx, compressor.num_layers, buffered[:, :, buffered.shape[2] - w:].to(keys.dtype), keys[None],
+        values[None], real, positions=positions[None], rotation=compressor.rotation, model=compressor.model)
+    scores = scores_per_stored_head(method.decode_score(ctx), method, heads, ctx.queries.shape[1])[0]
+    candidates = scores[:, sinks:m - window]
+    if bool(candidates.isnan().any()):
+        return None
+    lowest = candidates.argmin(dim=-1, keepdim=True) + sinks                    # [H, 1]: first of equal minima
+    return (rows + (every >= lowest)).view(-1)
+
+
+def _grid(compressor, heads: int, m: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's constant tensors, kept on the compressor while the shape holds (it does at every step)."""
+    cached = compressor.drop_grid
+    if cached is None or cached[0] != (heads, m, device):
+        every = torch.arange(m - 1, device=device)
+        cached = ((heads, m, device), torch.ones(1, m, dtype=torch.bool, device=device), every,
+                  every + torch.arange(0, heads * m, m, device=device)[:, None])
+        compressor.drop_grid = cached
+    return cached[1:]
