@@ -28,30 +28,11 @@ from pyramidkv.runner.arguments import ArgumentParser, output_file
 
 
 def post_rope_queries(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
-    """Per layer the queries [B, Hq, n, D] after RoPE of one forward of input_ids, as the layer's attention computes
-    them (the glue's projection and RoPE on the attention module's own inputs)."""
-    from pyramidkv.models.glue import decoder
-    from pyramidkv.models.patch import MODEL_GLUE
+    """Per layer the queries [B, Hq, n, D] after RoPE of one forward of input_ids, as the layer's attention receives
+    them (float32; either transformers line)."""
+    from pyramidkv.models.capture import post_rope_queries as queries
 
-    glue = MODEL_GLUE[model.config.model_type]
-    layers = decoder(model).layers
-    out: list = [None] * len(layers)
-
-    def capture(index):
-        def hook(module, args, kwargs):
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            q, _, _ = glue.project_qkv(module, hidden, kwargs.get("position_ids"), kwargs.get("position_embeddings"))
-            out[index] = q.detach().float()
-        return hook
-
-    hooks = [layer.self_attn.register_forward_pre_hook(capture(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    try:
-        with torch.no_grad():
-            model(input_ids=input_ids, use_cache=False)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return out
+    return queries(model, input_ids)
 
 
 def head_filter(samples: torch.Tensor) -> torch.Tensor:

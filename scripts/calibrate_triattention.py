@@ -27,32 +27,11 @@ from pyramidkv.runner.arguments import ArgumentParser, output_file
 
 
 def pre_rope_queries(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
-    """Per layer the queries [B, Hq, n, D] before RoPE of one forward of input_ids: the glue's projection with RoPE,
-    as the layer's attention computes it, then that rotation undone at positions 0 .. n - 1 (float32)."""
-    from pyramidkv.models.glue import decoder
-    from pyramidkv.models.patch import MODEL_GLUE
+    """Per layer the queries [B, Hq, n, D] before RoPE of one forward of input_ids: the layer's queries as its
+    attention receives them, that rotation undone at positions 0 .. n - 1 (float32; either transformers line)."""
+    from pyramidkv.models.capture import pre_rope_queries as queries
 
-    glue = MODEL_GLUE[model.config.model_type]
-    rotation = glue.key_rotation(model)
-    layers = decoder(model).layers
-    out: list = [None] * len(layers)
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-
-    def capture(index):
-        def hook(module, args, kwargs):
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            q, _, _ = glue.project_qkv(module, hidden, kwargs.get("position_ids"), kwargs.get("position_embeddings"))
-            out[index] = rotation.rotate(q.detach().float(), positions, inverse=True)
-        return hook
-
-    hooks = [layer.self_attn.register_forward_pre_hook(capture(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    try:
-        with torch.no_grad():
-            model(input_ids=input_ids, use_cache=False)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return out
+    return queries(model, input_ids, "triattention's calibration")
 
 
 def calibrate(model, token_lists: list[list[int]]) -> dict[str, torch.Tensor]:
