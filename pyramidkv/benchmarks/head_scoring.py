@@ -26,6 +26,7 @@ import torch
 
 from pyramidkv.benchmarks.needle import NeedleHaystack, needle_recall
 from pyramidkv.generation import default_stop_token_ids
+from pyramidkv.models.line import CACHE_ARGUMENT
 
 # HeadKV's factor 10 in the retrieval-reasoning score.
 REASONING_SCALE = 10.0
@@ -151,15 +152,15 @@ def run_probe(model, tokenizer, haystack_text: str, probe: HeadProbe, context_le
     ids = torch.tensor([sample.input_ids], device=device)
     from transformers import DynamicCache
 
-    out = model(input_ids=ids[:, :-1], past_key_values=DynamicCache(), use_cache=True)
-    past, step_input = out.past_key_values, ids[:, -1:]
+    past = DynamicCache()   # filled in place, under the line's name for a forward's cache (models/line.py)
+    model(input_ids=ids[:, :-1], use_cache=True, **{CACHE_ARGUMENT: past})
+    step_input = ids[:, -1:]
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
     scores = np.zeros((layers, heads))                                # [layers, heads]
     stop_ids = set(default_stop_token_ids(model, tokenizer))   # eos ids (an int or a list) and the end of turn
     generated: list[int] = []
     for _ in range(answer_tokens):
-        out = model(input_ids=step_input, past_key_values=past, use_cache=True, output_attentions=True)
-        past = out.past_key_values
+        out = model(input_ids=step_input, use_cache=True, output_attentions=True, **{CACHE_ARGUMENT: past})
         token = int(out.logits[0, -1].argmax())
         # out.attentions: layers x [1, heads, 1, keys] -> [layers, heads, keys]
         attention = torch.stack([a[0, :, -1, :] for a in out.attentions]).float().cpu()
