@@ -22,6 +22,11 @@ import torch
 from pyramidkv import DEFAULT_MODEL_NAME, compress, load_model
 from pyramidkv.benchmarks.measure import method_from_spec, prompt_ids
 
+try:   # the strict parser (a repeated flag or a prefix of one refused); checkouts before it had argparse's own
+    from pyramidkv.runner.arguments import ArgumentParser
+except ImportError:
+    from argparse import ArgumentParser
+
 
 @torch.no_grad()
 def decode_row(model, ids, spec: str, budget: int, new_tokens: int, warmup: int) -> dict:
@@ -46,7 +51,7 @@ def decode_row(model, ids, spec: str, budget: int, new_tokens: int, warmup: int)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
     parser.add_argument("--context_length", type=int, default=4096)
     parser.add_argument("--budget", type=int, default=256)

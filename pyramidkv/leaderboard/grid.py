@@ -36,7 +36,8 @@ RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multik
 NEEDLE, SHARED = "needle", "shared_context"
 TASKS = RULER_TASKS + (NEEDLE, SHARED)
 SHARED_TASK, SHARED_QUESTIONS, SHARED_MODE = "niah_multikey_1", 4, "multi_request"
-DECODE_BUDGET_METHODS = ("scissorhands", "tova")
+# Methods that evict while decoding by default: with a ratio they also need the tokens a head holds while decoding.
+DECODE_BUDGET_METHODS = ("scissorhands", "tova", "rkv", "triattention")
 BUDGET_SETTINGS = ("budget", "budget_ratio", "compression_ratio", "page_budget", "page_budget_ratio", "decode_budget")
 
 
