@@ -38,7 +38,7 @@ class BoardSettings:
     methods: decode-time method specs NAME[:setting=value,...], each run at every decode budget with the whole
         prompt kept; fullkv always runs first (the reference of KL, departure and the accuracy interval).
     decode_budgets: tokens a head holds while decoding (run_reasoning.py's --decode_budget).
-    tasks: run_reasoning.py's tasks (chain: generated; gsm8k: GSM8K's test rows shipped).
+    tasks: run_reasoning.py's tasks (chain: generated; gsm8k: GSM8K's test rows shipped; math500).
     num_samples: problems per task (the first ones).
     max_new_tokens: the most tokens a trace may generate (a budget must be reached within prompt + it).
     model_path: the model (a Hugging Face name or folder).
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         default = f.default
         shown = "the default model" if default is None else " ".join(map(str, default)) \
             if isinstance(default, tuple) else default
-        text = f"{helps[f.name]} (default: {shown})" if shown != "" else helps[f.name]
+        text = helps[f.name].rstrip(".") + (f" (default: {shown})" if shown != "" else "")
         if isinstance(default, tuple):
             kind = int if f.name == "decode_budgets" else str
             parser.add_argument(f"--{f.name}", nargs="+", type=kind, default=list(default), help=text)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from pyramidkv.benchmarks.reasoning.run import main as run_reasoning
+from pyramidkv.leaderboard import reasoning_table
 from pyramidkv.leaderboard.reasoning import main
 
 SMALL = {"--methods": ["h2o", "tova"], "--decode_budgets": ["48"], "--tasks": ["chain", "gsm8k"],
@@ -79,6 +81,17 @@ def test_board_runs_every_cell_then_resumes_and_rerenders(tiny_model_dir, tmp_pa
     assert "[reasoning] unit " not in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in runs.rglob("*.jsonl")} == stamps
     assert (tmp_path / "reasoning.csv").read_text() == csv_before
+    # the largest budget the board allows is the runner's own boundary (run.py's check, fullkv's traces now there)
+    line = _refused(_board(tiny_model_dir, tmp_path, "--decode_budgets", "1000"), capsys)
+    allowed = int(line.split("decode budgets <= ")[1].split(",")[0])
+    runner = ["--model_path", tiny_model_dir, "--save_dir", str(runs), "--tasks", "chain", "gsm8k", "--num_samples",
+              "1", "--max_new_tokens", "4", "--num_threads", "1", "--device", "cpu", "--chain_steps", "3",
+              "--method", "h2o", "--max_capacity_prompts_ratio", "1", "--prepare_only", "--decode_budget"]
+    assert run_reasoning([*runner, str(allowed)]) == 0
+    with pytest.raises(SystemExit):
+        run_reasoning([*runner, str(allowed + 1)])
+    assert "it would never compress while decoding" in capsys.readouterr().err
+
     (tmp_path / "reasoning.md").unlink()
     assert main(["--save_dir", str(tmp_path), "--rerender"]) == 0
     assert (tmp_path / "reasoning.md").read_text() == page
@@ -105,20 +118,44 @@ def test_bad_input_is_refused_in_one_line_before_anything_runs(tiny_model_dir, t
     assert not (tmp_path / "runs").exists() and not (tmp_path / "reasoning.csv").exists()
 
 
-def test_the_largest_budget_named_is_the_boundary(tiny_model_dir, tmp_path, capsys):
-    from pyramidkv.leaderboard.reasoning import build_parser, check_units, units_of
+def test_a_failed_unit_is_a_row_with_its_error_and_the_others_still_run(tiny_model_dir, tmp_path, capsys,
+                                                                         monkeypatch):
+    import pyramidkv.benchmarks.reasoning.run as run
 
-    line = _refused(_board(tiny_model_dir, tmp_path, "--decode_budgets", "1000"), capsys)
-    held = int(line.split(" holds ")[1].split(" prompt")[0])
-    allowed = int(line.split("decode budgets <= ")[1].split(",")[0])
-    assert allowed == held + 4 - 1 - 32           # prompt + max_new_tokens - 1 - h2o's decode_interval
-    for budget, ok in ((allowed, True), (allowed + 1, False)):
-        units = units_of(build_parser().parse_args(_board(tiny_model_dir, tmp_path, "--decode_budgets", str(budget))))
-        if ok:
-            check_units(units)
-        else:
-            with pytest.raises(ValueError, match=f"--decode_budgets {budget} is too large"):
-                check_units(units)
+    real = run.main
+
+    def tova_crashes(argv):
+        if "tova" in argv and "--print_run_dir" not in argv:
+            raise RuntimeError("tova broke")
+        return real(argv)
+    monkeypatch.setattr(run, "main", tova_crashes)
+    assert main(_board(tiny_model_dir, tmp_path)) == 1
+    assert "tova@48: RuntimeError: tova broke" in capsys.readouterr().err
+    state = {(c["method"], c["task"]): (c["status"], c["error"]) for c in _csv(tmp_path)}
+    assert state[("h2o", "chain")] == ("done", "") and state[("tova", "gsm8k")] == ("failed", "RuntimeError: tova broke")
+    assert "| `tova` | 48 | - | failed: RuntimeError: tova broke |" in (tmp_path / "reasoning.md").read_text()
+
+
+def test_page_of_a_hand_written_csv(tmp_path):
+    base = dict.fromkeys(reasoning_table.COLUMNS, "")
+    rows = [{**base, "model": "m", "max_new_tokens": "96", "task": "chain", "method": "fullkv", "samples": "2",
+             "accuracy": "50.0", "vs_fullkv": "0.0", "vs_fullkv_low": "0.0", "vs_fullkv_high": "0.0",
+             "new_tokens": "96.0", "kl_vs_fullkv": "0.0", "departed": "0.0", "kv_bytes_peak": "2048",
+             "kv_bytes_mean": "1536", "decode_tokens_per_s": "6.25", "decode_cpu_tokens_per_s": "6.0",
+             "status": "done"},
+            {**base, "model": "m", "max_new_tokens": "96", "task": "chain", "method": "h2o", "decode_budget": "64",
+             "samples": "2", "accuracy": "0.0", "vs_fullkv": "-50.0", "vs_fullkv_low": "-100.0",
+             "vs_fullkv_high": "0.0", "new_tokens": "90.5", "kl_vs_fullkv": "0.01234", "departure_step": "3.5",
+             "departed": "100.0", "kv_bytes_peak": "1024", "kv_bytes_mean": "1000", "decode_tokens_per_s": "7.0",
+             "decode_cpu_tokens_per_s": "6.5", "status": "done"}]
+    reasoning_table.write(tmp_path, rows)
+    assert reasoning_table.read_csv(tmp_path / "reasoning.csv") == rows
+    page = (tmp_path / "reasoning.md").read_text()
+    assert "| `fullkv` | - | 2 | 50.0 | - | 96.0 | 0.0000 | never (0%) | 2 | 2 | 6.2 (6.0) |" in page
+    assert "| `h2o` | 64 | 2 | 0.0 | -50.0 [-100.0, 0.0] | 90.5 | 0.0123 | 3.5 (100%) | 1 | 1 | 7.0 (6.5) |" in page
+    (tmp_path / "other.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="is not a reasoning board CSV: columns \\['a', 'b'\\]"):
+        reasoning_table.read_csv(tmp_path / "other.csv")
 
 
 def test_rerender_without_a_csv_is_refused(tmp_path, capsys):
