@@ -105,27 +105,27 @@ def page(rows: list[dict]) -> str:
              "prompt and holds at most its decode budget (+ its re-selection interval) a head while decoding. "
              "Made by `python -m pyramidkv.leaderboard.reasoning` (docs/reasoning.md) from reasoning.csv alone.", "",
              "Accuracy and its difference to fullkv in points (x100), the difference with its paired bootstrap 95 % "
-             "interval on the same problems; KL: mean KL(fullkv || method) of the next-token distributions along "
+             "interval on the same problems; step acc.: chain, the share of steps right (x100); KL: mean KL(fullkv || method) of the next-token distributions along "
              "fullkv's trace, nats a token; departs at: the mean first token where the method's own trace leaves "
              "fullkv's, over the traces that leave (their share); KV: K/V bytes held, the peak and the mean over "
              "the trace; decode tok/s: wall clock (thread CPU clock).", ""]
     for task in dict.fromkeys(r["task"] for r in rows):
         lines += [f"## {task}", "",
-                  "| method | decode budget | n | accuracy | vs fullkv [95 % CI] | tokens | KL | departs at (share) "
-                  "| peak KV (KB) | mean KV (KB) | decode tok/s (CPU) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| method | decode budget | n | accuracy | vs fullkv [95 % CI] | step acc. | tokens | KL "
+                  "| departs at (share) | peak KV (KB) | mean KV (KB) | decode tok/s (CPU) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if r["task"] != task:
                 continue
             budget = r["decode_budget"] or "-"
             if r["status"] != "done":
-                lines.append(f"| `{r['method']}` | {budget} | - | {r['status']}: {r['error']} |  |  |  |  |  |  |  |")
+                lines.append(f"| `{r['method']}` | {budget} | - | {r['status']}: {r['error']} |" + "  |" * 8)
                 continue
             vs = "-" if r["method"] == FULLKV else \
                 f"{_num(r['vs_fullkv'], 1)} [{_num(r['vs_fullkv_low'], 1)}, {_num(r['vs_fullkv_high'], 1)}]"
             departs = "never" if r["departure_step"] == "" else _num(r["departure_step"], 1)
             lines.append(f"| `{r['method']}` | {budget} | {r['samples']} | {_num(r['accuracy'], 1)} | {vs} | "
-                         f"{_num(r['new_tokens'], 1)} | {_num(r['kl_vs_fullkv'], 4)} | {departs} "
+                         f"{_num(r['step_accuracy'], 1)} | {_num(r['new_tokens'], 1)} | {_num(r['kl_vs_fullkv'], 4)} | {departs} "
                          f"({_num(r['departed'], 0)}%) | {_kb(r['kv_bytes_peak'])} | {_kb(r['kv_bytes_mean'])} | "
                          f"{_num(r['decode_tokens_per_s'], 1)} ({_num(r['decode_cpu_tokens_per_s'], 1)}) |")
         lines.append("")

@@ -146,14 +146,14 @@ def test_page_of_a_hand_written_csv(tmp_path):
              "status": "done"},
             {**base, "model": "m", "max_new_tokens": "96", "task": "chain", "method": "h2o", "decode_budget": "64",
              "samples": "2", "accuracy": "0.0", "vs_fullkv": "-50.0", "vs_fullkv_low": "-100.0",
-             "vs_fullkv_high": "0.0", "new_tokens": "90.5", "kl_vs_fullkv": "0.01234", "departure_step": "3.5",
+             "vs_fullkv_high": "0.0", "step_accuracy": "12.5", "new_tokens": "90.5", "kl_vs_fullkv": "0.01234", "departure_step": "3.5",
              "departed": "100.0", "kv_bytes_peak": "1024", "kv_bytes_mean": "1000", "decode_tokens_per_s": "7.0",
              "decode_cpu_tokens_per_s": "6.5", "status": "done"}]
     reasoning_table.write(tmp_path, rows)
     assert reasoning_table.read_csv(tmp_path / "reasoning.csv") == rows
     page = (tmp_path / "reasoning.md").read_text()
-    assert "| `fullkv` | - | 2 | 50.0 | - | 96.0 | 0.0000 | never (0%) | 2 | 2 | 6.2 (6.0) |" in page
-    assert "| `h2o` | 64 | 2 | 0.0 | -50.0 [-100.0, 0.0] | 90.5 | 0.0123 | 3.5 (100%) | 1 | 1 | 7.0 (6.5) |" in page
+    assert "| `fullkv` | - | 2 | 50.0 | - | - | 96.0 | 0.0000 | never (0%) | 2 | 2 | 6.2 (6.0) |" in page
+    assert "| `h2o` | 64 | 2 | 0.0 | -50.0 [-100.0, 0.0] | 12.5 | 90.5 | 0.0123 | 3.5 (100%) | 1 | 1 | 7.0 (6.5) |" in page
     (tmp_path / "other.csv").write_text("a,b\n1,2\n")
     with pytest.raises(ValueError, match="is not a reasoning board CSV: columns \\['a', 'b'\\]"):
         reasoning_table.read_csv(tmp_path / "other.csv")
