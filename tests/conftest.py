@@ -49,6 +49,8 @@ TIERS: dict[str, tuple[str, ...]] = {
         "tests/core/test_quantized_cache.py::test_benchmark_reports_bytes_by_part_and_the_fp16_ratio",
         "tests/core/test_quantized_cache.py::test_sweep_runs_quantized_variants_and_the_quantized_full_cache",
         "tests/leaderboard/test_leaderboard.py::test_a_failed_cell_is_recorded_not_dropped",
+        "tests/leaderboard/test_reasoning_board.py::test_board_runs_every_cell_then_resumes_and_rerenders",
+        "tests/leaderboard/test_reasoning_board.py::test_a_failed_unit_is_a_row_with_its_error_and_the_others_still_run",
         "tests/runner/test_run_integrity.py::test_a_second_run_into_a_locked_folder_fails_naming_the_holder",
         "tests/runner/test_run_integrity.py::test_disk_full_mid_run_keeps_completed_rows_and_says_so",
         "tests/runner/test_run_integrity.py::test_duplicate_prediction_rows_are_refused_not_scored_twice",
