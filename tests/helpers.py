@@ -142,20 +142,16 @@ def float64_tiny_llama():
         torch.set_num_threads(threads)
 
 
-def stand_in_python(folder: Path, body: str, real_check: bool = False) -> str:
-    """An interpreter for the sweep scripts' PYTHON that runs `body` (sh) for each run. The grid's check
-    (scripts/run_dirs.py) goes to this interpreter: with real_check, the real one (this checkout on the path; each
-    start imports torch); else a stand-in that answers every run "ok" with the folder SAVE_DIR/m_x/METHOD, read from
-    the run's own --save_dir and --method (the real check's own tests: tests/scripts/test_script_checks.py)."""
+def stand_in_python(folder: Path, body: str) -> str:
+    """An interpreter for the sweep scripts' PYTHON that runs `body` (sh) for each run, and answers the grid's check
+    (scripts/run_dirs.py) itself: every run "ok", its folder SAVE_DIR/m_x/METHOD read from the run's own --save_dir
+    and --method (the real check has its own tests: tests/scripts/test_script_checks.py, the SLURM cluster's)."""
+    answer = ("import sys; sys.path.insert(0, sys.argv[1]); import run_dirs\n"
+              "for run in run_dirs.parse_runs(sys.stdin.buffer.read()):\n"
+              "    arg = lambda flag: run[run.index(flag) + 1]\n"
+              "    print(\"ok\\t\" + arg(\"--save_dir\") + \"/m_x/\" + arg(\"--method\"))")
     path = Path(folder) / "python"
-    if real_check:
-        check = f'PYTHONPATH="{ROOT}" exec "{sys.executable}" "$@"'
-    else:
-        answer = ("import sys; sys.path.insert(0, sys.argv[1]); import run_dirs\n"
-                  "for run in run_dirs.parse_runs(sys.stdin.buffer.read()):\n"
-                  "    arg = lambda flag: run[run.index(flag) + 1]\n"
-                  "    print(\"ok\\t\" + arg(\"--save_dir\") + \"/m_x/\" + arg(\"--method\"))")
-        check = f'exec "{sys.executable}" -c \'{answer}\' "{ROOT / "scripts"}"'
+    check = f'exec "{sys.executable}" -c \'{answer}\' "{ROOT / "scripts"}"'
     path.write_text(f'#!/bin/sh\ncase "$1" in */run_dirs.py) {check};; esac\n{body}\n')
     path.chmod(0o755)
     return str(path)
