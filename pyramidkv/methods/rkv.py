@@ -42,7 +42,6 @@ running count is per generation (theirs a model attribute never reset between pr
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -53,6 +52,7 @@ from pyramidkv.capabilities import DecodeBudget
 from pyramidkv.components import AttentionForm
 from pyramidkv.core.context import ScoreContext
 from pyramidkv.methods.base import Method
+from pyramidkv.methods.own_decode import DecodesAtItsBudget
 
 # The authors' schedule: back to the budget (decode_budget None: the method's budget, filled in when built) every
 # 128 generated tokens (run_math.py --divide_length 128), the window's queries buffered (decode_query_window None:
@@ -115,7 +115,7 @@ def redundancy(keys: torch.Tensor, real: torch.Tensor, threshold: float) -> torc
 
 
 @dataclass(frozen=True)
-class RKV(Method):
+class RKV(DecodesAtItsBudget, Method):
     """R-KV's scorer: pooled window attention minus key redundancy; by default re-selected every 128 generated
     tokens back to the budget (decode_budget defaults to the budget).
 
@@ -132,19 +132,6 @@ class RKV(Method):
     mix_lambda: float = 0.07
     kernel_size: int = 7
     similarity_threshold: float = 0.5
-
-    def __post_init__(self) -> None:
-        budget = self.budget
-        if (isinstance(self.decode, DecodeBudget) and self.decode.decode_budget is None and isinstance(budget, int)
-                and not isinstance(budget, bool) and budget >= 1):
-            object.__setattr__(self, "decode", dataclasses.replace(self.decode, decode_budget=budget))
-        super().__post_init__()
-
-    def changed_settings(self) -> list[tuple[str, object]]:
-        """The authors' schedule at the budget is no change: rkv:budget=128 is labelled rkv."""
-        default = dataclasses.replace(EVERY_128, decode_budget=self.budget)
-        return [(setting, value) for setting, value in super().changed_settings()
-                if not (setting == "decode" and value == default)]
 
     def validate(self) -> None:
         if not (isinstance(self.mix_lambda, (int, float)) and not isinstance(self.mix_lambda, bool)

@@ -12,7 +12,6 @@ budget, decode_interval = 1, the query buffer 1 and no window, TOVA's default he
 `window_size=1, decode_budget=2048, decode_interval=512` (docs/methods.md, "TOVA").
 """
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,6 +22,7 @@ from pyramidkv.capabilities import DecodeBudget
 from pyramidkv.core.context import ScoreContext
 from pyramidkv.core.scoring import window_attention
 from pyramidkv.methods.base import Method
+from pyramidkv.methods.own_decode import DecodesAtItsBudget
 
 # The official decode rule: decode_budget the method's budget (filled in when built), one eviction per step,
 # read from the newest query alone.
@@ -30,26 +30,13 @@ PER_STEP = DecodeBudget(decode_budget=None, decode_interval=1, decode_query_wind
 
 
 @dataclass(frozen=True)
-class TOVA(Method):
+class TOVA(DecodesAtItsBudget, Method):
     """TOVA's scorer: the last query's attention averaged over every query head of the layer; by default it
     evicts one token per decode step once a layer holds the budget (decode_budget defaults to the budget)."""
 
     name = "tova"
     window_size: int = 0
     decode: Optional[DecodeBudget] = PER_STEP
-
-    def __post_init__(self) -> None:
-        budget = self.budget
-        if (isinstance(self.decode, DecodeBudget) and self.decode.decode_budget is None and isinstance(budget, int)
-                and not isinstance(budget, bool) and budget >= 1):
-            object.__setattr__(self, "decode", dataclasses.replace(self.decode, decode_budget=budget))
-        super().__post_init__()
-
-    def changed_settings(self) -> list[tuple[str, object]]:
-        """The decode budget at the budget (TOVA's default rule) is no change: tova:budget=256 is labelled tova."""
-        default = dataclasses.replace(PER_STEP, decode_budget=self.budget)
-        return [(setting, value) for setting, value in super().changed_settings()
-                if not (setting == "decode" and value == default)]
 
     def validate(self) -> None:
         if self.decode is None:

@@ -39,7 +39,6 @@ prefill here, at the first decode step there. `disable_mlr` / `disable_trig` abl
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -49,6 +48,7 @@ from pyramidkv.allocation.base import ModelShape
 from pyramidkv.capabilities import DecodeBudget
 from pyramidkv.core.context import DecodeScoreContext, ScoreContext
 from pyramidkv.methods.base import Method
+from pyramidkv.methods.own_decode import DecodesAtItsBudget
 from pyramidkv.methods.calibrated import artifact_path, checked_artifact
 
 KIND = "triattention"
@@ -77,7 +77,7 @@ def offsets(frequency_window: int) -> list[int]:
 
 
 @dataclass(frozen=True)
-class TriAttention(Method):
+class TriAttention(DecodesAtItsBudget, Method):
     """TriAttention's scorer: each key's predicted attention from the calibrated query centres; by default the cache
     goes back to the budget whenever it holds budget + 128 tokens (decode_budget defaults to the budget).
 
@@ -100,19 +100,6 @@ class TriAttention(Method):
     frequency_window: int = 65536
     offset_aggregation: str = "mean"
     normalize_scores: bool = True
-
-    def __post_init__(self) -> None:
-        budget = self.budget
-        if (isinstance(self.decode, DecodeBudget) and self.decode.decode_budget is None and isinstance(budget, int)
-                and not isinstance(budget, bool) and budget >= 1):
-            object.__setattr__(self, "decode", dataclasses.replace(self.decode, decode_budget=budget))
-        super().__post_init__()
-
-    def changed_settings(self) -> list[tuple[str, object]]:
-        """The authors' schedule at the budget is no change: triattention:budget=256 is labelled triattention."""
-        default = dataclasses.replace(SLACK, decode_budget=self.budget)
-        return [(setting, value) for setting, value in super().changed_settings()
-                if not (setting == "decode" and value == default)]
 
     def validate(self) -> None:
         if self.decode is None:
