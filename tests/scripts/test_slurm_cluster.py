@@ -92,11 +92,12 @@ def test_sweep_and_leaderboard_arrays_on_the_real_scheduler(tiny_model_dir, tmp_
 
 
 def check_sweep(env, tiny_model_dir: str, folder: Path):
-    """Three tasks: fullkv, snapkv and h2o at 64 tokens, h2o failing (a file sits where its run folder goes)."""
+    """Two tasks, one round on the two-CPU node: snapkv and h2o at 64 tokens, h2o failing (a file sits where its run
+    folder goes). fullkv's task (a run with no budget) is the leaderboard's first shard below."""
     folder.mkdir()
     save, model = folder / "results", Path(tiny_model_dir).name
     args = ruler_args(tiny_model_dir)
-    env = {**env, "METHODS": "snapkv h2o", "BUDGETS": "64", "FULLKV": "1"}   # tasks: fullkv, snapkv, h2o
+    env = {**env, "METHODS": "snapkv h2o", "BUDGETS": "64", "FULLKV": "0"}   # tasks: snapkv, h2o
     # h2o fails for a real reason: a regular file sits where its run folder must go.
     h2o = run([sys.executable, "run_ruler.py", "--method", "h2o", "--max_capacity_prompts", "64", "--save_dir",
                str(save), *args, "--print_run_dir"], env)
@@ -105,15 +106,14 @@ def check_sweep(env, tiny_model_dir: str, folder: Path):
     blocker.parent.mkdir(parents=True)
     blocker.write_text("not a run folder\n")
 
-    job, sbatch = sbatch_wait(["--array=0-2", *SMALL_NODE, f"--output={folder}/slurm-%A_%a.out",
+    job, sbatch = sbatch_wait(["--array=0-1", *SMALL_NODE, f"--output={folder}/slurm-%A_%a.out",
                                "scripts/slurm/sweep.sbatch", "ruler", str(save), *args], env)
-    logs = {i: (folder / f"slurm-{job}_{i}.out").read_text() for i in range(3)}
+    logs = {i: (folder / f"slurm-{job}_{i}.out").read_text() for i in range(2)}
     assert sbatch.returncode == 2, (sbatch.stderr, logs)                  # the highest exit status of its tasks
-    assert sacct_ended(job, 3, env) == {f"{job}_0": ("COMPLETED", "0:0"), f"{job}_1": ("COMPLETED", "0:0"),
-                                        f"{job}_2": ("FAILED", "2:0")}, logs
-    assert f"cannot write results to {blocker}: {blocker} is a file, not a folder" in logs[2]
+    assert sacct_ended(job, 2, env) == {f"{job}_0": ("COMPLETED", "0:0"), f"{job}_1": ("FAILED", "2:0")}, logs
+    assert f"cannot write results to {blocker}: {blocker} is a file, not a folder" in logs[1]
 
-    for run_dir, method, budget in ((f"{model}_full/fullkv", "fullkv", None), (f"{model}_64/snapkv", "snapkv", 64)):
+    for run_dir, method, budget in ((f"{model}_64/snapkv", "snapkv", 64),):
         result = json.loads((save / run_dir / "results.json").read_text())
         assert (result["benchmark"], result["model"], result["method"], result["budget"]) == \
             ("ruler", model, method, budget), logs
@@ -121,7 +121,7 @@ def check_sweep(env, tiny_model_dir: str, folder: Path):
         assert len((save / run_dir / "niah_single_1_512.jsonl").read_text().splitlines()) == 1
     assert blocker.read_text() == "not a run folder\n"
     assert (save / "sweep_runs.txt").read_text().splitlines() == [
-        f"ruler {model}_full/fullkv", f"ruler {model}_64/snapkv", f"ruler {model}_64/h2o"]
+        f"ruler {model}_64/snapkv", f"ruler {model}_64/h2o"]
 
     summary = run([sys.executable, "scripts/summarize_results.py", str(save), "--no_plot"], env)
     assert summary.returncode == 0, summary.stderr
@@ -130,7 +130,6 @@ def check_sweep(env, tiny_model_dir: str, folder: Path):
     rows = [line.split(",") for line in (save / f"summary_ruler_{model}.csv").read_text().splitlines()]
     assert rows[0] == ["method", "budget", "niah_single_1@512", "average", "n", "run"]
     assert [(r[0], r[1], r[4], r[5]) for r in rows[1:]] == [
-        ("fullkv", "full", "1", f"{model}_full/fullkv"),
         ("h2o", "64", "", f"{model}_64/h2o (no results.json: failed or not run)"),
         ("snapkv", "64", "1", f"{model}_64/snapkv")]
 
