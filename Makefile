@@ -35,7 +35,7 @@ quickstart: setup
 
 # Tiers (assigned in tests/conftest.py): test = all but `exhaustive` (README, CI); test-fast = none of
 # integration, real_model, exhaustive (the edit loop); test-all = everything. PYTEST_ARGS adds options.
-PYTEST := $(PY) -m pytest -q -n auto --durations=25 $(PYTEST_ARGS) tests
+PYTEST := $(PY) -m pytest -q -n auto --dist worksteal --durations=25 $(PYTEST_ARGS) tests
 
 test: setup
 	$(PYTEST) -m "not exhaustive"
