@@ -13,7 +13,9 @@ holding `sliding_window` / `softcap` where the family has them. Registered as `p
                               and mask (so the prompt's logits are the unpatched model's), or with its column
                               sums / a sparse pattern where the method asks; then the engine keeps what the
                               method selects (`CompressedCache.prefill`);
-  later calls                 the new tokens appended to the layer's store and attended over what it holds.
+  later calls                 the new tokens appended to the layer's store and attended over what it holds;
+                              in a chunked prefill (core/chunked.py) the layer is then cut back to its budget,
+                              scored by the chunk's queries, as on the pinned line.
 
 The attention form (scale, soft-cap, window) the engine uses was read from the modules when the model was patched
 (models/tf5/form.py); each call checks that the module still asks for that form.
@@ -81,7 +83,10 @@ def pyramidkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
     if cache.reconstruction is not None and cache.reconstruction.current is not None:   # a repeat pass (KVzip)
         return cache.repeat_attend(layer, scaled, key, value).transpose(1, 2), None
     if cache.is_prefilled(layer):
-        return cache.decode_step(layer, scaled, key, value, position_ids, hidden).transpose(1, 2), None
+        out = cache.decode_step(layer, scaled, key, value, position_ids, hidden)
+        if cache.chunked is not None:   # a later chunk: the layer keeps its budget again (core/chunked.py)
+            cache.chunked.reselect(cache, layer, scaled)
+        return out.transpose(1, 2), None
     bsz, _, n, _ = query.shape
     pads = cache.pad_lens or [0] * bsz
     sparse = cache.method.prefill_attention
@@ -97,6 +102,8 @@ def pyramidkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
         out = out.transpose(1, 2)
     else:
         out, weights = own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if cache.chunked is not None:   # the first chunk's K/V, held whole while the layer computes
+        cache.chunked.note(cache.kv_bytes() + sum(t.numel() * t.element_size() for t in (key, value)))
     cache.prefill(layer, scaled, key, value, position_ids, pattern, column_sums, hidden)
     return out, weights
 
