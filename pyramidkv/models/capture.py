@@ -88,6 +88,7 @@ def _wrapped_attention(model, layers: set, out: dict):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
     from pyramidkv.models.tf5.attention import BASES, base_function
+    from pyramidkv.models.tf5.hooks import switch_implementation
 
     current = model.config._attn_implementation
     index = {id(layer.self_attn): i for i, layer in enumerate(decoder(model).layers)}
@@ -102,11 +103,11 @@ def _wrapped_attention(model, layers: set, out: dict):
     name = f"{CAPTURE}_{current}"
     AttentionInterface.register(name, capturing)
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
-    model.set_attn_implementation(name)
+    switch_implementation(model, name)
     try:
         yield
     finally:
-        model.set_attn_implementation(current)
+        switch_implementation(model, current)
 
 
 def pre_rope_queries(model, input_ids: torch.Tensor, purpose: str) -> list[torch.Tensor]:

@@ -102,7 +102,7 @@ def check_model(model_path: str = DEFAULT_MODEL_NAME, attn_implementation: str =
         family(config.model_type)
         if attn_implementation not in BASES:
             raise ValueError(f"attn_implementation {attn_implementation!r} is not supported on the 5.x line; use "
-                             f"{' or '.join(BASES)} (or the pinned line: requirements.txt)")
+                             f"{', '.join(BASES)} (or the pinned line: requirements.txt)")
     elif config.model_type not in MODEL_GLUE:
         raise ValueError(f"unsupported model type {config.model_type!r} ({model_path}); "
                          f"supported: {', '.join(MODEL_GLUE)}")

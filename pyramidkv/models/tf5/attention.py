@@ -34,7 +34,8 @@ from pyramidkv.models.tf5.cache import InterfaceCache
 from pyramidkv.models.tf5.form import call_window
 from pyramidkv.sparse_prefill.attention import sparse_prefill_attention
 
-BASES = ("sdpa", "eager")   # the implementations a patched model extends (flash-attn: not on this line yet)
+BASES = ("sdpa", "eager", "flash_attention_2")   # the implementations a patched model extends
+FLASH = "flash_attention_2"   # CUDA only, with the flash-attn package (models/loading.py refuses it otherwise)
 CACHE_KEY, HIDDEN_KEY = "pyramidkv_cache", "pyramidkv_hidden"   # what the modules' pre-hooks add to the kwargs
 
 
@@ -44,12 +45,32 @@ def registered_name(base: str) -> str:
 
 def base_function(module, base: str):
     """The implementation's own attention function: sdpa's from the interface, eager's from the module's modeling
-    file (each family has its own `eager_attention_forward`)."""
+    file (each family has its own `eager_attention_forward`), flash-attn's through `flash_attention`."""
     if base == "eager":
         return sys.modules[type(module).__module__].eager_attention_forward
+    if base == FLASH:
+        return flash_attention
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     return ALL_ATTENTION_FUNCTIONS[base]
+
+
+def flash_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                    sliding_window=None, softcap=None, **kwargs):
+    """5.x's flash-attn path (`_flash_attention_forward`, as its `flash_attention_forward` calls it) with the
+    implementation named as "flash_attention_2": the 5.x function reads the kernel to load from the module's config,
+    which names pyramidkv's function while the model is patched. query [B, Hq, n, D], key and value [B, Hkv, n, D]
+    -> (output [B, n, Hq, D], None)."""
+    from transformers.integrations.flash_attention import get_target_dtype
+    from transformers.modeling_flash_attention_utils import _flash_attention_forward, flash_attn_supports_top_left_mask
+
+    out = _flash_attention_forward(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attention_mask,
+                                   query_length=query.shape[2], is_causal=True, dropout=dropout, softmax_scale=scaling,
+                                   sliding_window=sliding_window, softcap=softcap,
+                                   use_top_left_mask=flash_attn_supports_top_left_mask(),
+                                   target_dtype=get_target_dtype(query, module), attn_implementation=FLASH,
+                                   layer_idx=module.layer_idx, **kwargs)
+    return out, None
 
 
 def check_form(cache: InterfaceCache, layer: int, scaling: Optional[float], head_dim: int, kwargs: dict) -> None:
