@@ -46,11 +46,11 @@ def test_a_llama_checkpoint_loads_as_another_family_of_its_layout(tiny_model_dir
 
 
 def llama3_scaled(tokenizer, folder) -> str:
-    """A tiny Llama with Llama 3's RoPE scaling (factor 8 over 256 positions of 1,024), saved with the tokenizer."""
+    """A tiny Llama (vocabulary 96) with Llama 3's RoPE scaling (factor 8 over 256 positions of 1,024), saved with a
+    tokenizer (load_model reads one; the ids given are below 96)."""
     scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=256)
-    model = tiny_llama.__wrapped__(vocab=len(tokenizer), max_position_embeddings=1024, rope_scaling=scaling,
-                                   tie_word_embeddings=True)
+    model = tiny_llama.__wrapped__(max_position_embeddings=1024, rope_scaling=scaling, tie_word_embeddings=True)
     save_copy(model, folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
@@ -64,8 +64,8 @@ def test_rope_scaling_carries_over_on_the_5x_line(tokenizer, tmp_path):
     folder = llama3_scaled(tokenizer, tmp_path)
     scaled, _ = load_model(folder, device="cpu")
     as_mistral, _ = load_model(folder, device="cpu", model_class="mistral")
-    plain = tiny_llama(vocab=len(tokenizer), max_position_embeddings=1024, tie_word_embeddings=True)
-    prompt = ids(len(tokenizer), 300)
+    plain = tiny_llama(max_position_embeddings=1024, tie_word_embeddings=True)
+    prompt = ids(96, 300)
     with torch.no_grad():
         want, got, unscaled = (m(prompt).logits for m in (scaled, as_mistral, plain))
     torch.testing.assert_close(got, want, rtol=0, atol=LOGITS_ATOL)
