@@ -96,6 +96,18 @@ def test_a_budget_over_the_prompt_in_chunks_gives_the_unpatched_logits(model_typ
     torch.testing.assert_close(out, reference, atol=2e-5, rtol=1e-4)
 
 
+@only_5x
+def test_gemma3s_sliding_layers_are_refused_in_one_line():
+    """Gemma3's three sliding layers keep their own window (tests/core refuses Mistral's the same way)."""
+    from pyramidkv.generation import generate
+    from tests.helpers import TokenIds
+
+    with pytest.raises(ValueError, match="not defined for snapkv: a sliding-window layer keeps its own") as refused:
+        generate(tiny("gemma3_text"), TokenIds(), [[5] * 30], make_method("snapkv", budget=16, window_size=4), 2,
+                 stop_token_ids=[], prefill_chunk_size=8)
+    assert "\n" not in str(refused.value)
+
+
 if __name__ == "__main__":   # the record, made on the pinned line
     if INTERFACE_LINE:
         sys.exit(f"the record is the pinned line's: run this under transformers {PINNED}")
