@@ -43,7 +43,8 @@ def switch_implementation(model, name: str) -> None:
     `set_attn_implementation` would load a flash kernel named after it (which for pyramidkv_flash_attention_2 is
     none: models/tf5/attention.py's `flash_attention` names the kernel itself)."""
     if FLASH in name:
-        model.config._attn_implementation = name
+        if model._can_set_attn_implementation():   # else left as it was: install's check refuses the model
+            model.config._attn_implementation = name
     else:
         model.set_attn_implementation(name)
 
