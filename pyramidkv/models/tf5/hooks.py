@@ -42,9 +42,8 @@ def switch_implementation(model, name: str) -> None:
     """The model's attention implementation set to `name`. A flash one is set on the config: 5.x's
     `set_attn_implementation` would load a flash kernel named after it (which for pyramidkv_flash_attention_2 is
     none: models/tf5/attention.py's `flash_attention` names the kernel itself)."""
-    if FLASH in name:
-        if model._can_set_attn_implementation():   # else left as it was: install's check refuses the model
-            model.config._attn_implementation = name
+    if FLASH in name:   # every family of models/tf5/families.py calls the interface (check_model refuses others)
+        model.config._attn_implementation = name
     else:
         model.set_attn_implementation(name)
 
