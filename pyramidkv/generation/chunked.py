@@ -7,7 +7,7 @@ import torch
 
 from pyramidkv.core.chunked import ChunkedPrefill
 from pyramidkv.models.glue import decoder
-from pyramidkv.models.line import CACHE_ARGUMENT, INTERFACE_LINE, line_name
+from pyramidkv.models.line import CACHE_ARGUMENT, INTERFACE_LINE
 
 
 def chunk_bounds(body: int, size: int) -> list[tuple[int, int]]:
@@ -21,10 +21,6 @@ def chunk_bounds(body: int, size: int) -> list[tuple[int, int]]:
 def prefill_in_chunks(model, cache, input_ids: torch.Tensor, size: int) -> ChunkedPrefill:
     """input_ids [1, n]: tokens [0, n - 1) into `cache` (empty; the model patched) in chunks of `size`; the last
     token is left for generate()'s first step. Records the prefill's peak K/V bytes in the cache."""
-    if INTERFACE_LINE:
-        raise ValueError(f"prefill_chunk_size={size}: chunked prefill runs on the pinned transformers line (4.44.2) "
-                         f"only; under {line_name()} the registered attention function does not re-select between "
-                         f"chunks yet")
     if input_ids.shape[0] != 1:
         raise ValueError(f"chunked prefill takes one prompt at a time, got a batch of {input_ids.shape[0]}")
     n = input_ids.shape[1]
@@ -35,8 +31,10 @@ def prefill_in_chunks(model, cache, input_ids: torch.Tensor, size: int) -> Chunk
     try:
         for start, stop in bounds:
             positions = torch.arange(start, stop, device=input_ids.device)
+            # 5.x's decoders take no cache_position (they read positions from position_ids)
+            where = {} if INTERFACE_LINE else {"cache_position": positions}
             decoder(model)(input_ids=input_ids[:, start:stop], **{CACHE_ARGUMENT: cache}, use_cache=True,
-                           position_ids=positions[None], cache_position=positions)
+                           position_ids=positions[None], **where)
     finally:
         cache.chunked = None
     cache.peak_prefill_kv_bytes = max(cache.peak_prefill_kv_bytes, state.peak_bytes)

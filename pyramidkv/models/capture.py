@@ -4,9 +4,14 @@ given positions, and undone).
 
 On the pinned line the glue row projects the attention module's own inputs (`project_qkv`); on the 5.x line the
 attention function the model calls is wrapped for one forward (a capturing function registered in
-`AttentionInterface` beside the implementation's own), so the queries are the model's own, after its q norms."""
+`AttentionInterface` beside the implementation's own, or beside pyramidkv's while the model is patched), so the
+queries are the model's own, after its q norms. `capturing_qkv` gives q, k and v of chosen layers the same way
+(viz/data.py reads them during a compressed prefill)."""
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterable
 
 import torch
 
@@ -35,19 +40,26 @@ def post_rope_queries(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
     receives them. The model must not be patched by pyramidkv.compress."""
     if getattr(model, "_pyramidkv_patch", None) is not None:
         raise RuntimeError("the model is patched by pyramidkv.compress: read its queries outside the `with` block")
-    layers = decoder(model).layers
-    out: list = [None] * len(layers)
-    if INTERFACE_LINE:
-        _capture_5x(model, input_ids, out)
-    else:
-        _capture_pinned(model, input_ids, out)
-    missing = [i for i, q in enumerate(out) if q is None]
+    layers = range(len(decoder(model).layers))
+    captured: dict = {}
+    with capturing_qkv(model, layers, captured):
+        model(input_ids=input_ids, use_cache=False)
+    missing = [i for i in layers if i not in captured]
     if missing:
         raise RuntimeError(f"no queries were captured for layers {missing}")
-    return out
+    return [captured[i][0].float() for i in layers]
 
 
-def _capture_pinned(model, input_ids, out: list) -> None:
+@contextlib.contextmanager
+def capturing_qkv(model, layers: Iterable[int], out: dict):
+    """While open, every forward puts out[layer] = (q [B, Hq, n, D], k and v [B, Hkv, n, D]) for the given layers:
+    the new tokens' projections after RoPE (and q/k norms), as the layer's attention receives them, unscaled.
+    Works inside `pyramidkv.compress` too (the compressed prefill's own q, k, v); open it inside that block."""
+    layers = set(layers)
+    if INTERFACE_LINE:
+        with _wrapped_attention(model, layers, out):
+            yield
+        return
     from pyramidkv.models.patch import MODEL_GLUE
 
     glue = MODEL_GLUE[model.config.model_type]
@@ -55,40 +67,47 @@ def _capture_pinned(model, input_ids, out: list) -> None:
     def capture(index):
         def hook(module, args, kwargs):
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            q, _, _ = glue.project_qkv(module, hidden, kwargs.get("position_ids"), kwargs.get("position_embeddings"))
-            out[index] = q.detach().float()
+            out[index] = tuple(t.detach() for t in glue.project_qkv(module, hidden, kwargs.get("position_ids"),
+                                                                    kwargs.get("position_embeddings")))
         return hook
 
     hooks = [layer.self_attn.register_forward_pre_hook(capture(i), with_kwargs=True)
-             for i, layer in enumerate(decoder(model).layers)]
+             for i, layer in enumerate(decoder(model).layers) if i in layers]
     try:
-        model(input_ids=input_ids, use_cache=False)
+        yield
     finally:
         for hook in hooks:
             hook.remove()
 
 
-def _capture_5x(model, input_ids, out: list) -> None:
+@contextlib.contextmanager
+def _wrapped_attention(model, layers: set, out: dict):
+    """5.x: the model's attention function (its own, or pyramidkv's while patched) wrapped by one that records what
+    it receives, registered beside it for as long as the block runs."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-    from pyramidkv.models.tf5.attention import base_function
+    from pyramidkv.models.tf5.attention import BASES, base_function
+    from pyramidkv.models.tf5.hooks import switch_implementation
 
-    base = model.config._attn_implementation
+    current = model.config._attn_implementation
     index = {id(layer.self_attn): i for i, layer in enumerate(decoder(model).layers)}
 
     def capturing(module, query, key, value, attention_mask, **kwargs):
-        out[index[id(module)]] = query.detach().float()
-        return base_function(module, base)(module, query, key, value, attention_mask, **kwargs)
+        layer = index[id(module)]
+        if layer in layers:
+            out[layer] = (query.detach(), key.detach(), value.detach())
+        own = base_function(module, current) if current in BASES else ALL_ATTENTION_FUNCTIONS[current]
+        return own(module, query, key, value, attention_mask, **kwargs)
 
-    name = f"{CAPTURE}_{base}"
+    name = f"{CAPTURE}_{current}"
     AttentionInterface.register(name, capturing)
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
-    model.set_attn_implementation(name)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
+    switch_implementation(model, name)
     try:
-        model(input_ids=input_ids, use_cache=False)
+        yield
     finally:
-        model.set_attn_implementation(base)
+        switch_implementation(model, current)
 
 
 def pre_rope_queries(model, input_ids: torch.Tensor, purpose: str) -> list[torch.Tensor]:

@@ -102,7 +102,7 @@ def check_model(model_path: str = DEFAULT_MODEL_NAME, attn_implementation: str =
         family(config.model_type)
         if attn_implementation not in BASES:
             raise ValueError(f"attn_implementation {attn_implementation!r} is not supported on the 5.x line; use "
-                             f"{' or '.join(BASES)} (or the pinned line: requirements.txt)")
+                             f"{', '.join(BASES)} (or the pinned line: requirements.txt)")
     elif config.model_type not in MODEL_GLUE:
         raise ValueError(f"unsupported model type {config.model_type!r} ({model_path}); "
                          f"supported: {', '.join(MODEL_GLUE)}")
@@ -190,8 +190,11 @@ def check_device_map_modules(device_map: dict, config) -> None:
     model built on the meta device: no memory, no weights read)."""
     from accelerate import init_empty_weights
 
-    with init_empty_weights():
-        model = MODEL_GLUE[config.model_type].causal_lm(config)
+    from transformers import AutoModelForCausalLM
+
+    build = MODEL_GLUE[config.model_type].causal_lm if config.model_type in MODEL_GLUE else AutoModelForCausalLM.from_config
+    with init_empty_weights():   # 5.x's Qwen3 and Gemma3 have no glue row: their auto class
+        model = build(config)
     modules = dict(model.named_modules())
     unknown = [name for name in device_map if name not in modules]
     if unknown:
@@ -272,9 +275,20 @@ def supported_models() -> str:
 def config_as(config, model_class: str):
     """Re-express a config as another supported architecture with the same weights layout (its glue's
     `config_as`); refused with one line where the checkpoint's weights have no place in that architecture or it
-    has weights the checkpoint lacks, other than biases (transformers starts those at zero: Llama as Qwen2)."""
+    has weights the checkpoint lacks, other than biases (transformers starts those at zero: Llama as Qwen2).
+    The architectures are the glue rows (MODEL_GLUE) that the installed line runs: on the 5.x line llama,
+    mistral, qwen2 and phi3 (its others, Qwen3 and Gemma3, have q/k norms no other layout has)."""
+    here, there = (FAMILIES, MODEL_GLUE) if INTERFACE_LINE else (MODEL_GLUE, FAMILIES)
+    choices = ", ".join(name for name in MODEL_GLUE if name in here)
+    if model_class in here and model_class not in MODEL_GLUE:   # 5.x: Qwen3, Gemma3 (q/k norms), refused ones
+        raise ValueError(f"model_class {model_class!r}: no other family's weights load as it (it has no glue "
+                         f"row to re-express a config with); choose one of {choices}")
+    if model_class in there and model_class not in here:
+        other = f"the pinned line (transformers {PINNED})" if INTERFACE_LINE else "the 5.x line"
+        raise ValueError(f"model_class {model_class!r} is a family of {other} only, not of {line_name()}; "
+                         f"choose one of {choices}")
     if model_class not in MODEL_GLUE:
-        raise ValueError(f"unknown model_class {model_class!r}; choose one of {', '.join(MODEL_GLUE)}")
+        raise ValueError(f"unknown model_class {model_class!r}; choose one of {choices}")
     if config.model_type == model_class:
         return config
     glue = MODEL_GLUE[model_class]

@@ -21,7 +21,8 @@ from pyramidkv.core.scoring import scores_per_stored_head
 from pyramidkv.methods.base import Method
 from pyramidkv.models.glue import decoder
 from pyramidkv.models.line import CACHE_ARGUMENT
-from pyramidkv.models.patch import MODEL_GLUE, compress
+from pyramidkv.models.capture import capturing_qkv
+from pyramidkv.models.patch import compress
 
 
 # ---- prompts and spans -----------------------------------------------------------------------------
@@ -207,29 +208,17 @@ class Prefill:
 def prefill(model, prompt: Prompt, method: Method, capture_layers: Sequence[int] = ()) -> Prefill:
     """Run the prompt through the model patched with `method` and read back what the cache kept.
 
-    capture_layers: layers whose post-RoPE queries/keys/values are recorded (for scoring).
+    capture_layers: layers whose post-RoPE queries/keys/values are recorded (for scoring), as the layer's
+    attention received them on either transformers line (models/capture.py `capturing_qkv`).
     """
     if not isinstance(method, Method):
         raise TypeError(f"method must be a pyramidkv Method (see pyramidkv.make_method), got {type(method).__name__}")
-    glue = MODEL_GLUE.get(getattr(model.config, "model_type", None))
-    captured, handles = {}, []
-    layers = decoder_layers(model)
-    for layer in capture_layers:
-        layer = check_index("layer", layer, len(layers))
-
-        def capture(module, args, kwargs, layer=layer):
-            captured[layer] = glue.project_qkv(module, kwargs["hidden_states"], kwargs.get("position_ids"),
-                                               kwargs.get("position_embeddings"))
-
-        handles.append(layers[layer].self_attn.register_forward_pre_hook(capture, with_kwargs=True))
-    try:
-        with compress(model, method) as patch:
-            cache = patch.new_cache()
-            # the decoder alone: the LM head's logits over the prompt are not read here
-            decoder(model)(_input_ids(model, prompt), use_cache=True, **{CACHE_ARGUMENT: cache})
-    finally:
-        for h in handles:
-            h.remove()
+    layers = [check_index("layer", layer, num_layers(model)) for layer in capture_layers]
+    captured: dict = {}
+    with compress(model, method) as patch, capturing_qkv(model, layers, captured):
+        cache = patch.new_cache()
+        # the decoder alone: the LM head's logits over the prompt are not read here
+        decoder(model)(_input_ids(model, prompt), use_cache=True, **{CACHE_ARGUMENT: cache})
     kept = [[p.cpu().numpy() for p in cache.kept_positions(layer, 0)] for layer in range(num_layers(model))]
     counts = np.array([cache.kept_counts(layer)[0] for layer in range(num_layers(model))], dtype=np.int64)
     return Prefill(method, prompt, kept, counts, cache.layer_budgets_used(0), captured)

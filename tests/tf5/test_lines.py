@@ -27,3 +27,17 @@ def test_a_family_this_line_lacks_is_refused_in_one_line_naming_the_line_that_ha
     with pytest.raises(ValueError, match=expected) as refused:
         check_model(checkpoint(tmp_path, model_type), "sdpa", "cpu")
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.skipif(not INTERFACE_LINE, reason="Qwen3 is the 5.x line's")
+def test_a_device_map_of_a_family_without_a_glue_row_is_checked_against_its_modules():
+    """5.x's Qwen3 has no glue row (models/patch.py's MODEL_GLUE): a device map is checked on its auto class."""
+    from pyramidkv.models.loading import check_device_map_modules
+    from tests.tf5.families import tiny
+
+    config = tiny("qwen3").config
+    check_device_map_modules({"model": "cpu", "lm_head": "cpu"}, config)
+    with pytest.raises(ValueError, match="names 'model.nope', which is no module of Qwen3ForCausalLM"):
+        check_device_map_modules({"model.nope": "cpu"}, config)
+    with pytest.raises(ValueError, match="places no device for 1 weight"):
+        check_device_map_modules({"model": "cpu"}, config)

@@ -8,7 +8,8 @@ On top, the bytes each case holds at the end, against hand counts: a full-precis
 token and KV head (keys and values, head_dim 16, float32), so fullkv after the prompt and four decode steps holds
 FULL; an evicting case holds ROW per token it keeps; a quantized store fewer than that; ThinK's thinned keys fewer
 than that but more than its values alone; MiniCache's merged layer pairs fewer; Quest every token plus each page's
-key bounds (more than FULL: it saves reads, not memory). And fullkv's greedy tokens are the unpatched model's.
+key bounds (more than FULL: it saves reads, not memory). And fullkv's greedy tokens are the unpatched model's, and chunked prefill keeps its
+budget with the peak bytes of the layer budgets and one chunk.
 
 Skipped on the pinned line, where tests/methods/test_matrix.py runs these cases itself.
 """
@@ -95,11 +96,15 @@ def test_fullkv_generates_the_unpatched_models_tokens(tiny):   # noqa: F811
     assert got.kv_bytes_per_prompt == FULL
 
 
-def test_chunked_prefill_is_refused_in_one_line_naming_the_line_that_has_it(tiny):   # noqa: F811
-    """The one axis the 5.x line refuses (docs/transformers5.md): its attention function does not re-select
-    between chunks."""
+def test_chunked_prefill_keeps_the_budget_and_holds_at_most_the_budgets_and_one_chunk(tiny):   # noqa: F811
+    """Chunked prefill under 5.x (tests/tf5/test_chunked_prefill.py checks its kept sets): 63 tokens in chunks of
+    32 (31, then 32), snapkv at BUDGET: the peak during the prefill is the last layer computing the second chunk
+    (the two before it back at BUDGET, it holding both chunks: under the bound of every budget plus one chunk), and
+    after 2 new tokens each layer holds BUDGET + 2 per KV head."""
     model, prompt, _ = tiny
-    with pytest.raises(ValueError, match=r"chunked prefill runs on the pinned transformers line \(4.44.2\)") as refused:
-        generate(model, matrix.TokenIds(), [prompt], matrix.make_method("snapkv", budget=matrix.BUDGET), 2,
-                 stop_token_ids=[], prefill_chunk_size=32)
-    assert "\n" not in str(refused.value)
+    got, = generate(model, matrix.TokenIds(), [prompt], matrix.make_method("snapkv", budget=matrix.BUDGET), 2,
+                    stop_token_ids=[], prefill_chunk_size=32)
+    assert got.prefill_chunks == 2
+    assert got.peak_prefill_kv_bytes == (2 * matrix.BUDGET + 31 + 32) * matrix.KV_HEADS * ROW
+    assert got.peak_prefill_kv_bytes <= (matrix.LAYERS * matrix.BUDGET + 32) * matrix.KV_HEADS * ROW
+    assert got.kv_bytes_per_prompt == matrix.LAYERS * matrix.KV_HEADS * (matrix.BUDGET + 2) * ROW

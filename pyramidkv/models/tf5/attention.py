@@ -13,7 +13,9 @@ holding `sliding_window` / `softcap` where the family has them. Registered as `p
                               and mask (so the prompt's logits are the unpatched model's), or with its column
                               sums / a sparse pattern where the method asks; then the engine keeps what the
                               method selects (`CompressedCache.prefill`);
-  later calls                 the new tokens appended to the layer's store and attended over what it holds.
+  later calls                 the new tokens appended to the layer's store and attended over what it holds;
+                              in a chunked prefill (core/chunked.py) the layer is then cut back to its budget,
+                              scored by the chunk's queries, as on the pinned line.
 
 The attention form (scale, soft-cap, window) the engine uses was read from the modules when the model was patched
 (models/tf5/form.py); each call checks that the module still asks for that form.
@@ -32,7 +34,8 @@ from pyramidkv.models.tf5.cache import InterfaceCache
 from pyramidkv.models.tf5.form import call_window
 from pyramidkv.sparse_prefill.attention import sparse_prefill_attention
 
-BASES = ("sdpa", "eager")   # the implementations a patched model extends (flash-attn: not on this line yet)
+BASES = ("sdpa", "eager", "flash_attention_2")   # the implementations a patched model extends
+FLASH = "flash_attention_2"   # CUDA only, with the flash-attn package (models/loading.py refuses it otherwise)
 CACHE_KEY, HIDDEN_KEY = "pyramidkv_cache", "pyramidkv_hidden"   # what the modules' pre-hooks add to the kwargs
 
 
@@ -42,12 +45,32 @@ def registered_name(base: str) -> str:
 
 def base_function(module, base: str):
     """The implementation's own attention function: sdpa's from the interface, eager's from the module's modeling
-    file (each family has its own `eager_attention_forward`)."""
+    file (each family has its own `eager_attention_forward`), flash-attn's through `flash_attention`."""
     if base == "eager":
         return sys.modules[type(module).__module__].eager_attention_forward
+    if base == FLASH:
+        return flash_attention
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     return ALL_ATTENTION_FUNCTIONS[base]
+
+
+def flash_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                    sliding_window=None, softcap=None, **kwargs):
+    """5.x's flash-attn path (`_flash_attention_forward`, as its `flash_attention_forward` calls it) with the
+    implementation named as "flash_attention_2": the 5.x function reads the kernel to load from the module's config,
+    which names pyramidkv's function while the model is patched. query [B, Hq, n, D], key and value [B, Hkv, n, D]
+    -> (output [B, n, Hq, D], None)."""
+    from transformers.integrations.flash_attention import get_target_dtype
+    from transformers.modeling_flash_attention_utils import _flash_attention_forward, flash_attn_supports_top_left_mask
+
+    out = _flash_attention_forward(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attention_mask,
+                                   query_length=query.shape[2], is_causal=True, dropout=dropout, softmax_scale=scaling,
+                                   sliding_window=sliding_window, softcap=softcap,
+                                   use_top_left_mask=flash_attn_supports_top_left_mask(),
+                                   target_dtype=get_target_dtype(query, module), attn_implementation=FLASH,
+                                   layer_idx=module.layer_idx, **kwargs)
+    return out, None
 
 
 def check_form(cache: InterfaceCache, layer: int, scaling: Optional[float], head_dim: int, kwargs: dict) -> None:
@@ -81,7 +104,10 @@ def pyramidkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
     if cache.reconstruction is not None and cache.reconstruction.current is not None:   # a repeat pass (KVzip)
         return cache.repeat_attend(layer, scaled, key, value).transpose(1, 2), None
     if cache.is_prefilled(layer):
-        return cache.decode_step(layer, scaled, key, value, position_ids, hidden).transpose(1, 2), None
+        out = cache.decode_step(layer, scaled, key, value, position_ids, hidden)
+        if cache.chunked is not None:   # a later chunk: the layer keeps its budget again (core/chunked.py)
+            cache.chunked.reselect(cache, layer, scaled)
+        return out.transpose(1, 2), None
     bsz, _, n, _ = query.shape
     pads = cache.pad_lens or [0] * bsz
     sparse = cache.method.prefill_attention
@@ -97,6 +123,8 @@ def pyramidkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
         out = out.transpose(1, 2)
     else:
         out, weights = own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if cache.chunked is not None:   # the first chunk's K/V, held whole while the layer computes
+        cache.chunked.note(cache.kv_bytes() + sum(t.numel() * t.element_size() for t in (key, value)))
     cache.prefill(layer, scaled, key, value, position_ids, pattern, column_sums, hidden)
     return out, weights
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from pyramidkv.components import AttentionForm
-from pyramidkv.models.tf5.attention import BASES, CACHE_KEY, HIDDEN_KEY, register, registered_name
+from pyramidkv.models.tf5.attention import BASES, CACHE_KEY, FLASH, HIDDEN_KEY, register, registered_name
 from pyramidkv.models.tf5.families import family
 from pyramidkv.models.tf5.form import attention_modules, modules_form
 
@@ -38,6 +38,16 @@ def given_cache(kwargs: dict):
     return CACHE_ARGUMENTS[0], None
 
 
+def switch_implementation(model, name: str) -> None:
+    """The model's attention implementation set to `name`. A flash one is set on the config: 5.x's
+    `set_attn_implementation` would load a flash kernel named after it (which for pyramidkv_flash_attention_2 is
+    none: models/tf5/attention.py's `flash_attention` names the kernel itself)."""
+    if FLASH in name:   # every family of models/tf5/families.py calls the interface (check_model refuses others)
+        model.config._attn_implementation = name
+    else:
+        model.set_attn_implementation(name)
+
+
 def install(model, implementation: str, needs_hidden: bool) -> Callable[[], None]:
     """Switch the model to pyramidkv's attention function and hook its attention modules; returns the undo."""
     register()
@@ -48,7 +58,7 @@ def install(model, implementation: str, needs_hidden: bool) -> Callable[[], None
             kwargs[HIDDEN_KEY] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         return args, kwargs
 
-    model.set_attn_implementation(registered_name(implementation))
+    switch_implementation(model, registered_name(implementation))
     if model.config._attn_implementation != registered_name(implementation):   # transformers only warns
         raise ValueError(f"{type(model).__name__} cannot switch its attention implementation (it does not call "
                          f"the attention interface), so pyramidkv cannot run it on the 5.x line")
@@ -57,6 +67,6 @@ def install(model, implementation: str, needs_hidden: bool) -> Callable[[], None
     def undo() -> None:
         for handle in handles:
             handle.remove()
-        model.set_attn_implementation(implementation)
+        switch_implementation(model, implementation)
 
     return undo
