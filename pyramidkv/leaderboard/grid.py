@@ -36,8 +36,6 @@ RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multik
 NEEDLE, SHARED = "needle", "shared_context"
 TASKS = RULER_TASKS + (NEEDLE, SHARED)
 SHARED_TASK, SHARED_QUESTIONS, SHARED_MODE = "niah_multikey_1", 4, "multi_request"
-# Methods that evict while decoding by default: with a ratio they also need the tokens a head holds while decoding.
-DECODE_BUDGET_METHODS = ("scissorhands", "tova", "rkv", "triattention")
 BUDGET_SETTINGS = ("budget", "budget_ratio", "compression_ratio", "page_budget", "page_budget_ratio", "decode_budget")
 
 
@@ -126,7 +124,7 @@ def entries_of(spec: str, ratios, context_length: int) -> list[Entry]:
     out = []
     for ratio in ratios:
         budget = {"budget_ratio": ratio}
-        if cls.name in DECODE_BUDGET_METHODS:
+        if cls.decodes_at_budget:   # evicts while decoding by its own rule: holds ratio x length there too
             budget["decode_budget"] = max(1, round(ratio * context_length))
         method = build_method(cls, {**given, **budget})
         try:     # the budget at the grid's length must hold the window (prompts shorter still: their runner refuses)

@@ -95,6 +95,7 @@ class Method(Component, metaclass=FlatSizing):
     needs_hidden: ClassVar[bool] = False    # the scorer reads the attention input (ScoreContext.hidden: KVzap)
     token_scores: ClassVar[bool] = False    # a token's score reads that token alone (threshold decoding needs it)
     score_bounds: ClassVar[Optional[tuple[float, float]]] = None   # [low, high] every score lies in, if known
+    decodes_at_budget: ClassVar[bool] = False   # evicts while decoding by its own rule (a ratio sets decode_budget)
     refuses: ClassVar[dict[str, str]] = {}  # setting -> why it is refused (composition.check_refused; not in --help)
     flat_units = {"sizing": Sizing, **{axis: capability_class(axis) for axis in CAPABILITY_AXES}}
 

@@ -12,6 +12,8 @@ class DecodesAtItsBudget:
     decode_budget None) holds the method's budget while decoding: tova, rkv, triattention. A token budget fills
     decode_budget in; that default at the budget is no change of settings (tova:budget=256 is labelled tova)."""
 
+    decodes_at_budget = True
+
     def __post_init__(self) -> None:
         budget = self.budget
         if (isinstance(self.decode, DecodeBudget) and self.decode.decode_budget is None and isinstance(budget, int)

@@ -40,6 +40,7 @@ class Scissorhands(Method):
 
     name = "scissorhands"
     global_scale = "raw"   # attention received: comparable across layers as it is
+    decodes_at_budget = True   # it needs a decode_budget (validate)
     history_window: int = 64
 
     def validate(self) -> None:
