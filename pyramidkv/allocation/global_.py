@@ -4,7 +4,8 @@ one threshold over all layers, heads and positions does (Kim et al., 2025, arXiv
 
 The total is the uniform one, exactly: L x H x (budget - window - sinks) selected tokens (ties: the lower layer,
 then the more recent position, then the lower head; within one layer the order of AdaKV's split). Every layer's
-scores are known only after the last layer, so each layer waits with its full K/V until then (as ZigZagKV's).
+scores are known only after the last layer, but what is not among the best of the layers scored so far can never be
+kept, so each layer holds only that while the prefill runs (`running_top`: core/running_top.py).
 
 Scores of different layers must be comparable. `score_scale="method"` takes the scorer's own rule
 (`Method.global_scale`): "raw" for scores that are attention a query gives a key (KVzip's maxima, SnapKV's
@@ -63,6 +64,7 @@ class GlobalHeads(HeadAllocation):
     name = "global"
     global_over_layers = True
     needs_scores = True
+    running_top = True
     score_scale: str = "method"
 
     def validate(self) -> None:
