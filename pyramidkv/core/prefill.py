@@ -149,7 +149,7 @@ class PromptCompressor:
         """The layers whose kept tokens are known now -> per prompt its KeptKV: this layer, or none until
         the last layer when the budgets need every layer's scores (then all of them)."""
         if not (self.method.layer_budgets_need_scores or self.reconstructing):
-            self._fix_layer_budgets()
+            self.fix_layer_budgets()
             if layer_idx in self.pairs:  # the lower layer of a merged pair waits for the upper one
                 self._wait(layer_idx, scored)
                 return {}
@@ -164,7 +164,7 @@ class PromptCompressor:
         self._wait(layer_idx, scored)
         if layer_idx < self.model.num_layers - 1 or self.reconstructing:
             return {}
-        self._fix_layer_budgets(self._candidate_scores())
+        self.fix_layer_budgets(self._candidate_scores())
         return {layer: self._keep_layer(layer, self.waiting.pop(layer)) for layer in range(self.model.num_layers)}
 
     def reconstructed(self, scores: dict[int, torch.Tensor], edges: list[tuple[int, int]]) -> dict[int, list[KeptKV]]:
@@ -177,7 +177,7 @@ class PromptCompressor:
                                                      None, reconstruction=scores[layer], model=self.model))
                 scored.scores = scores_per_stored_head(raw, self.method, self.model.num_kv_heads,
                                                        self.model.num_query_heads)
-        self._fix_layer_budgets(self._candidate_scores())
+        self.fix_layer_budgets(self._candidate_scores())
         return {layer: self._keep_layer(layer, self.waiting.pop(layer)) for layer in range(self.model.num_layers)}
 
     def _wait(self, layer_idx: int, scored: ScoredLayer) -> None:
@@ -224,10 +224,10 @@ class PromptCompressor:
     def planned_budgets(self) -> tuple[list[list[int]], list]:
         """(layer_budgets, head_plans) as the method fixes them before any score is known, for a method whose budgets
         do not depend on the scores (`layer_budgets_need_scores` False): what a loaded cache's are checked against."""
-        self._fix_layer_budgets()
+        self.fix_layer_budgets()
         return self.layer_budgets, self.head_plans
 
-    def _fix_layer_budgets(self, layer_scores: Optional[list] = None) -> None:
+    def fix_layer_budgets(self, layer_scores: Optional[list] = None) -> None:
         """Per prompt, the tokens each layer keeps. A prompt no longer than the method's budget is kept
         whole in every layer (even where a layer's own share would be smaller)."""
         if self.layer_budgets is None:

@@ -63,7 +63,7 @@ class RunningTop:
         batch = range(len(prompt.real_lens))
         last = layer_idx == prompt.model.num_layers - 1
         if last:   # the budgets as without the running cut, over every layer's scores
-            prompt._fix_layer_budgets([self.candidate_scores(b, n) if prompt.compressed(b) else None for b in batch])
+            prompt.fix_layer_budgets([self.candidate_scores(b, n) if prompt.compressed(b) else None for b in batch])
             plans = list(zip(prompt.layer_budgets, prompt.head_plans))
         else:
             plans = [prompt.prompt_plan(b, self.candidate_scores(b, n) if prompt.compressed(b) else None)
