@@ -109,7 +109,7 @@ def test_the_cut_keeps_what_waiting_whole_keeps(case, monkeypatch):
         ids[b, 96 - length:] = ids_of(length, seed=b + 2)
         mask[b, 96 - length:] = 1
     cut = prefilled(method, ids, mask)
-    assert cut.prompt.running is not None and not cut.prompt.running.kept
+    assert cut.prompt.running is not None and not cut.prompt.running.held
     with monkeypatch.context() as patch:
         waiting_whole(patch)
         whole = prefilled(method, ids, mask)
