@@ -70,19 +70,6 @@ class KeptKV:
         return cls(torch.cat([k for k, _, _ in heads]).contiguous(), torch.cat([v for _, v, _ in heads]).contiguous(),
                    [len(p) for _, _, p in heads], torch.cat([p for _, _, p in heads]))
 
-    def subset(self, positions: list[torch.Tensor]) -> "KeptKV":
-        """The rows at `positions` (per head, ascending, 0 = first real token), each among the head's kept ones
-        (ValueError otherwise); itself where they are all of them. Full-width rows only (no thin part)."""
-        if [len(p) for p in positions] == self.lengths:
-            return self
-        heads = []
-        for h, ((keys, values), have, want) in enumerate(zip(self.per_head(), self.positions_per_head(), positions)):
-            rows = torch.searchsorted(have, want).clamp(max=max(len(have) - 1, 0))
-            if len(want) and (not len(have) or not torch.equal(have[rows], want)):
-                raise ValueError(f"head {h}: positions {sorted(set(want.tolist()) - set(have.tolist()))[:8]} are not kept")
-            heads.append((keys.index_select(0, rows), values.index_select(0, rows), want))
-        return KeptKV.from_heads(heads)
-
     @property
     def uniform(self) -> bool:
         return len(set(self.lengths)) <= 1

@@ -11,7 +11,9 @@ candidates: the same top-k, more recent first among equals, that the final selec
 whose smaller counts are prefixes of its larger ones. A count only falls from one layer to the next, so each layer's
 final kept set lies inside what it holds; at the last layer the budgets are computed as before, over every layer's
 scores, and the kept tokens are exactly the global allocation's (a row the final set needs and the layer dropped
-raises, never silently). A unit promises this by `running_top` (GlobalHeads).
+raises, never silently). A unit promises this by `running_top` (GlobalHeads). A layer's rows are held in rank order
+(`Held`: per head its window and sinks, then its candidates best first), so a cut takes each head's first rows in one
+gather; at the last layer they are put back in position order.
 
 Peak prefill K/V: after each layer the scored layers hold at most the final cache (l x H x (window + sinks) + at
 most B tokens), and the layer being scored holds its whole prompt K/V: peak <= final cache + one layer's full K/V
