@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pyramidkv import compress, make_method
-from pyramidkv.allocation.global_ import GlobalHeads, global_counts
+from pyramidkv.allocation.global_ import GlobalHeads, first_of_stable_sort, global_counts
 from tests.conftest import tiny_llama
 
 PROMPT = 48
@@ -38,6 +38,20 @@ def test_hand_worked_ties_at_the_cut_go_to_the_more_recent_position():
     assert global_counts([layer0, layer1], 2) == [[1, 1], [0, 0]]
     assert global_counts([layer0, layer1], 3) == [[1, 1], [1, 0]]
     assert global_counts([layer0, layer1], 4) == [[1, 1], [1, 1]]
+
+
+def test_the_best_entries_by_their_cut_value_are_the_first_of_a_stable_sort():
+    """first_of_stable_sort (the total-th largest value, then equal values in order) against torch's stable sort, on
+    random vectors with many ties, -0.0 beside 0.0, -inf and NaN, for every total."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        n = int(torch.randint(1, 60, (1,), generator=g))
+        values = torch.randint(0, 4, (n,), generator=g).double() if trial % 2 else torch.randn(n, generator=g).double()
+        values[:: 5 + trial % 3] = [float("-inf"), -0.0, float("nan")][trial % 3]
+        for total in range(n + 1):
+            expected = torch.zeros(n, dtype=torch.bool)
+            expected[torch.sort(values, descending=True, stable=True).indices[:total]] = True
+            assert torch.equal(first_of_stable_sort(values, total), expected), (trial, total)
 
 
 def tiny(layers: int):
