@@ -140,8 +140,9 @@ def _caller_locals(depth: int = 2) -> dict:
 class DecisionLog:
     """Records the selections of everything run inside `with DecisionLog() as log:` (see the module docstring).
 
-    The layer and prompt of a selection are read from its caller (core/prefill.py's _keep_layer: layer_idx,
-    b, pad; core/decoding.py's _reselect: layer_idx, b, r, p): a rename there fails here, loudly."""
+    The layer and prompt of a selection are read from its caller (core/prefill.py's kept_positions: layer_idx,
+    b, self.pad_lens; core/decoding.py's _reselect: layer_idx, b, r, p): a rename there fails here, loudly. Under
+    one budget over all layers (core/running_top.py) a layer's selection is recorded at every cut that changed it."""
 
     MODULES = ("pyramidkv.core.prefill", "pyramidkv.core.decoding")
 
@@ -170,7 +171,7 @@ class DecisionLog:
             try:
                 layer, prompt = caller["layer_idx"], caller["b"]
                 if kind == "prefill":
-                    pad = caller["pad"]
+                    pad = caller["self"].pad_lens[prompt]
                     true_positions = [np.arange(scores.shape[1]) - pad] * scores.shape[0]
                     heads = range(scores.shape[0])
                 else:

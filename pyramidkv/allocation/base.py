@@ -47,6 +47,10 @@ class HeadAllocation(Allocation):
 
     global_over_layers: ClassVar[bool] = False  # True: shares are fixed over all layers and heads at once
     needs_scores: ClassVar[bool] = False        # True: the split depends on every layer's scores (selected_over_layers)
+    # True: its counts are each head's share of the best scores over every layer, so a layer may drop at once what is
+    # not among the best of the layers scored so far (core/running_top.py; selected_over_layers takes empty [H, 0]
+    # scores for the layers not scored yet)
+    running_top: ClassVar[bool] = False
 
     def selected_per_head(self, scores: torch.Tensor, selected: int, layer_idx: int, model: ModelShape,
                           protected: int = 0) -> list[int]:

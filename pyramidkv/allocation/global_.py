@@ -4,7 +4,8 @@ one threshold over all layers, heads and positions does (Kim et al., 2025, arXiv
 
 The total is the uniform one, exactly: L x H x (budget - window - sinks) selected tokens (ties: the lower layer,
 then the more recent position, then the lower head; within one layer the order of AdaKV's split). Every layer's
-scores are known only after the last layer, so each layer waits with its full K/V until then (as ZigZagKV's).
+scores are known only after the last layer, but what is not among the best of the layers scored so far can never be
+kept, so each layer holds only that while the prefill runs (`running_top`: core/running_top.py).
 
 Scores of different layers must be comparable. `score_scale="method"` takes the scorer's own rule
 (`Method.global_scale`): "raw" for scores that are attention a query gives a key (KVzip's maxima, SnapKV's
@@ -35,6 +36,21 @@ def standardized(scores: torch.Tensor) -> torch.Tensor:
     return centred / spread if spread > 0 else centred
 
 
+def first_of_stable_sort(values: torch.Tensor, total: int) -> torch.Tensor:
+    """Bool mask [N] of the `total` entries a stable descending sort of values [N] puts first (equal values in their
+    order), found by the total-th largest value instead of a sort (NaN: by the sort)."""
+    chosen = torch.zeros_like(values, dtype=torch.bool)
+    if total == 0:
+        return chosen
+    if total == values.numel() or bool(values.isnan().any()):
+        chosen[torch.sort(values, descending=True, stable=True).indices[:total]] = True
+        return chosen
+    cut = torch.kthvalue(values, values.numel() - total + 1).values
+    chosen = values > cut
+    chosen[(values == cut).nonzero().squeeze(1)[: total - int(chosen.sum())]] = True
+    return chosen
+
+
 def global_counts(layer_scores: Sequence[torch.Tensor], total: int) -> list[list[int]]:
     """How many of the `total` best entries of every layer's scores [H, c_layer] fall in each (layer, head).
     Ties: the lower layer, then the more recent position, then the lower head."""
@@ -42,12 +58,10 @@ def global_counts(layer_scores: Sequence[torch.Tensor], total: int) -> list[list
     sizes = [s.numel() for s in arranged]
     if not 0 <= total <= sum(sizes):
         raise ValueError(f"cannot keep {total} of {sum(sizes)} candidates")
-    order = torch.sort(torch.cat(arranged), descending=True, stable=True).indices[:total]
+    chosen = first_of_stable_sort(torch.cat(arranged), total)
     counts, start = [], 0
     for scores, size in zip(layer_scores, sizes):
-        heads = scores.shape[0]
-        mine = order[(order >= start) & (order < start + size)] - start
-        counts.append(torch.bincount(mine % heads, minlength=heads).tolist())
+        counts.append(chosen[start: start + size].view(-1, scores.shape[0]).sum(0).tolist())
         start += size
     return counts
 
@@ -63,6 +77,7 @@ class GlobalHeads(HeadAllocation):
     name = "global"
     global_over_layers = True
     needs_scores = True
+    running_top = True
     score_scale: str = "method"
 
     def validate(self) -> None:

@@ -105,7 +105,7 @@ class ChunkCompressor(PromptCompressor):
         self.raw: dict[int, torch.Tensor] = {}   # per layer this pass's raw scores [1, Hq or Hkv, n], when carried
         if budgets is None:   # fixed once, from the whole prompt
             self.real_lens = [full_len]
-            self._fix_layer_budgets()
+            self.fix_layer_budgets()
             self.real_lens = [prompt_len]
         else:
             self.layer_budgets, self.head_plans = budgets

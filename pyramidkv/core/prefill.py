@@ -17,7 +17,8 @@ are still pruned, as ThinK's code does). Every step after
 `score` runs prompt by prompt on the prompt's own rows, so a prompt keeps what it keeps alone.
 Layer budgets are fixed when the first layer is scored, or, for allocations that need every layer's scores
 (ZigZagKV's layers, one budget over the whole model: head_allocation global), when the last layer is: until then
-each layer waits with its full K/V.
+each layer waits with its full K/V, or under one budget over all layers holds only what the B best scores so far
+keep (core/running_top.py).
 With cross-layer merging (MiniCache) the lower layer of each merged pair waits for the upper one; the
 pair then selects once, on the sum of its two layers' scores (same budget, same seeds), so both keep the
 same tokens.
@@ -37,6 +38,7 @@ from pyramidkv.allocation.base import ModelShape
 from pyramidkv.core.channels import prune_key_channels
 from pyramidkv.core.context import CompressionMethod, ScoreContext
 from pyramidkv.core.kept import KeptKV
+from pyramidkv.core.running_top import RunningTop, runs_top
 from pyramidkv.core.scoring import real_positions, scores_per_stored_head, window_attention
 from pyramidkv.core.selection import select_kept_positions
 from pyramidkv.merging.base import merge_prompt
@@ -93,6 +95,8 @@ class PromptCompressor:
         # per prompt (prefix, suffix) tokens it protects itself, in place of the sinks and the window (KVzip's
         # template): the budget is then the method's on the rest, plus them
         self.edges: Optional[list[tuple[int, int]]] = None
+        # one budget over every layer, cut as the layers are scored (core/running_top.py); None: layers wait whole
+        self.running = RunningTop(self) if runs_top(method) and self.any_compressed() and not reconstructing else None
 
     def extra(self, b: int) -> int:
         """Tokens prompt b protects beyond the method's own budget (its prefix and suffix, where it has them)."""
@@ -145,7 +149,7 @@ class PromptCompressor:
         """The layers whose kept tokens are known now -> per prompt its KeptKV: this layer, or none until
         the last layer when the budgets need every layer's scores (then all of them)."""
         if not (self.method.layer_budgets_need_scores or self.reconstructing):
-            self._fix_layer_budgets()
+            self.fix_layer_budgets()
             if layer_idx in self.pairs:  # the lower layer of a merged pair waits for the upper one
                 self._wait(layer_idx, scored)
                 return {}
@@ -155,10 +159,12 @@ class PromptCompressor:
                 return {layer_idx - 1: self._keep_layer(layer_idx - 1, lower, both, layer_idx - 1),
                         layer_idx: self._keep_layer(layer_idx, scored, both, layer_idx - 1)}
             return {layer_idx: self._keep_layer(layer_idx, scored)}
+        if self.running is not None:
+            return self.running.add(layer_idx, scored)
         self._wait(layer_idx, scored)
         if layer_idx < self.model.num_layers - 1 or self.reconstructing:
             return {}
-        self._fix_layer_budgets(self._candidate_scores())
+        self.fix_layer_budgets(self._candidate_scores())
         return {layer: self._keep_layer(layer, self.waiting.pop(layer)) for layer in range(self.model.num_layers)}
 
     def reconstructed(self, scores: dict[int, torch.Tensor], edges: list[tuple[int, int]]) -> dict[int, list[KeptKV]]:
@@ -171,7 +177,7 @@ class PromptCompressor:
                                                      None, reconstruction=scores[layer], model=self.model))
                 scored.scores = scores_per_stored_head(raw, self.method, self.model.num_kv_heads,
                                                        self.model.num_query_heads)
-        self._fix_layer_budgets(self._candidate_scores())
+        self.fix_layer_budgets(self._candidate_scores())
         return {layer: self._keep_layer(layer, self.waiting.pop(layer)) for layer in range(self.model.num_layers)}
 
     def _wait(self, layer_idx: int, scored: ScoredLayer) -> None:
@@ -199,7 +205,7 @@ class PromptCompressor:
         return min(sinks, n - pad - window), window
 
     def waiting_bytes(self) -> int:
-        return sum(s.nbytes() for s in self.waiting.values())
+        return sum(s.nbytes() for s in self.waiting.values()) + (0 if self.running is None else self.running.nbytes())
 
     def _candidate_scores(self) -> list[Optional[list[torch.Tensor]]]:
         """Per compressed prompt, per layer its [H, candidates] scores (the window excluded; on a sliding layer the
@@ -218,28 +224,29 @@ class PromptCompressor:
     def planned_budgets(self) -> tuple[list[list[int]], list]:
         """(layer_budgets, head_plans) as the method fixes them before any score is known, for a method whose budgets
         do not depend on the scores (`layer_budgets_need_scores` False): what a loaded cache's are checked against."""
-        self._fix_layer_budgets()
+        self.fix_layer_budgets()
         return self.layer_budgets, self.head_plans
 
-    def _fix_layer_budgets(self, layer_scores: Optional[list] = None) -> None:
+    def fix_layer_budgets(self, layer_scores: Optional[list] = None) -> None:
         """Per prompt, the tokens each layer keeps. A prompt no longer than the method's budget is kept
         whole in every layer (even where a layer's own share would be smaller)."""
-        if self.layer_budgets is not None:
-            return
-        self.layer_budgets = []
-        for b, n in enumerate(self.real_lens):
-            extra = self.extra(b)   # the budgets are the method's on the rest of the prompt, plus these
-            budget = self.nominal_budget(b) - extra
-            if n <= budget + extra:
-                self.head_plans.append(None)
-                self.layer_budgets.append([n] * self.model.num_layers)
-                continue
-            scores = None if layer_scores is None else layer_scores[b]
-            budgets = self.method.layer_budgets(budget, self.model.num_layers, n - extra, scores)
-            plan = [[extra + c for c in layer] if isinstance(layer, list) else [extra + layer] * self.stored_heads
-                    for layer in budgets]
-            self.layer_budgets.append([round(sum(heads) / len(heads)) for heads in plan])   # a ragged layer: the mean
-            self.head_plans.append(plan if any(isinstance(layer, list) for layer in budgets) else None)
+        if self.layer_budgets is None:
+            plans = [self.prompt_plan(b, None if layer_scores is None else layer_scores[b])
+                     for b in range(len(self.real_lens))]
+            self.layer_budgets, self.head_plans = [p[0] for p in plans], [p[1] for p in plans]
+
+    def prompt_plan(self, b: int, scores: Optional[list]) -> tuple[list[int], Optional[list[list[int]]]]:
+        """Prompt b's (tokens per layer, per layer and stored head where the method splits them itself or None), from
+        its candidate scores per layer [H, candidates] (None where the budgets need none)."""
+        n, extra = self.real_lens[b], self.extra(b)   # the budgets are the method's on the rest, plus the extra
+        budget = self.nominal_budget(b) - extra
+        if n <= budget + extra:
+            return [n] * self.model.num_layers, None
+        budgets = self.method.layer_budgets(budget, self.model.num_layers, n - extra, scores)
+        plan = [[extra + c for c in layer] if isinstance(layer, list) else [extra + layer] * self.stored_heads
+                for layer in budgets]
+        return ([round(sum(heads) / len(heads)) for heads in plan],   # a ragged layer: the mean
+                plan if any(isinstance(layer, list) for layer in budgets) else None)
 
     def _keep_layer(self, layer_idx: int, scored: ScoredLayer, scores: Optional[torch.Tensor] = None,
                     selecting_layer: Optional[int] = None) -> list[KeptKV]:
@@ -252,19 +259,12 @@ class PromptCompressor:
         n = keys.shape[2]
         kept = []
         for b, (pad, seen) in enumerate(zip(self.pad_lens, self.layer_pads(layer_idx, n))):
-            budget, plan = self.layer_budgets[b][layer_idx], self.head_plans[b] if self.head_plans else None
-            if n - seen <= (budget if plan is None else min(plan[layer_idx])):
-                whole = [torch.arange(seen, n, device=keys.device)] * keys.shape[1]
-                kept.append(KeptKV.gather(keys[b], values[b], whole, pad))
+            positions = self.kept_positions(b, layer_idx, n, scores, self.layer_budgets[b][layer_idx],
+                                            self.head_plans[b] if self.head_plans else None, selecting)
+            if positions is None:
+                kept.append(KeptKV.gather(keys[b], values[b], [torch.arange(seen, n, device=keys.device)] * keys.shape[1],
+                                          pad))
                 continue
-            first, stop = self.candidates(b, n, seen)
-            extra = self.extra(b)
-            head_budgets = plan[layer_idx] if plan is not None else \
-                [extra + h for h in method.head_budgets(scores[b, :, first:stop], budget - extra, selecting, self.model)]
-            sinks, window = self.protected(b, n, seen)
-            positions = select_kept_positions(
-                scores[b], seen, head_budgets, window, sinks,
-                method.selection.random_fraction, lambda head: sampling_generator(method, selecting, head))
             merged = None
             if method.merge is not None:
                 seed = method.merge.seed_for(layer_idx)  # one generator per prompt and layer
@@ -273,9 +273,27 @@ class PromptCompressor:
                 merged = merge_prompt(method.merge, keys[b], values[b], positions, seen, attention, method.window_size,
                                       generator)
             kept.append(KeptKV.gather(keys[b], values[b], positions, pad, merged))
-        if scored.last_queries is not None:
-            w = scored.last_queries.shape[2]
-            channels = method.channels
-            kept = [prune_key_channels(k, scored.last_queries[b, :, w - min(w, real):], channels.key_channel_ratio,
-                                       channels.key_recent_size) for b, (k, real) in enumerate(zip(kept, self.real_lens))]
-        return kept
+        return self.thin_keys(kept, scored.last_queries)
+
+    def kept_positions(self, b: int, layer_idx: int, n: int, scores: Optional[torch.Tensor], budget: int,
+                       plan: Optional[list[list[int]]], selecting: int) -> Optional[list[torch.Tensor]]:
+        """Prompt b's kept padded positions per stored head at a layer (None: all it sees), from its scores [B, H, n],
+        its layer budget and its plan (per layer and head; None: the method splits the budget)."""
+        seen = self.layer_pads(layer_idx, n)[b]
+        if n - seen <= (budget if plan is None else min(plan[layer_idx])):
+            return None
+        first, stop = self.candidates(b, n, seen)
+        extra = self.extra(b)
+        head_budgets = plan[layer_idx] if plan is not None else \
+            [extra + h for h in self.method.head_budgets(scores[b, :, first:stop], budget - extra, selecting, self.model)]
+        sinks, window = self.protected(b, n, seen)
+        return select_kept_positions(scores[b], seen, head_budgets, window, sinks, self.method.selection.random_fraction,
+                                     lambda head: sampling_generator(self.method, selecting, head))
+
+    def thin_keys(self, kept: list[KeptKV], last_queries: Optional[torch.Tensor]) -> list[KeptKV]:
+        """ThinK's key channels (where the method has them) of a layer's kept tokens, per prompt."""
+        if last_queries is None:
+            return kept
+        w, channels = last_queries.shape[2], self.method.channels
+        return [prune_key_channels(k, last_queries[b, :, w - min(w, real):], channels.key_channel_ratio,
+                                   channels.key_recent_size) for b, (k, real) in enumerate(zip(kept, self.real_lens))]
