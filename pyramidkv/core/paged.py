@@ -5,11 +5,16 @@ It holds exactly what a `FullPrecisionStore` holds (kept rows + tail; nothing is
 decode-time re-selection. Each decode step, per segment and query head (or per stored head with a
 group-reduced selection), the K best pages by U_p are chosen and the new query attends exactly over
 their tokens, gathered from the kept rows and the tail ([S, rows, K * S, D]); when every segment would
-take all its pages the step is the full-precision store's own dense attention (the same bits).
+take all its pages the step is the full-precision store's own dense attention (the same bits). Several new
+tokens (a question in one forward) are attended at once (`_attend_piece`): query i scores the pages held at its
+step by their bounds as they were then (`PageTable.extend`), takes its K best, and its softmax runs over those
+pages' tokens in the one-token order (logits over every held token once, gathered per query): what it would get fed
+alone, to float rounding.
 
 Bytes: held = K/V rows + page metadata (`bytes_by_part` adds "page_metadata"); read per step
 (`read_bytes`) = the K/V of the union of the chosen pages' tokens + all page metadata (read to score
-the pages), or the K/V held when the step attended densely.
+the pages), or the K/V held when the step attended densely; for a piece of several tokens, the union over its
+queries (what the one-token steps would read in all; the piece computes logits over every held token).
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from pyramidkv.core.pages import (PageSettings, PageTable, PieceBounds, bound_sc
 class PagedStore(FullPrecisionStore):
     # Attention reads only the chosen pages: statistics over every held token would count attention never computed.
     abilities = ("reselect",)
-    # A piece of new tokens is attended at once, each query choosing its pages among those held at its step.
+    # A piece of new tokens is attended at once, each query choosing its pages among those held at its step; its
+    # per-query page bounds [S, q, J, D] and logits over every held token [S, g, q, n] grow with q: 128 at a time.
+    max_piece = 128
 
     @classmethod
     def open(cls, kept: list[KeptKV], setup: StoreSetup, layer_idx: int) -> FullPrecisionStore:

@@ -113,15 +113,16 @@ class PageTable:
         rows = torch.arange(segments, device=keys.device)
         slot = torch.arange(width * size, device=keys.device)[None, :]
         at = (offset[:, None] + torch.arange(q, device=keys.device))[..., None].expand(-1, -1, dim)
+        pages = first[:, None] + torch.arange(width, device=keys.device)                    # [S, J]
+        filled = (pages * size < (self.counts + q)[:, None])[..., None]                      # holds a token after
         prefixes = []
         for bounds, fill, running in ((self.mins, float("inf"), torch.cummin), (self.maxs, float("-inf"), torch.cummax)):
+            # The first page's earlier tokens stand as its bound so far, then the new keys; empty slots are neutral.
             block = keys.new_full((segments, width * size, dim), fill)
             block = torch.where((slot < offset[:, None])[..., None], bounds[rows, first][:, None], block)
-            block.scatter_(1, at, keys)                                  # the old tokens' bound, then the new keys
+            block.scatter_(1, at, keys)
             prefix = running(block.view(segments, width, size, dim), dim=2).values      # [S, J, size, D]
-            touched = (first[:, None] + torch.arange(width, device=keys.device)) * size < (self.counts + q)[:, None]
-            pages = first[:, None] + torch.arange(width, device=keys.device)
-            bounds[rows[:, None], pages] = torch.where(touched[..., None], prefix[:, :, -1], bounds[rows[:, None], pages])
+            bounds[rows[:, None], pages] = torch.where(filled, prefix[:, :, -1], bounds[rows[:, None], pages])
             prefixes.append(prefix)
         # Token i sees page first + j up to its own slot offset + i - j * size (< 0: the page does not exist yet).
         step = offset[:, None, None] + torch.arange(q, device=keys.device)[None, :, None] \

@@ -201,3 +201,21 @@ def test_uneven_pieces_equal_one_forward(model, tables):
     contexts, questions = tokens([CONTEXT], 5), tokens([QUESTION], 6)
     assert_same(run(model, method, contexts, questions, [7, 1, 13, 9]),
                 run(model, method, contexts, questions, [QUESTION]))
+
+
+def test_quest_pieces_are_cut_at_max_piece(model, tables, monkeypatch):
+    """A question longer than the paged store's max_piece goes in pieces of max_piece (then the rest), and gives what
+    one token per forward gives."""
+    from pyramidkv.core.paged import PagedStore
+    pieces, original = [], PagedStore.attend
+
+    def counted(self, queries):
+        pieces.append(queries.shape[2])
+        return original(self, queries)
+
+    monkeypatch.setattr(PagedStore, "attend", counted)
+    monkeypatch.setattr(PagedStore, "max_piece", 7)
+    method, contexts, questions = method_of("quest_pages", tables), tokens([CONTEXT], 1), tokens([QUESTION], 2)
+    at_once = run(model, method, contexts, questions, [QUESTION])
+    assert pieces[:5] == [7, 7, 7, 7, 2], pieces
+    assert_same(at_once, run(model, method, contexts, questions, [1] * QUESTION))
