@@ -162,7 +162,8 @@ class PagedStore(FullPrecisionStore):
         out = torch.einsum("sgqn,snd->sgqd", spread, values)
         valid = valid.expand_as(chosen).reshape(segments, -1, chosen.shape[-1])
         read = tokens_read(chosen.view(segments, -1, chosen.shape[-1]), valid, self.table.counts, size)
-        self.last_read = (read * 2 * dim * queries.element_size() + self.table.segment_bytes()).view(bsz, -1).sum(1).tolist()
+        read = read * 2 * dim * queries.element_size() + self.table.segment_bytes()
+        self.last_read = read.view(bsz, -1).sum(1).tolist()
         self._piece = None
         return out.reshape(bsz, num_q_heads, q_len, dim)
 

@@ -116,7 +116,8 @@ class PageTable:
         pages = first[:, None] + torch.arange(width, device=keys.device)                    # [S, J]
         filled = (pages * size < (self.counts + q)[:, None])[..., None]                      # holds a token after
         prefixes = []
-        for bounds, fill, running in ((self.mins, float("inf"), torch.cummin), (self.maxs, float("-inf"), torch.cummax)):
+        neutral = ((self.mins, float("inf"), torch.cummin), (self.maxs, float("-inf"), torch.cummax))
+        for bounds, fill, running in neutral:
             # The first page's earlier tokens stand as its bound so far, then the new keys; empty slots are neutral.
             block = keys.new_full((segments, width * size, dim), fill)
             block = torch.where((slot < offset[:, None])[..., None], bounds[rows, first][:, None], block)
