@@ -219,3 +219,31 @@ def test_quest_pieces_are_cut_at_max_piece(model, tables, monkeypatch):
     at_once = run(model, method, contexts, questions, [QUESTION])
     assert pieces[:5] == [7, 7, 7, 7, 2], pieces
     assert_same(at_once, run(model, method, contexts, questions, [1] * QUESTION))
+
+
+def test_quest_piece_reads_the_union_of_its_queries_pages(model, tables, monkeypatch):
+    """After a question in one forward the paged layer's read bytes are the K/V of the union of the pages the
+    question's tokens chose one per forward (each page's tokens at the end of the question) + every page's metadata."""
+    from pyramidkv.core.paged import PagedStore
+    seen, original = [], PagedStore.attend
+
+    def recorded(self, queries):
+        out = original(self, queries)
+        pages = None if self.chosen_pages is None else self.chosen_pages.clone()
+        seen.append((queries.shape[2], pages, self.table.pages().clone(), list(self.last_read)))
+        return out
+
+    monkeypatch.setattr(PagedStore, "attend", recorded)
+    method, contexts, questions = method_of("quest_pages", tables), tokens([CONTEXT], 1), tokens([QUESTION], 2)
+    run(model, method, contexts, questions, [1] * QUESTION)
+    steps, seen[:] = seen[:QUESTION], []
+    run(model, method, contexts, questions, [QUESTION])
+    assert seen[0][0] == QUESTION
+    size, final, dim = 4, CONTEXT + QUESTION, model.config.hidden_size // model.config.num_attention_heads
+    expected = 0
+    for s, pages in enumerate(steps[-1][2].tolist()):
+        union = set()
+        for _, chosen, held_pages, _ in steps:   # a dense step (chosen None) reads every page held
+            union |= set(range(held_pages[s])) if chosen is None else {p for p in chosen[s].flatten().tolist() if p >= 0}
+        expected += sum(min(size, final - p * size) for p in union) * 2 * dim * 8 + pages * 2 * dim * 8
+    assert seen[0][3] == [expected]
