@@ -191,9 +191,11 @@ class CompressedCache(Cache):
     def _piece(self, layer_idx: int, left: int) -> int:
         """How many of the `left` new tokens the next piece takes: all, unless a decision falls between two of them
         (a sliding window moves every token; a decode budget fires: `decoding.piece`) or the store attends one new
-        token at a time (`multi_token` False: Quest's pages, quantized windows)."""
-        if left == 1 or self.form.window(layer_idx) is not None or not self.layers[layer_idx].multi_token:
+        token at a time (`multi_token` False: quantized windows), at most the store's `max_piece`."""
+        store = self.layers[layer_idx]
+        if left == 1 or self.form.window(layer_idx) is not None or not store.multi_token:
             return 1
+        left = min(left, store.max_piece or left)
         return left if self.decoding is None else max(1, min(left, self.decoding.piece(layer_idx)))
 
     def _step(self, layer_idx: int, queries, keys, values, position_ids, hidden) -> torch.Tensor:

@@ -38,6 +38,26 @@ class PageSettings:
     selection: str
 
 
+@dataclass(frozen=True)
+class PieceBounds:
+    """What `PageTable.extend` returns: first [S] the page the piece starts in; mins, maxs [S, q, J, D] the bounds of
+    pages first .. first + J - 1 as new token i saw them; exists [S, q, J] whether that page held a token then."""
+
+    first: torch.Tensor
+    mins: torch.Tensor
+    maxs: torch.Tensor
+    exists: torch.Tensor
+
+
+def bound_scores(queries: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor) -> torch.Tensor:
+    """queries [S, r, q', D], bounds [S, q', P, D] -> U [S, r, q', P]: sum_c max(q_c m_c, q_c M_c), each query
+    row i against the bounds mins[:, i], maxs[:, i]."""
+    dtype = torch.promote_types(mins.dtype, torch.float32)
+    q = queries.to(dtype)
+    return (torch.einsum("srqd,sqpd->srqp", q.clamp(min=0), maxs.to(dtype))
+            + torch.einsum("srqd,sqpd->srqp", q.clamp(max=0), mins.to(dtype)))
+
+
 class PageTable:
     """Min and max key of every page of every segment of a layer.
 
@@ -79,15 +99,47 @@ class PageTable:
         self.maxs[rows, page] = torch.where(opens, keys, torch.maximum(self.maxs[rows, page], keys))
         self.counts += 1
 
+    def extend(self, keys: torch.Tensor) -> "PieceBounds":
+        """keys [S, q, D]: q new tokens per segment, at the end of its held tokens (q `append`s, the same bounds).
+        Returns, for each new token i, the bounds of the pages the piece touches as they were when i arrived."""
+        segments, q, dim = keys.shape
+        size, first = self.size, self.counts // self.size               # first: the page the piece starts in
+        offset = self.counts - first * size                             # held tokens already in that page
+        width = int(((self.counts + q - 1) // size - first).max()) + 1  # J: pages the piece touches, at most
+        if int(first.max()) + width > self.mins.shape[1]:
+            grow = max(self.mins.shape[1] // 8 + 16, int(first.max()) + width - self.mins.shape[1])
+            self.mins = torch.cat([self.mins, self.mins.new_zeros(segments, grow, dim)], 1)
+            self.maxs = torch.cat([self.maxs, self.maxs.new_zeros(segments, grow, dim)], 1)
+        rows = torch.arange(segments, device=keys.device)
+        slot = torch.arange(width * size, device=keys.device)[None, :]
+        at = (offset[:, None] + torch.arange(q, device=keys.device))[..., None].expand(-1, -1, dim)
+        pages = first[:, None] + torch.arange(width, device=keys.device)                    # [S, J]
+        filled = (pages * size < (self.counts + q)[:, None])[..., None]                      # holds a token after
+        prefixes = []
+        neutral = ((self.mins, float("inf"), torch.cummin), (self.maxs, float("-inf"), torch.cummax))
+        for bounds, fill, running in neutral:
+            # The first page's earlier tokens stand as its bound so far, then the new keys; empty slots are neutral.
+            block = keys.new_full((segments, width * size, dim), fill)
+            block = torch.where((slot < offset[:, None])[..., None], bounds[rows, first][:, None], block)
+            block.scatter_(1, at, keys)
+            prefix = running(block.view(segments, width, size, dim), dim=2).values      # [S, J, size, D]
+            bounds[rows[:, None], pages] = torch.where(filled, prefix[:, :, -1], bounds[rows[:, None], pages])
+            prefixes.append(prefix)
+        # Token i sees page first + j up to its own slot offset + i - j * size (< 0: the page does not exist yet).
+        step = offset[:, None, None] + torch.arange(q, device=keys.device)[None, :, None] \
+            - torch.arange(width, device=keys.device)[None, None, :] * size                # [S, q, J]
+        index = (torch.arange(width, device=keys.device) * size + step.clamp(0, size - 1)).view(segments, -1)
+        index = index[..., None].expand(-1, -1, dim)
+        mins, maxs = (p.view(segments, -1, dim).gather(1, index).view(segments, q, width, dim) for p in prefixes)
+        self.counts += q
+        return PieceBounds(first, mins, maxs, step >= 0)
+
     def criticality(self, queries: torch.Tensor) -> torch.Tensor:
-        """queries [S, g, D] -> U [S, g, P] float32 (P the most pages of any segment; -inf beyond a
-        segment's own pages)."""
+        """queries [S, r, D] -> U [S, r, P] (P the most pages of any segment; -inf beyond a segment's own pages),
+        in float32 (float64 for float64 keys): max(q_c m_c, q_c M_c) is q_c M_c for q_c >= 0, else q_c m_c."""
         pages = self.pages()
         width = int(pages.max())
-        q = queries.float()[:, :, None, :]                                    # [S, g, 1, D]
-        low = self.mins[:, None, :width].float() * q                          # [S, g, P, D]
-        high = self.maxs[:, None, :width].float() * q
-        scores = torch.maximum(low, high).sum(dim=-1)
+        scores = bound_scores(queries[:, :, None], self.mins[:, None, :width], self.maxs[:, None, :width])[:, :, 0]
         beyond = torch.arange(width, device=scores.device)[None, :] >= pages[:, None]
         return scores.masked_fill(beyond[:, None, :], float("-inf"))
 

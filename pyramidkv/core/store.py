@@ -63,6 +63,7 @@ class LayerStore(ABC):
     abilities: ClassVar[tuple[str, ...]] = ()   # the optional interfaces below it implements, by name
     multi_token: ClassVar[bool] = True          # append / attend take several new tokens at once (False: the
     # cache hands it one per call: core/cache.py `_piece`)
+    max_piece: ClassVar[Optional[int]] = None   # the most new tokens per call (None: any)
 
     @classmethod
     def build(cls, kept: dict[int, list["KeptKV"]], setup: StoreSetup) -> dict[int, "LayerStore"]:

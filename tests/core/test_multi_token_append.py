@@ -18,8 +18,10 @@ from tests.helpers import float64_tiny_llama, kvzap_artifact
 
 CONTEXT, QUESTION, ANSWER = 40, 30, 6
 # float64 throughout: one forward and q forwards differ by the order of the same sums (the file passes at this
-# tolerance under ATEN_CPU_CAPABILITY=default, ATEN_CPU_CAPABILITY=avx2 and MKL_CBWR=COMPATIBLE); quantized and paged
-# stores take one token per piece, so their codes and page choices are those of one token per forward.
+# tolerance under ATEN_CPU_CAPABILITY=default, ATEN_CPU_CAPABILITY=avx2 and MKL_CBWR=COMPATIBLE); quantized
+# stores take one token per piece, so their codes are those of one token per forward; a paged (Quest) store takes the
+# whole question, each query choosing its pages over the bounds held at its step (float64 page scores: a page choice
+# flips only on a tie within float64 rounding).
 TOLERANCE = {"logits": 1e-9, "kv": 1e-9}
 
 # Every decode-time unit and store kind: (settings, what must happen during the question for the case to test it).
@@ -35,6 +37,10 @@ CASES = {
     "duo_attention_threshold": dict(name="duo_attention", window_size=8, num_sinks=2, threshold=0.5,
                                     threshold_decoding=True),
     "quest_pages": dict(name="quest", budget=16, page_size=4, page_dense_layers=1),
+    "quest_keep_last_group_max": dict(name="quest", budget=12, page_size=3, page_dense_layers=0, page_min_count=2,
+                                      page_keep_last=True, page_selection="group_max"),
+    "quest_dense_then_paged": dict(name="quest", budget=48, page_size=4, page_dense_layers=0,
+                                   page_selection="group_mean"),
     "kivi2": dict(name="snapkv", budget=24, window_size=8, quant_method="kivi", nbits=2, group_size=8,
                   residual_length=8),
     "gear": dict(name="snapkv", budget=24, window_size=8, quant_method="gear", nbits=4, group_size=8,
@@ -130,8 +136,25 @@ def test_one_forward_equals_one_token_per_forward(model, tables, case):
     decided = getattr(cache.decoding, "compressions", None)
     if cache.decoding is not None:   # the question made the unit decide (else the case would test nothing)
         assert sum(decided) > 0, f"{case}: no decision during the question"
-    if case == "quest_pages":
+    if case.startswith("quest"):
         assert any(getattr(store, "chosen_pages", None) is not None for store in cache.layers), "every page read"
+
+
+@pytest.mark.parametrize("case", ["quest_pages", "quest_dense_then_paged"])
+def test_quest_attends_the_question_in_one_piece(model, tables, case, monkeypatch):
+    """The paged store takes the whole question in one piece per layer (not one token per piece), choosing pages
+    for some of its queries (quest_dense_then_paged: its first 7 queries see at most 48 tokens, every page)."""
+    from pyramidkv.core.paged import PagedStore
+    pieces, original = [], PagedStore.attend
+
+    def counted(self, queries):
+        pieces.append(queries.shape[2])
+        return original(self, queries)
+
+    monkeypatch.setattr(PagedStore, "attend", counted)
+    run(model, method_of(case, tables), tokens([CONTEXT], 1), tokens([QUESTION], 2), [QUESTION])
+    paged = 2 - CASES[case]["page_dense_layers"]   # the tiny model's 2 layers, less the dense ones
+    assert pieces == [QUESTION] * paged + [1] * (ANSWER * paged), pieces
 
 
 def test_a_decode_budget_fires_inside_the_forward(model, tables, monkeypatch):
@@ -156,7 +179,7 @@ def test_a_decode_budget_fires_inside_the_forward(model, tables, monkeypatch):
     assert all(held <= 24 for _, held in at_once), "a head went past decode_budget + decode_interval"
 
 
-@pytest.mark.parametrize("case", ["fullkv", "snapkv_decode_budget", "kivi2"])
+@pytest.mark.parametrize("case", ["fullkv", "snapkv_decode_budget", "kivi2", "quest_keep_last_group_max"])
 def test_a_left_padded_batch_appends_each_row_as_alone(model, tables, case):
     """A batch of three contexts (two left-padded) with one question each, appended in one forward: the same as the
     batch fed one token per forward, and each row the same as that row alone. Against the row alone the tolerance is
@@ -178,3 +201,49 @@ def test_uneven_pieces_equal_one_forward(model, tables):
     contexts, questions = tokens([CONTEXT], 5), tokens([QUESTION], 6)
     assert_same(run(model, method, contexts, questions, [7, 1, 13, 9]),
                 run(model, method, contexts, questions, [QUESTION]))
+
+
+def test_quest_pieces_are_cut_at_max_piece(model, tables, monkeypatch):
+    """A question longer than the paged store's max_piece goes in pieces of max_piece (then the rest), and gives what
+    one token per forward gives."""
+    from pyramidkv.core.paged import PagedStore
+    pieces, original = [], PagedStore.attend
+
+    def counted(self, queries):
+        pieces.append(queries.shape[2])
+        return original(self, queries)
+
+    monkeypatch.setattr(PagedStore, "attend", counted)
+    monkeypatch.setattr(PagedStore, "max_piece", 7)
+    method, contexts, questions = method_of("quest_pages", tables), tokens([CONTEXT], 1), tokens([QUESTION], 2)
+    at_once = run(model, method, contexts, questions, [QUESTION])
+    assert pieces[:5] == [7, 7, 7, 7, 2], pieces
+    assert_same(at_once, run(model, method, contexts, questions, [1] * QUESTION))
+
+
+def test_quest_piece_reads_the_union_of_its_queries_pages(model, tables, monkeypatch):
+    """After a question in one forward the paged layer's read bytes are the K/V of the union of the pages the
+    question's tokens chose one per forward (each page's tokens at the end of the question) + every page's metadata."""
+    from pyramidkv.core.paged import PagedStore
+    seen, original = [], PagedStore.attend
+
+    def recorded(self, queries):
+        out = original(self, queries)
+        pages = None if self.chosen_pages is None else self.chosen_pages.clone()
+        seen.append((queries.shape[2], pages, self.table.pages().clone(), list(self.last_read)))
+        return out
+
+    monkeypatch.setattr(PagedStore, "attend", recorded)
+    method, contexts, questions = method_of("quest_pages", tables), tokens([CONTEXT], 1), tokens([QUESTION], 2)
+    run(model, method, contexts, questions, [1] * QUESTION)
+    steps, seen[:] = seen[:QUESTION], []
+    run(model, method, contexts, questions, [QUESTION])
+    assert seen[0][0] == QUESTION
+    size, final, dim = 4, CONTEXT + QUESTION, model.config.hidden_size // model.config.num_attention_heads
+    expected = 0
+    for s, pages in enumerate(steps[-1][2].tolist()):
+        union = set()
+        for _, chosen, held_pages, _ in steps:   # a dense step (chosen None) reads every page held
+            union |= set(range(held_pages[s])) if chosen is None else {p for p in chosen[s].flatten().tolist() if p >= 0}
+        expected += sum(min(size, final - p * size) for p in union) * 2 * dim * 8 + pages * 2 * dim * 8
+    assert seen[0][3] == [expected]
