@@ -1,7 +1,10 @@
 """Per-step eviction in place equals the rebuild it replaces, step for step: TOVA's one eviction a step (and any
 decode_interval-1 rule) through DecodeCompressor._drop_one against the general re-selection, and threshold
 decoding's eviction against its per-head rebuild, on a float64 tiny random Llama: the same held positions in every
-layer and head after every forward, the same stored keys and values, the same tokens and bytes."""
+layer and head after every forward (as sets: the store reports them in position order whatever its slot order), the
+same tokens and bytes, and each held position's stored keys and values within K_V_TOLERANCE (writing in place changes
+the order the attention sums in, so the hidden states round otherwise in the last bits: never bitwise across the
+two paths)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from pyramidkv.generation import generate
 from tests.helpers import TokenIds, float64_tiny_llama
 
 STEPS = 40
+K_V_TOLERANCE = 1e-5   # relative and absolute: the decode softmax is float32 even in a float64 model (3e-7 seen)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +54,10 @@ def assert_equal_runs(got, want):
                 for head, ((p, k, v), (p_ref, k_ref, v_ref)) in enumerate(zip(heads, heads_ref)):
                     where = f"forward {step}, prompt {prompt}, layer {layer}, head {head}"
                     assert p == p_ref, f"{where}: held {sorted(set(p) ^ set(p_ref))} differ"
-                    assert torch.equal(k, k_ref) and torch.equal(v, v_ref), f"{where}: stored K/V differ"
+                    assert p == sorted(set(p)), f"{where}: held positions reported out of order"
+                    for got_kv, want_kv in ((k, k_ref), (v, v_ref)):
+                        torch.testing.assert_close(got_kv, want_kv, rtol=K_V_TOLERANCE, atol=K_V_TOLERANCE,
+                                                   msg=lambda m: f"{where}: stored K/V of a position differ: {m}")
 
 
 def prompts_of(lengths):
