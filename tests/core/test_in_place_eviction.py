@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pyramidkv import make_method
+from pyramidkv.core import in_place
 from pyramidkv.core.decoding import DecodeCompressor
 from pyramidkv.generation import generate
 from tests.helpers import TokenIds, float64_tiny_llama
@@ -60,6 +61,18 @@ def assert_equal_runs(got, want):
                                                    msg=lambda m: f"{where}: stored K/V of a position differ: {m}")
 
 
+def spy(monkeypatch, module, name):
+    """Record each call of module.name (still calling it)."""
+    calls, original = [], getattr(module, name)
+
+    def recorded(*args):
+        calls.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(module, name, recorded)
+    return calls
+
+
 def prompts_of(lengths):
     generator = torch.Generator().manual_seed(3)
     return [torch.randint(3, 96, (n,), generator=generator).tolist() for n in lengths]
@@ -85,8 +98,12 @@ def test_drop_one_equals_the_rebuild(model, monkeypatch, settings, lengths):
         return done
 
     monkeypatch.setattr(DecodeCompressor, "_drop_one", counted)
+    writes = spy(monkeypatch, in_place, "fold_into")
     got = run(model, prompts, method)
     assert sum(calls) > STEPS, "the in-place path ran (else the test compares the rebuild with itself)"
+    # TOVA decides from the step's own attention row and writes the new token in place once every prompt fires
+    # (in the batch too, once its short prompt reached the budget)
+    assert (len(writes) > STEPS) == (method.name == "tova"), len(writes)
     monkeypatch.setattr(DecodeCompressor, "_drop_one", lambda self, layer_idx, fire: False)
     assert_equal_runs(got, run(model, prompts, method))
 
@@ -104,7 +121,9 @@ def test_threshold_eviction_equals_the_per_head_rebuild(model, monkeypatch, leng
     method = KeyAndInput(window_size=6, sizing=Threshold(threshold=0.1),
                          selection=Selection(num_sinks=2), gqa_layout=layout)
     prompts = prompts_of(lengths)
+    marks, compactions = spy(monkeypatch, in_place, "mark_gone"), spy(monkeypatch, threshold.in_place, "compact")
     got = run(model, prompts, method)
+    assert len(marks) > STEPS and len(compactions) >= 2, "rows were marked gone, reported between compactions"
     assert got[2][0][1] is not None and len({n for layer in got[2][0][1] for n in layer}) > 1, "heads differ"
 
     class NotFullPrecision:   # isinstance(store, FullPrecisionStore) fails: the per-head rebuild runs
