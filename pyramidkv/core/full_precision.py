@@ -155,14 +155,23 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
     def replace(self, kept: list[KeptKV], max_tail: Optional[int] = None) -> None:
         """The tail is folded into the new kept sets; a tail buffer grown beyond max_tail + TAIL_GROWTH_TOKENS
         tokens (before the first re-selection) is released."""
-        self.tail_start = [start + self.tail_len for start in self.tail_start]
-        self.tail_len = 0
-        self.kept = kept
-        self._layout = None
-        in_place.reset(self)
+        self.fold(kept, self.tail_len)
         grown = self._buffers is not None and max_tail is not None
         if grown and self._buffers[0].shape[2] > max_tail + TAIL_GROWTH_TOKENS:
             self._buffers = None
+
+    def fold(self, kept: list[KeptKV], folded: int) -> None:
+        """Per prompt its new kept tokens, which took in the first `folded` tail tokens; the rest of the tail stays
+        (moved to the buffer's start)."""
+        t = self.tail_len
+        if folded and t > folded:
+            for buffer in self._buffers:
+                buffer[:, :, :t - folded] = buffer[:, :, folded:t].clone()
+        self.tail_start = [start + folded for start in self.tail_start]
+        self.tail_len = t - folded
+        self.kept = kept
+        self._layout = None
+        in_place.reset(self)
 
     def drop_before(self, first: list[int]) -> None:
         """A sliding window: every held token of prompt b at a position below first[b] leaves; the tail is folded

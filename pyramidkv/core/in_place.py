@@ -70,16 +70,7 @@ def compact(store) -> None:
     """The store's rows back in position order with nothing gone: `clean` per prompt, the settled tail folded in."""
     if store.in_order and not store.marks:
         return
-    kept = [clean(store, b) for b in range(len(store.kept))]
-    s, t = store.settled, store.tail_len
-    if s and t > s:   # the unsettled tail moves to the buffer's start
-        for buffer in store._buffers:
-            buffer[:, :, :t - s] = buffer[:, :, s:t].clone()
-    store.tail_start = [start + s for start in store.tail_start]
-    store.tail_len = t - s
-    store.kept = kept
-    store._layout = None
-    reset(store)
+    store.fold([clean(store, b) for b in range(len(store.kept))], store.settled)
 
 
 def fold_into(store, slots: torch.Tensor) -> None:
