@@ -90,10 +90,11 @@ def in_place_step(compressor, layer_idx: int, store: FullPrecisionStore, fire: l
                                  positions=positions[None], rotation=compressor.rotation, model=compressor.model,
                                  attention=rows[b].reshape(1, -1, 1, m))
         scores = scores_per_stored_head(method.decode_score(ctx), method, heads, queries.shape[1])[0]   # [H, m]
-        candidate = positions <= newest - window
-        if sinks:
-            candidate &= positions > positions.kthvalue(sinks, dim=1, keepdim=True).values
-        scores = scores.masked_fill(~candidate, float("inf"))
+        if window or sinks:   # the newest `window` positions and the oldest `sinks` held are no candidates
+            candidate = positions <= newest - window
+            if sinks:
+                candidate &= positions > positions.kthvalue(sinks, dim=1, keepdim=True).values
+            scores = scores.masked_fill(~candidate, float("inf"))
         if bool(scores.isnan().any()):
             return False
         lowest = scores == scores.min(dim=1, keepdim=True).values

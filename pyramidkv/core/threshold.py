@@ -168,9 +168,12 @@ class ThresholdDecoder:
             t = store.tail_len
             cuts = []
             for b, (first, fails) in enumerate(drops):
-                newest = store.tail_start[b] + t - 1
-                cuts.append([[length + t - 1 - (newest - (first + j)) for j in row.nonzero()[:, 0].tolist()]
-                             for length, row in zip(store.kept[b].lengths, fails)])
+                # row of position first + j in head h: m_h - 1 - (newest - first - j), m_h = L_h + t, newest the tail's last
+                lengths, base = store.kept[b].lengths, first - store.tail_start[b]
+                heads = [[] for _ in lengths]
+                for h, j in fails.nonzero().tolist():
+                    heads[h].append(lengths[h] + base + j)
+                cuts.append(heads)
             self.evicted[layer_idx] += in_place.mark_gone(store, cuts)
             if store.marks >= COMPACT_EVERY:
                 in_place.compact(store)
