@@ -119,6 +119,7 @@ class DecodeLayout:
         bsz, num_q_heads, q_len, dim = queries.shape
         heads, t = tail_keys.shape[1], tail_keys.shape[2]
         rows = num_q_heads // heads * q_len
+        self.rows = None   # kept by the dense path only, for this step
         # Query rows of one stored head (its query heads x q tokens), pre-scaled: [B, H, rows, D].
         grouped = queries.reshape(bsz, heads, rows, dim) * dim ** -0.5
         tail_scores = self.form.logits(grouped, tail_keys.transpose(-1, -2))  # [B, H, rows, t]
