@@ -43,7 +43,7 @@ FLOORS = {
 CORE_ORDER = {
     **{f"pyramidkv.core.{m}": (0, "contract and helpers") for m in (
         "context", "scoring", "selection", "kept", "layout", "rotary", "pages", "channels", "cross_layer",
-        "token_stats", "fused_column_sums")},
+        "token_stats", "fused_column_sums", "in_place")},
     **{f"pyramidkv.core.{m}": (1, "stores") for m in ("store", "full_precision", "paged", "quantized", "merged_pair",
                                                                             "store_kinds")},
     **{f"pyramidkv.core.{m}": (2, "pipeline and decoding") for m in ("prefill", "decoding", "reconstruction", "threshold",

@@ -80,6 +80,7 @@ class DecodeCompressor:
         self.compressions = [0] * self.num_layers   # how often each layer was compressed
         self.peak_kv_bytes = 0                      # the most bytes stored at any moment while decoding
         self.layer_bytes = [0] * self.num_layers    # each layer's stored bytes, recounted when it changes
+        self.total_bytes = 0                        # their sum, kept running
         self.pad_lens: list[int] = []
         self.drop_grid = None                       # drop_one.py's constant tensors for the step's shape
         self.queries: list[Optional[torch.Tensor]] = [None] * self.num_layers        # [B, Hq, <= buffer_size, D]
@@ -92,11 +93,14 @@ class DecodeCompressor:
             self.stats.form = self.form
 
     def stored_bytes(self) -> int:
-        """Every layer's bytes now: the running per-layer counts (a layer is recounted after each change to it)."""
-        return sum(self.layer_bytes)
+        """Every layer's bytes now: the running total of the per-layer counts (a layer is recounted after each
+        change to it)."""
+        return self.total_bytes
 
     def _recount(self, layer_idx: int) -> None:
-        self.layer_bytes[layer_idx] = self.stores[layer_idx].nbytes()
+        now = self.stores[layer_idx].nbytes()
+        self.total_bytes += now - self.layer_bytes[layer_idx]
+        self.layer_bytes[layer_idx] = now
 
     # ---- hooks called by the cache ----------------------------------------------------------
     def observe_prefill(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor,
@@ -116,6 +120,8 @@ class DecodeCompressor:
         from the first decode step on."""
         if self.stats is not None:
             self.stats.start(layer_idx, self.stores[layer_idx], self.pad_lens)
+        # the per-step rule in place reads the step's own attention rows (core/drop_one.py)
+        self.stores[layer_idx].keep_rows = self.interval == 1 and getattr(self.method, "newest_row_scores", False)
         fire = [max(lengths) >= self.limit for lengths in self.stores[layer_idx].kept_counts()]
         if any(fire):
             self._compress(layer_idx, fire)

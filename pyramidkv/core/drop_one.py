@@ -7,6 +7,12 @@ candidate (ties: the older, as select_kept_positions), scored from the very cont
 copies, padding and sorts. The row index is the cached [H, m - 1] grid h * m + j shifted by one past each head's
 lowest (one comparison and one add a step). tests/core/test_in_place_eviction.py: the same held positions, stored
 K/V, tokens and bytes as the rebuild, step for step, on a float64 model.
+
+A method whose decode score is the newest query's attention row, key by key (`newest_row_scores`: TOVA), is decided
+without any copy where every prompt fires and its rows come from the step's own attention (float32 or float64: the
+store's logits are then at least as precise as a recomputation's): each head's lowest candidate by that row
+(ties: the older), and the new token written into its row (core/in_place.py `fold_into`). The rows are then in
+slot order: sinks and the window are found by position, not by rank.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from pyramidkv.core import in_place
 from pyramidkv.core.context import DecodeScoreContext
 from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.kept import KeptKV
@@ -31,6 +38,9 @@ def drop_one(compressor, layer_idx: int, fire: list[bool]) -> bool:
     held, t, full = store.held_counts(), store.tail_len, compressor.budget + 1
     if any(f and set(h) != {full} for f, h in zip(fire, held)):
         return False
+    if in_place_step(compressor, layer_idx, store, fire):
+        return True
+    in_place.compact(store)   # the rebuild reads the rows in position order
     tail_keys, tail_values = store.tail()
     heads, kept = store.heads, []
     for b, k in enumerate(store.kept):
@@ -49,6 +59,47 @@ def drop_one(compressor, layer_idx: int, fire: list[bool]) -> bool:
             positions, count = positions.view(-1).index_select(0, rows), m - 1
         kept.append(KeptKV(keys.view(-1, dim), values.view(-1, dim), [count] * heads, positions.view(-1)))
     store.replace(kept, max_tail=compressor.interval)
+    return True
+
+
+def in_place_step(compressor, layer_idx: int, store: FullPrecisionStore, fire: list[bool]) -> bool:
+    """Every prompt fires, its one new token in the tail: each head's lowest candidate by the step's own attention
+    row leaves, the new token takes its row. False, changing nothing, where that does not apply."""
+    method, rows = compressor.method, store.rows()
+    if not getattr(method, "newest_row_scores", False) or type(store) is not FullPrecisionStore or not all(fire) \
+            or store.tail_len != 1 or store.marks or rows is None or rows.shape[2] != compressor.group or \
+            store.kept[0].keys.dtype not in (torch.float32, torch.float64):
+        return False
+    heads, length = store.heads, store.kept[0].lengths[0]
+    m = length + 1
+    window = min(method.window_size, m)
+    sinks = min(method.selection.num_sinks, m - window)
+    if compressor.budget < window + sinks or rows.shape[3] != m:
+        return False
+    tail_keys, tail_values = store.tail()
+    slots = []
+    for b, k in enumerate(store.kept):
+        dim = k.keys.shape[-1]
+        keys = torch.cat([k.keys.view(heads, length, dim), tail_keys[b]], dim=1)[None]     # [1, H, m, D], slot order
+        values = torch.cat([k.values.view(heads, length, dim), tail_values[b]], dim=1)[None]
+        newest = store.tail_start[b]
+        positions = torch.cat([k.positions.view(heads, length), k.positions.new_full((heads, 1), newest)], dim=1)
+        real, _, _ = _grid(compressor, heads, m, keys.device)
+        queries = compressor.queries[layer_idx][b:b + 1, :, -1:].to(keys.dtype)
+        ctx = DecodeScoreContext(layer_idx, compressor.num_layers, queries, keys, values, real,
+                                 positions=positions[None], rotation=compressor.rotation, model=compressor.model,
+                                 attention=rows[b].reshape(1, -1, 1, m))
+        scores = scores_per_stored_head(method.decode_score(ctx), method, heads, queries.shape[1])[0]   # [H, m]
+        if window or sinks:   # the newest `window` positions and the oldest `sinks` held are no candidates
+            candidate = positions <= newest - window
+            if sinks:
+                candidate &= positions > positions.kthvalue(sinks, dim=1, keepdim=True).values
+            scores = scores.masked_fill(~candidate, float("inf"))
+        if bool(scores.isnan().any()):
+            return False
+        lowest = scores == scores.min(dim=1, keepdim=True).values
+        slots.append(torch.where(lowest, positions, newest + 1).argmin(dim=1))   # of equal minima the older
+    in_place.fold_into(store, torch.stack(slots))
     return True
 
 

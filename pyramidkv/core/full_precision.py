@@ -3,6 +3,11 @@
 Per prompt a `KeptKV` (flat [T, D] rows, a length per stored head: heads and prompts may keep
 different counts without padding); tokens appended later go to a tail buffer [B, H, capacity, D]
 that grows geometrically (no copy per step), of which the first t are held. Attention: layout.py.
+
+Per-step eviction writes in place (core/in_place.py): TOVA's step puts the new token in the row of the token it
+evicts (the kept rows are then in slot order, not position order: `in_order` False), a threshold decision marks
+rows gone (masked out of the attention until `compact`). Every report (counts, positions, K/V, bytes) is of the
+tokens held, in position order, whatever the slot order.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from typing import Optional
 import torch
 
 from pyramidkv.components import AttentionForm
+from pyramidkv.core import in_place
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.layout import DecodeLayout
 from pyramidkv.core.scoring import PLAIN, probabilities
@@ -40,6 +46,8 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
         self.tail_len = 0
         self._buffers: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # [B, H, capacity, D] keys, values
         self._layout: Optional[DecodeLayout] = None                       # built at the first attend
+        self.keep_rows = False   # the attend keeps its attention rows (`rows`: the per-step rule reads them)
+        in_place.reset(self)
 
     # ---- growing -------------------------------------------------------------------------------
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,15 +78,22 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
         """How the kept rows are read (built at the first attend, after each re-selection)."""
         if self._layout is None:
             self._layout = DecodeLayout(self.kept, self.form)
+            self._layout.gone = self.gone_rows
+        self._layout.keep_rows = self.keep_rows
         return self._layout
 
     def attend(self, queries: torch.Tensor) -> torch.Tensor:
-        return self.layout().attend(queries, *self.tail())
+        return self.layout().attend(queries, *self.tail(), self.tail_gone)
+
+    def rows(self) -> Optional[torch.Tensor]:
+        """The last attend's probabilities [B, H, g * q, L + t] float32 (slot order), if `keep_rows` asked."""
+        return None if self._layout is None else self._layout.rows
 
     def _attention(self, queries: torch.Tensor):
         """For every prompt b and group of its heads (all of them when they keep the same count, else one
         at a time): (b, heads index, probs [h, g, q, L + t] float32, L) of the new queries [B, Hq, q, D]
         over the held tokens (causal among the new ones), g = Hq / H query heads per stored head."""
+        in_place.compact(self)   # statistics align with the kept rows in position order
         tail_keys = self.tail()[0].float()  # [B, H, t, D]
         bsz, heads, t, dim = tail_keys.shape
         q_len, g = queries.shape[2], queries.shape[1] // heads
@@ -133,23 +148,35 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
     # ---- decode-time re-selection --------------------------------------------------------------
     def held(self, b: int) -> Heads:
         tail_keys, tail_values = self.tail()
-        return [(torch.cat([k, tail_keys[b, h]]), torch.cat([v, tail_values[b, h]]), p)
-                for h, ((_, k, v), p) in enumerate(zip(self.kept[b].full_width(), self.held_positions(b)))]
+        s = self.settled
+        return [(torch.cat([k, tail_keys[b, h, s:]]), torch.cat([v, tail_values[b, h, s:]]), p)
+                for h, ((_, k, v), p) in enumerate(zip(in_place.clean(self, b).full_width(), self.held_positions(b)))]
 
     def replace(self, kept: list[KeptKV], max_tail: Optional[int] = None) -> None:
         """The tail is folded into the new kept sets; a tail buffer grown beyond max_tail + TAIL_GROWTH_TOKENS
         tokens (before the first re-selection) is released."""
-        self.tail_start = [start + self.tail_len for start in self.tail_start]
-        self.tail_len = 0
-        self.kept = kept
-        self._layout = None
+        self.fold(kept, self.tail_len)
         grown = self._buffers is not None and max_tail is not None
         if grown and self._buffers[0].shape[2] > max_tail + TAIL_GROWTH_TOKENS:
             self._buffers = None
 
+    def fold(self, kept: list[KeptKV], folded: int) -> None:
+        """Per prompt its new kept tokens, which took in the first `folded` tail tokens; the rest of the tail stays
+        (moved to the buffer's start)."""
+        t = self.tail_len
+        if folded and t > folded:
+            for buffer in self._buffers:
+                buffer[:, :, :t - folded] = buffer[:, :, folded:t].clone()
+        self.tail_start = [start + folded for start in self.tail_start]
+        self.tail_len = t - folded
+        self.kept = kept
+        self._layout = None
+        in_place.reset(self)
+
     def drop_before(self, first: list[int]) -> None:
         """A sliding window: every held token of prompt b at a position below first[b] leaves; the tail is folded
         into the kept rows (ThinK's thin rows stay thin)."""
+        in_place.compact(self)
         tail_keys, tail_values = self.tail()
         kept = []
         for b, (k, start) in enumerate(zip(self.kept, self.tail_start)):
@@ -159,22 +186,24 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
 
     # ---- inspection ----------------------------------------------------------------------------
     def kept_counts(self) -> list[list[int]]:
-        return [k.counts() for k in self.kept]
+        return [[n + self.settled - g for n, g in zip(k.counts(), gone)] for k, gone in zip(self.kept, self.gone)]
 
     def kept_positions(self, b: int) -> list[torch.Tensor]:
-        return self.kept[b].all_positions()
+        return in_place.clean(self, b).all_positions()
 
     def kept_kv(self, b: int) -> Heads:
-        """Views of the store (clone before modifying); thin keys (ThinK) full width with 0 in the pruned channels."""
-        return self.kept[b].full_width()
+        """Views of the store where its rows are in position order (clone before modifying), else copies; thin keys
+        (ThinK) full width with 0 in the pruned channels."""
+        return in_place.clean(self, b).full_width()
 
     def held_counts(self) -> list[list[int]]:
-        return [[n + self.tail_len for n in k.counts()] for k in self.kept]
+        return [[n + self.tail_len - g for n, g in zip(k.counts(), gone)] for k, gone in zip(self.kept, self.gone)]
 
     def held_positions(self, b: int) -> list[torch.Tensor]:
-        kept = self.kept[b]
-        start = self.tail_start[b]
-        tail = torch.arange(start, start + self.tail_len, device=kept.positions.device, dtype=kept.positions.dtype)
+        kept = in_place.clean(self, b)
+        start = self.tail_start[b] + self.settled
+        tail = torch.arange(start, self.tail_start[b] + self.tail_len, device=kept.positions.device,
+                            dtype=kept.positions.dtype)
         return [torch.cat([p, tail]) for p in kept.all_positions()]
 
     def stored_kv(self, b: int) -> Heads:
@@ -182,9 +211,10 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
 
     def bytes_by_part(self, b: Optional[int] = None) -> dict[str, int]:
         first = self.kept[0].keys
-        row = self.heads * first.shape[-1] * first.element_size() * 2   # one appended token of K and V
-        prompts = self.kept if b is None else [self.kept[b]]
-        return {"residual": sum(k.nbytes() + self.tail_len * row for k in prompts)}
+        token = first.shape[-1] * first.element_size() * 2   # one token of one head, K and V
+        prompts = range(len(self.kept)) if b is None else [b]
+        return {"residual": sum(self.kept[i].nbytes() + (self.tail_len * self.heads - sum(self.gone[i])) * token
+                                for i in prompts)}
 
     def capacity_bytes(self) -> int:
         return 0 if self._buffers is None else sum(t.numel() * t.element_size() for t in self._buffers)

@@ -7,7 +7,8 @@ matmul over [B, H, L, Dk] views; or the counts are ragged (AdaKV, HeadKV, prompt
 compressed ones): the part's rows lie flat, prompt-major then head-major, and are attended in blocks
 of segments (a segment = one prompt's stored head); each block's query rows meet all of the block's
 key rows in one matmul and the rows of other segments are masked out. No Python loop over heads, no
-padded copy. One joint softmax (float32) over (thin, full, tail) per query row.
+padded copy. One joint softmax (float32) over (thin, full, tail) per query row. Rows marked gone (a threshold
+decision in place, core/in_place.py) get the lowest logit: probability 0, as if not held.
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ class DecodeLayout:
     def __init__(self, kept: list[KeptKV], form: AttentionForm = PLAIN):
         self.batch, self.heads = len(kept), len(kept[0].lengths)
         self.form = form  # the model's attention form: its logits
+        self.gone: Optional[torch.Tensor] = None   # bool [R] per full-width row: its token left (in_place.py)
+        self.keep_rows = False                     # keep the dense attend's probabilities in `rows`
+        self.rows: Optional[torch.Tensor] = None   # [B, H, g * q, L + t] float32, the last dense attend's
         thin = _flatten_thin(kept)
         self.parts = ([] if thin is None else [thin]) + [_flatten(kept)]
         self.dense = all(part.dense for part in self.parts)
@@ -99,12 +103,23 @@ class DecodeLayout:
              [part.rows(first, min(first + SEGMENTS_PER_BLOCK, segments)) for part in self.parts])
             for first in range(0, segments, SEGMENTS_PER_BLOCK)]
 
-    def attend(self, queries: torch.Tensor, tail_keys: torch.Tensor, tail_values: torch.Tensor) -> torch.Tensor:
+    def mark(self, rows: torch.Tensor) -> None:
+        """Full-width rows (flat indices) whose tokens left: out of every block's own rows (`gone` holds them for
+        the dense path)."""
+        for _, _, part_rows in self.blocks:
+            start, stop, own = part_rows[-1]
+            inside = rows[(rows >= start) & (rows < stop)]
+            if inside.numel():
+                own[:, inside - start] = False
+
+    def attend(self, queries: torch.Tensor, tail_keys: torch.Tensor, tail_values: torch.Tensor,
+               tail_gone: Optional[torch.Tensor] = None) -> torch.Tensor:
         """queries [B, Hq, q, D] of the q tokens appended last; tail_keys/values [B, H, t, D] (the q new
-        tokens last). Returns [B, Hq, q, D]."""
+        tokens last); tail_gone: bool [B, H, s <= t], the tail tokens that left. Returns [B, Hq, q, D]."""
         bsz, num_q_heads, q_len, dim = queries.shape
         heads, t = tail_keys.shape[1], tail_keys.shape[2]
         rows = num_q_heads // heads * q_len
+        self.rows = None   # kept by the dense path only, for this step
         # Query rows of one stored head (its query heads x q tokens), pre-scaled: [B, H, rows, D].
         grouped = queries.reshape(bsz, heads, rows, dim) * dim ** -0.5
         tail_scores = self.form.logits(grouped, tail_keys.transpose(-1, -2))  # [B, H, rows, t]
@@ -112,6 +127,10 @@ class DecodeLayout:
             query_pos = torch.arange(t - q_len, t, device=queries.device).repeat(num_q_heads // heads)
             visible = torch.arange(t, device=queries.device)[None, :] <= query_pos[:, None]
             tail_scores = tail_scores.masked_fill(~visible, torch.finfo(tail_scores.dtype).min)
+        if tail_gone is not None:
+            s = tail_gone.shape[2]
+            tail_scores[..., :s] = tail_scores[..., :s].masked_fill(tail_gone[:, :, None, :],
+                                                                    torch.finfo(tail_scores.dtype).min)
         if self.dense:
             return self._attend_dense(grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
         return self._attend_blocks(grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
@@ -122,10 +141,15 @@ class DecodeLayout:
         for part in self.parts:
             shape = (bsz, heads, part.lengths[0], part.keys.shape[-1])
             part_queries = part.queries(grouped.reshape(bsz * heads, rows, dim)).reshape(bsz, heads, rows, -1)
-            kept_scores.append(self.form.logits(part_queries,
-                                                part.keys.view(shape).transpose(-1, -2)))  # [B, H, rows, L]
+            scores = self.form.logits(part_queries, part.keys.view(shape).transpose(-1, -2))  # [B, H, rows, L]
+            if part.channels is None and self.gone is not None:
+                scores = scores.masked_fill(self.gone.view(bsz, heads, 1, -1), torch.finfo(scores.dtype).min)
+            kept_scores.append(scores)
             kept_values.append(part.values.view(bsz, heads, part.lengths[0], dim))
-        probs = probabilities(torch.cat([*kept_scores, tail_scores], dim=-1), dtype=grouped.dtype)
+        probs = probabilities(torch.cat([*kept_scores, tail_scores], dim=-1))
+        if self.keep_rows:
+            self.rows = probs
+        probs = probs.to(grouped.dtype)
         out, start = None, 0
         for scores, values in zip(kept_scores, kept_values):
             stop = start + scores.shape[-1]

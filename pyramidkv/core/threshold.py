@@ -6,14 +6,17 @@ given its score per stored head when it entered (the window's at prefill, a new 
 that token alone, `token_scores`), and is decided when it leaves the window, i.e. once the newest held position
 is p + W: it stays in head h iff its score there >= threshold. Tokens at positions below num_sinks are never
 pending. Decisions run after the step's attention (a token leaving the window was attended by the step that
-pushed it out); a prompt that loses a token has its held tokens rebuilt without it (physically freed), its tail
-folded into the kept rows, as a decode-time re-selection does (decoding.py).
+pushed it out); a token that leaves is marked gone in its slot (masked out of the attention, counted out of every
+report and byte figure: core/in_place.py), and the store compacts every COMPACT_EVERY decisions: the held tokens
+rebuilt without the gone ones, the tail up to the last decision folded into the kept rows, as a decode-time
+re-selection does (decoding.py). A report between two compactions reads what the rebuild at each decision held.
 
 Per prompt, per layer: `pending` holds (first, scores [H, P]): the pending tokens are the true positions
 first .. first + P - 1 (0 = first real prompt token), oldest first. They are consecutive: every token from the first
 pending one to the newest is pending (a token >= num_sinks becomes pending as it enters and leaves only once every
 older one has), so the P' tokens leaving at a step are the first P' and, as every pending token is held in every
-head, the token at position p is row m - 1 - (newest - p) of a head holding m tokens (`_evict` cuts there).
+head, the token at position p is row m - 1 - (newest - p) of a head whose slots hold m tokens, gone ones included
+(they are all older than every pending token): `_evict` marks that row.
 """
 
 from __future__ import annotations
@@ -23,11 +26,16 @@ from typing import Optional
 import torch
 
 from pyramidkv.allocation.base import ModelShape
+from pyramidkv.core import in_place
 from pyramidkv.core.context import CompressionMethod, ScoreContext
 from pyramidkv.core.decoding import DecodeCompressor
 from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.scoring import scores_per_stored_head
+
+# Threshold decisions marked in place between two compactions of a layer's store (core/in_place.py): the gone rows
+# stay in the attention (masked) until then, the decisions between cost no copy.
+COMPACT_EVERY = 16
 
 
 class ThresholdDecoder:
@@ -50,10 +58,17 @@ class ThresholdDecoder:
         self.evicted = [0] * self.num_layers        # (prompt, head, token) entries evicted while decoding, per layer
         self.peak_kv_bytes = 0
         self.layer_bytes = [0] * self.num_layers    # each layer's stored bytes, recounted when it changes
+        self.total_bytes = 0                        # their sum, kept running
 
     def stored_bytes(self) -> int:
-        """Every layer's bytes now: the running per-layer counts (a layer is recounted after each change to it)."""
-        return sum(self.layer_bytes)
+        """Every layer's bytes now: the running total of the per-layer counts (a layer is recounted after each
+        change to it)."""
+        return self.total_bytes
+
+    def _recount(self, layer_idx: int) -> None:
+        now = self.stores[layer_idx].nbytes()
+        self.total_bytes += now - self.layer_bytes[layer_idx]
+        self.layer_bytes[layer_idx] = now
 
     # ---- hooks called by the cache ----------------------------------------------------------
     def observe_prefill(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor,
@@ -77,7 +92,7 @@ class ThresholdDecoder:
         self.pending[layer_idx] = pending
 
     def after_prefill(self, layer_idx: int) -> None:
-        self.layer_bytes[layer_idx] = self.stores[layer_idx].nbytes()
+        self._recount(layer_idx)
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
 
     def piece(self, layer_idx: int) -> int:
@@ -126,7 +141,7 @@ class ThresholdDecoder:
             drops.append((first, held[:, :leaving] < self.threshold))
         if any(fails.shape[1] and bool(fails.any()) for _, fails in drops):
             self._evict(layer_idx, drops)
-        self.layer_bytes[layer_idx] = self.stores[layer_idx].nbytes()   # the step's append, and any eviction
+        self._recount(layer_idx)   # the step's append, and any eviction
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
 
     def drop_before(self, layer_idx: int, first: list[int]) -> None:
@@ -139,62 +154,39 @@ class ThresholdDecoder:
             pending[b] = (start + gone, scores[:, gone:])
         store.replace([KeptKV.from_heads([(k[p >= f], v[p >= f], p[p >= f]) for k, v, p in store.held(b)])
                        for b, f in enumerate(first)])
-        self.layer_bytes[layer_idx] = store.nbytes()
+        self._recount(layer_idx)
 
     # ---- eviction ---------------------------------------------------------------------------
     def _evict(self, layer_idx: int, drops: list[tuple[int, torch.Tensor]]) -> None:
-        """Per prompt (first, fails [H, P]): head h drops the positions first + j where fails[h, j]; every prompt's
-        held tokens become its kept rows, head by head in position order (kept rows, then the tail's). In a
-        full-precision store without thin rows, each head's rows that stay are cut around the leaving rows (their
-        place known, module docstring) and a prompt's rows joined in one cat each for keys, values and positions."""
+        """Per prompt (first, fails [H, P]): head h drops the positions first + j where fails[h, j]. In a plain
+        full-precision store without thin rows the leaving rows are marked gone in place (their row known from the
+        newest position, module docstring; core/in_place.py) and the store compacts every COMPACT_EVERY decisions;
+        elsewhere every prompt's held tokens are rebuilt without them, head by head."""
         store = self.stores[layer_idx]
-        fast = isinstance(store, FullPrecisionStore) and all(k.thin is None for k in store.kept)
-        kept, (tail_keys, tail_values) = [], store.tail() if fast else (None, None)
-        for b, (first, fails) in enumerate(drops):
-            if not fast:   # the per-head rebuild
-                positions, rows = torch.arange(first, first + fails.shape[1], device=fails.device), []
-                for h, (k, v, p) in enumerate(store.held(b)):
-                    stay = ~torch.isin(p, positions[fails[h]])
-                    self.evicted[layer_idx] += int((~stay).sum())
-                    rows.append((k[stay], v[stay], p[stay]))
-                kept.append(KeptKV.from_heads(rows))
-                continue
-            kept.append(self._cut(store.kept[b], tail_keys[b], tail_values[b], store.tail_start[b], first,
-                                  fails.tolist(), layer_idx))
-        store.replace(kept)
         self.compressions[layer_idx] += 1
-
-    def _cut(self, held: KeptKV, tail_keys: torch.Tensor, tail_values: torch.Tensor, tail_start: int, first: int,
-             fails: list[list[bool]], layer_idx: int) -> KeptKV:
-        """One prompt's kept rows (flat, lengths per head) and tail [H, t, D] (positions tail_start ..) less the
-        positions first + j where fails[h][j], head by head: slices of both, joined by one cat per tensor."""
-        t = tail_keys.shape[1]
-        newest = tail_start + t - 1
-        tail_positions = torch.arange(tail_start, newest + 1, device=held.positions.device, dtype=held.positions.dtype)
-        keys, values, positions = [held.keys[:0]], [held.values[:0]], [held.positions[:0]]   # never empty lists
-        lengths, offset = [], 0
-        for h, length in enumerate(held.lengths):
-            # the head's rows in order: kept [offset, offset + length), then its tail; row r of the m it holds is
-            # kept row offset + r (r < length) or tail row r - length
-            m = length + t
-            cuts = [m - 1 - (newest - (first + j)) for j, fail in enumerate(fails[h]) if fail]
-            self.evicted[layer_idx] += len(cuts)
-            a = 0
-            for r in cuts + [m]:
-                for lo, hi, part in ((a, min(r, length), 0), (max(a, length), r, 1)):
-                    if lo < hi:
-                        if part == 0:
-                            keys.append(held.keys[offset + lo:offset + hi])
-                            values.append(held.values[offset + lo:offset + hi])
-                            positions.append(held.positions[offset + lo:offset + hi])
-                        else:
-                            keys.append(tail_keys[h, lo - length:hi - length])
-                            values.append(tail_values[h, lo - length:hi - length])
-                            positions.append(tail_positions[lo - length:hi - length])
-                a = r + 1
-            lengths.append(m - len(cuts))
-            offset += length
-        return KeptKV(torch.cat(keys), torch.cat(values), lengths, torch.cat(positions))
+        if type(store) is FullPrecisionStore and all(k.thin is None for k in store.kept):
+            t = store.tail_len
+            cuts = []
+            for b, (first, fails) in enumerate(drops):
+                # row of position first + j in head h: m_h - 1 - (newest - first - j), m_h = L_h + t, newest the tail's last
+                lengths, base = store.kept[b].lengths, first - store.tail_start[b]
+                heads = [[] for _ in lengths]
+                for h, j in fails.nonzero().tolist():
+                    heads[h].append(lengths[h] + base + j)
+                cuts.append(heads)
+            self.evicted[layer_idx] += in_place.mark_gone(store, cuts)
+            if store.marks >= COMPACT_EVERY:
+                in_place.compact(store)
+            return
+        kept = []
+        for b, (first, fails) in enumerate(drops):
+            positions, rows = torch.arange(first, first + fails.shape[1], device=fails.device), []
+            for h, (k, v, p) in enumerate(store.held(b)):
+                stay = ~torch.isin(p, positions[fails[h]])
+                self.evicted[layer_idx] += int((~stay).sum())
+                rows.append((k[stay], v[stay], p[stay]))
+            kept.append(KeptKV.from_heads(rows))
+        store.replace(kept)
 
 
 def decoder_for(method: CompressionMethod, stores: list, model: ModelShape, stored_heads: int, rotation=None):

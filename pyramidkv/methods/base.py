@@ -94,6 +94,7 @@ class Method(Component, metaclass=FlatSizing):
     needs_rotation: ClassVar[bool] = False  # the scorer reads queries before RoPE or RoPE elsewhere (patch.py)
     needs_hidden: ClassVar[bool] = False    # the scorer reads the attention input (ScoreContext.hidden: KVzap)
     token_scores: ClassVar[bool] = False    # a token's score reads that token alone (threshold decoding needs it)
+    newest_row_scores: ClassVar[bool] = False   # decode score: the newest query's attention row, key by key (TOVA)
     score_bounds: ClassVar[Optional[tuple[float, float]]] = None   # [low, high] every score lies in, if known
     decodes_at_budget: ClassVar[bool] = False   # evicts while decoding by its own rule (a ratio sets decode_budget)
     refuses: ClassVar[dict[str, str]] = {}  # setting -> why it is refused (composition.check_refused; not in --help)

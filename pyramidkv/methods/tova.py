@@ -35,6 +35,7 @@ class TOVA(DecodesAtItsBudget, Method):
     evicts one token per decode step once a layer holds the budget (decode_budget defaults to the budget)."""
 
     name = "tova"
+    newest_row_scores = True   # at the per-step rule the step's own attention row is read (core/drop_one.py)
     window_size: int = 0
     decode: Optional[DecodeBudget] = PER_STEP
 
@@ -57,5 +58,7 @@ class TOVA(DecodesAtItsBudget, Method):
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """[B, H, n]: the last query's attention averaged over all query heads, copied to every head."""
-        row = window_attention(ctx.queries, ctx.keys, ctx.real, 1, ctx.pattern, form=ctx.form)  # [B, Hq, 1, n]
+        row = getattr(ctx, "attention", None)   # the decode step's own row, where the engine gives it
+        if row is None:
+            row = window_attention(ctx.queries, ctx.keys, ctx.real, 1, ctx.pattern, form=ctx.form)  # [B, Hq, 1, n]
         return row[:, :, 0].mean(dim=1, keepdim=True).expand(-1, ctx.keys.shape[1], -1)
