@@ -12,7 +12,6 @@ both) is not here: measure/benchmark_latency_memory.py times the whole prefill.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -22,6 +21,7 @@ from pyramidkv import make_method
 from pyramidkv.components import ModelShape
 import pyramidkv.core.prefill as prefill_module
 from pyramidkv.core.prefill import PromptCompressor, ScoredLayer
+from pyramidkv.runner.arguments import ArgumentParser
 
 LAYERS, KV_HEADS, QUERY_HEADS, DIM = 30, 3, 9, 64
 
@@ -56,7 +56,7 @@ def run(method, scored: list[ScoredLayer], n: int, cut: bool) -> tuple[float, in
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="running_top_cost.py", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="running_top_cost.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--context_length", type=int, default=4096)
     parser.add_argument("--max_capacity_prompts", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
