@@ -55,7 +55,28 @@ from pyramidkv.merging.base import merge_prompt
 HeldHead = tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 
 
-class DecodeCompressor:
+class RunningBytes:
+    """The byte figures of a decode-time unit over `self.stores` (DecodeCompressor, ThresholdDecoder): each layer's
+    stored bytes, recounted when the layer changes (`_recount`), their sum kept running (`stored_bytes`), never
+    re-summed over every layer; `peak_kv_bytes`: the most bytes stored at any moment while decoding."""
+
+    def start_byte_counts(self) -> None:
+        self.peak_kv_bytes = 0
+        self.layer_bytes = [0] * self.num_layers
+        self.total_bytes = 0
+
+    def stored_bytes(self) -> int:
+        """Every layer's bytes now: the running total of the per-layer counts (a layer is recounted after each
+        change to it)."""
+        return self.total_bytes
+
+    def _recount(self, layer_idx: int) -> None:
+        now = self.stores[layer_idx].nbytes()
+        self.total_bytes += now - self.layer_bytes[layer_idx]
+        self.layer_bytes[layer_idx] = now
+
+
+class DecodeCompressor(RunningBytes):
     """The decode-time state of one cache whose method has a decode_budget.
 
     stores: the cache's list of layer stores (filled in as prefill stores each layer); query_window: how many
@@ -78,9 +99,7 @@ class DecodeCompressor:
         self.buffer_size = max(method.window_size, 1) if query_window is None else query_window
         self.group = num_query_heads // stored_heads  # query heads per stored head
         self.compressions = [0] * self.num_layers   # how often each layer was compressed
-        self.peak_kv_bytes = 0                      # the most bytes stored at any moment while decoding
-        self.layer_bytes = [0] * self.num_layers    # each layer's stored bytes, recounted when it changes
-        self.total_bytes = 0                        # their sum, kept running
+        self.start_byte_counts()
         self.pad_lens: list[int] = []
         self.drop_grid = None                       # drop_one.py's constant tensors for the step's shape
         self.queries: list[Optional[torch.Tensor]] = [None] * self.num_layers        # [B, Hq, <= buffer_size, D]
@@ -91,16 +110,6 @@ class DecodeCompressor:
             self.stats = AttentionHistory(self.num_layers, self.group, method.history_window)
         if self.stats is not None:
             self.stats.form = self.form
-
-    def stored_bytes(self) -> int:
-        """Every layer's bytes now: the running total of the per-layer counts (a layer is recounted after each
-        change to it)."""
-        return self.total_bytes
-
-    def _recount(self, layer_idx: int) -> None:
-        now = self.stores[layer_idx].nbytes()
-        self.total_bytes += now - self.layer_bytes[layer_idx]
-        self.layer_bytes[layer_idx] = now
 
     # ---- hooks called by the cache ----------------------------------------------------------
     def observe_prefill(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor,

@@ -28,7 +28,7 @@ import torch
 from pyramidkv.allocation.base import ModelShape
 from pyramidkv.core import in_place
 from pyramidkv.core.context import CompressionMethod, ScoreContext
-from pyramidkv.core.decoding import DecodeCompressor
+from pyramidkv.core.decoding import DecodeCompressor, RunningBytes
 from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.scoring import scores_per_stored_head
@@ -38,7 +38,7 @@ from pyramidkv.core.scoring import scores_per_stored_head
 COMPACT_EVERY = 16
 
 
-class ThresholdDecoder:
+class ThresholdDecoder(RunningBytes):
     """The decode-time state of a cache whose method evicts by a threshold while decoding (same hooks as a
     DecodeCompressor)."""
 
@@ -56,19 +56,7 @@ class ThresholdDecoder:
         self.next_position: list[list[int]] = [[] for _ in range(self.num_layers)]  # per layer, per prompt
         self.compressions = [0] * self.num_layers   # decode steps at which a layer evicted something
         self.evicted = [0] * self.num_layers        # (prompt, head, token) entries evicted while decoding, per layer
-        self.peak_kv_bytes = 0
-        self.layer_bytes = [0] * self.num_layers    # each layer's stored bytes, recounted when it changes
-        self.total_bytes = 0                        # their sum, kept running
-
-    def stored_bytes(self) -> int:
-        """Every layer's bytes now: the running total of the per-layer counts (a layer is recounted after each
-        change to it)."""
-        return self.total_bytes
-
-    def _recount(self, layer_idx: int) -> None:
-        now = self.stores[layer_idx].nbytes()
-        self.total_bytes += now - self.layer_bytes[layer_idx]
-        self.layer_bytes[layer_idx] = now
+        self.start_byte_counts()
 
     # ---- hooks called by the cache ----------------------------------------------------------
     def observe_prefill(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor,
