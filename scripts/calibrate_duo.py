@@ -38,14 +38,13 @@ import argparse
 import hashlib
 import json
 import math
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from pyramidkv.runner.arguments import ArgumentParser, output_folder
+from pyramidkv.runner.arguments import output_folder
+from pyramidkv.benchmarks.calibration import Clock, calibration_parser, provenance, refused_before_loading
 
 NATO = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliett", "kilo", "lima",
         "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey",
@@ -63,18 +62,11 @@ ROWS = ("official", "answer")            # the loss rows: the official labels, o
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
-    from pyramidkv.models.patch import MODEL_GLUE
-
-    parser = ArgumentParser(prog="calibrate_duo.py", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
-    parser.add_argument("--model_class", choices=list(MODEL_GLUE), default=None)
+    parser = calibration_parser("calibrate_duo.py", __doc__)
     parser.add_argument("--out", required=True, type=output_folder,
                         help="output folder (full_attention_heads.tsv + config.json), checked before the work")
     parser.add_argument("--on_the_fly", action="store_true", help="kvpress's on-the-fly head scores, no training")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--haystack_dir", default=None, help="folder of .txt files (default: the Paul Graham essays)")
     gate = parser.add_argument_group("gate optimisation")
     gate.add_argument("--num_steps", type=int, default=30)
     gate.add_argument("--context_length_min", type=int, default=256, help="haystack + needles, in tokens")
@@ -343,9 +335,8 @@ def main(argv=None) -> Path:
 
     from pyramidkv.methods.calibrated import FORMAT, RECORD_KEY, VERSION, model_record
     from pyramidkv.models.loading import check_model, load_model
-    from pyramidkv.runner.results import _git_commit, _versions
 
-    try:
+    with refused_before_loading("calibrate_duo.py", (ValueError, OSError, ImportError)):
         path, config, _, _ = check_model(args.model_path, "sdpa", "cpu", "float32", args.model_class)
         tokenizer = AutoTokenizer.from_pretrained(path)
         need = args.sample_tokens if args.on_the_fly else args.context_length_max
@@ -355,12 +346,9 @@ def main(argv=None) -> Path:
             raise ValueError(f"--context_length_max {args.context_length_max} leaves no haystack: the book markers, "
                              f"{args.num_passkeys} needles and questions of {args.passkey_words} words and the "
                              f"padding take up to {fixed} tokens")
-    except (ValueError, OSError, ImportError) as e:
-        print(f"calibrate_duo.py: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     model, tokenizer = load_model(args.model_path, attn_implementation="sdpa", device="cpu", dtype="float32",
                                   model_class=args.model_class)
-    started, cpu = time.time(), time.process_time()
+    clock = Clock()
     if args.on_the_fly:
         gates = on_the_fly_scores(model, tokenizer, args, text)
         settings = {key: getattr(args, key) for key in ("num_samples", "sample_tokens", "positions")}
@@ -373,10 +361,7 @@ def main(argv=None) -> Path:
               "recipe": "on_the_fly" if args.on_the_fly else "gate_optimisation",
               "data": {"haystack": str(args.haystack_dir or "essay_dir()"), "files": sources,
                        "tokens": len(text)},
-              "settings": settings, "seed": args.seed, "cpu_seconds": round(time.process_time() - cpu, 1),
-              "wall_seconds": round(time.time() - started, 1), "threads": torch.get_num_threads(),
-              "command": [Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])],
-              "versions": _versions(["torch", "transformers"]), "git_commit": _git_commit()}
+              "settings": settings, "seed": args.seed, **provenance(clock, argv)}
     official = {"model_name": args.model_path, "dataset_name": "paul_graham_essays", "sink_size": args.sink_size,
                 "recent_size": args.recent_size, "seed": args.seed, "output_dir": args.out}
     if not args.on_the_fly:

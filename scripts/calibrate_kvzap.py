@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,6 +32,7 @@ from tqdm import tqdm
 
 from pyramidkv.models.line import INTERFACE_LINE
 from pyramidkv.runner.arguments import ArgumentParser, output_file
+from pyramidkv.benchmarks.calibration import Clock, add_device, calibration_parser, provenance, require_positive
 
 REPEAT = "\n\nRepeat the previous context exactly."
 LONGBENCH_FILE = Path("/work/shared/longbench/data/multi_news.jsonl")
@@ -292,14 +291,7 @@ def calibrate(model, tokenizer, train: list[dict], held: list[dict], model_type:
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, ArgumentParser]:
-    from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
-    from pyramidkv.models.patch import MODEL_GLUE
-
-    parser = ArgumentParser(prog=Path(__file__).name, description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
-    parser.add_argument("--model_class", choices=list(MODEL_GLUE), default=None,
-                        help="load the weights as this architecture (as the runners' --model_class)")
+    parser = calibration_parser(Path(__file__).name, __doc__)
     parser.add_argument("--model_type", choices=("linear", "mlp"), required=True)
     parser.add_argument("--out", required=True, type=output_file, help="the .safetensors file written")
     parser.add_argument("--texts", type=int, default=24, help="training passages (the authors: 4.5K)")
@@ -310,14 +302,11 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, ArgumentParser]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--alpha", type=float, default=1.0, help="ridge penalty (linear)")
     parser.add_argument("--epochs", type=int, default=15, help="MLP epochs (the authors: 15)")
-    parser.add_argument("--haystack_dir", default=None, help="folder of .txt files (default: the Paul Graham essays)")
     parser.add_argument("--longbench_file", default=str(LONGBENCH_FILE),
                         help="a LongBench jsonl whose contexts add sources (none: essays only)")
-    parser.add_argument("--device", default="cpu")
+    add_device(parser, dtype=False)
     args = parser.parse_args(argv)
-    for flag in ("texts", "min_tokens", "tokens_per_text", "epochs"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    require_positive(parser, args, ("texts", "min_tokens", "tokens_per_text", "epochs"))
     if args.held_out < 0:
         parser.error(f"--held_out must be >= 0, got {args.held_out}")
     if args.max_tokens < args.min_tokens:
@@ -334,7 +323,6 @@ def main(argv=None) -> Path:
     from pyramidkv.benchmarks.prompting import essay_dir
     from pyramidkv.methods.calibrated import model_record, save_artifact
     from pyramidkv.models.loading import check_model, load_model
-    from pyramidkv.runner.results import _git_commit, _versions
 
     from transformers import AutoTokenizer
 
@@ -345,7 +333,7 @@ def main(argv=None) -> Path:
                                args.min_tokens, args.max_tokens, args.seed)
     except (ValueError, OSError, ImportError) as e:
         parser.error(str(e))
-    started, cpu = time.time(), time.process_time()
+    clock = Clock()
     model, tokenizer = load_model(args.model_path, attn_implementation="eager", device=args.device, dtype="float32",
                                   model_class=args.model_class)
     tensors, info = calibrate(model, tokenizer, train, held, args.model_type, args.tokens_per_text, args.seed,
@@ -355,10 +343,7 @@ def main(argv=None) -> Path:
               "data": {"files": files, "train": [{k: p[k] for k in ("source", "start", "tokens")} for p in train],
                        "held_out": [{k: p[k] for k in ("source", "start", "tokens")} for p in held]},
               "settings": {k: v for k, v in vars(args).items() if k not in ("out", "model_path")},
-              "seed": args.seed, "cpu_seconds": round(time.process_time() - cpu, 1),
-              "wall_seconds": round(time.time() - started, 1), "threads": torch.get_num_threads(),
-              "command": [Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])],
-              "git_commit": _git_commit(), "versions": _versions(["torch", "transformers"]), **info}
+              "seed": args.seed, **provenance(clock, argv), **info}
     path = save_artifact(args.out, tensors, record)
     metrics = info.get("held_out", {})
     print(f"kvzap-{args.model_type}: {len(train)} passages, {record['cpu_seconds']} CPU s "

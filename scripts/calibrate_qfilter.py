@@ -16,15 +16,15 @@ with its record (model, data and digests, settings, seed, CPU seconds). Default 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import sys
-import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from pyramidkv.runner.arguments import ArgumentParser, output_file
+from pyramidkv.runner.arguments import output_file
+from pyramidkv.benchmarks.calibration import (Clock, add_device, calibration_parser, default_artifact,
+                                               essay_folder, essay_windows, provenance, refused_before_loading,
+                                               require_positive)
 
 
 def post_rope_queries(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
@@ -71,45 +71,17 @@ def calibrate(model, token_lists: list[list[int]], num_svd_samples: int, seed: i
     return filters.view(layers, kv_heads, heads // kv_heads, -1).mean(2)
 
 
-def calibration_texts(tokenizer, folder: Path, num_texts: int, length: int) -> tuple[list[list[int]], list[dict]]:
-    """(num_texts windows of `length` tokens, the sources read: [{file, sha256}]) from the essays in `folder`; a
-    ValueError when they hold too few tokens."""
-    files = sorted(folder.glob("*.txt"))
-    ids, sources, need = [], [], num_texts * length
-    for path in files:
-        data = path.read_bytes()
-        sources.append({"file": path.name, "sha256": hashlib.sha256(data).hexdigest()})
-        ids += tokenizer(data.decode("utf-8") + "\n\n", add_special_tokens=False).input_ids
-        if len(ids) >= need:
-            break
-    if len(ids) < need:
-        raise ValueError(f"the {len(files)} .txt files of {folder} hold {len(ids)} tokens, fewer than --num_texts "
-                         f"{num_texts} x --length {length}; lower one of them")
-    return [ids[i * length:(i + 1) * length] for i in range(num_texts)], sources
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
-    from pyramidkv.models.patch import MODEL_GLUE
-
-    parser = ArgumentParser(prog="calibrate_qfilter.py", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
-    parser.add_argument("--model_class", choices=list(MODEL_GLUE), default=None,
-                        help="load the weights as this architecture (as the runners' --model_class)")
+    parser = calibration_parser("calibrate_qfilter.py", __doc__)
     parser.add_argument("--out", default=None, type=output_file,
                         help="output file (default {model}_qfilter.safetensors), checked before the work")
     parser.add_argument("--num_texts", type=int, default=2, help="texts of --length tokens (the authors' 19)")
     parser.add_argument("--length", type=int, default=2048, help="tokens per text (the authors' 2048)")
     parser.add_argument("--num_svd_samples", type=int, default=3000, help="queries per head (the authors' 3000)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--haystack_dir", default=None, help="folder of .txt files (default: the Paul Graham essays)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    add_device(parser)
     args = parser.parse_args(argv)
-    for name in ("num_texts", "length", "num_svd_samples"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    require_positive(parser, args, ("num_texts", "length", "num_svd_samples"))
     if args.num_texts * args.length < args.num_svd_samples:   # each head's SVD would read fewer queries than asked
         parser.error(f"--length {args.length}: {args.num_texts} texts x {args.length} tokens = "
                      f"{args.num_texts * args.length} queries per head, fewer than the --num_svd_samples "
@@ -122,34 +94,27 @@ def main(argv=None) -> Path:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from pyramidkv.benchmarks.prompting import essay_dir
     from pyramidkv.components import check_output
     from pyramidkv.methods.calibrated import model_record, save_artifact
     from pyramidkv.models.loading import check_model, load_model
-    from pyramidkv.runner.results import _git_commit, _versions
 
-    out = Path(args.out or f"{Path(str(args.model_path).rstrip('/')).name.lower()}_qfilter.safetensors")
-    try:   # every check before the weights load
+    out = default_artifact(args, "qfilter")
+    with refused_before_loading("calibrate_qfilter.py"):
         if args.out is None:
             check_output(out)
         path, config, _, _ = check_model(args.model_path, "sdpa", args.device, args.dtype, args.model_class)
         if args.length > config.max_position_embeddings:
             raise ValueError(f"--length {args.length} exceeds the model's {config.max_position_embeddings} positions")
-        folder = Path(args.haystack_dir) if args.haystack_dir else essay_dir()
-        texts, sources = calibration_texts(AutoTokenizer.from_pretrained(path), folder, args.num_texts, args.length)
-    except (ValueError, OSError) as e:
-        print(f"calibrate_qfilter.py: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        folder = essay_folder(args)
+        texts, sources = essay_windows(AutoTokenizer.from_pretrained(path), folder, args.num_texts, args.length)
     model, _ = load_model(args.model_path, attn_implementation="sdpa", device=args.device, dtype=args.dtype,
                           model_class=args.model_class)
-    started, cpu = time.time(), time.process_time()
+    clock = Clock()
     filters = calibrate(model, texts, args.num_svd_samples, args.seed)
     record = {"kind": "qfilter", "model": {**model_record(path, model.config), "name": args.model_path},
               "data": {"folder": folder.name, "sources": sources, "num_texts": args.num_texts, "length": args.length},
               "settings": {"num_svd_samples": args.num_svd_samples, "dtype": args.dtype, "svd": "float32, uncentred"},
-              "seed": args.seed, "cpu_seconds": round(time.process_time() - cpu, 1),
-              "wall_seconds": round(time.time() - started, 1), "git_commit": _git_commit(),
-              "versions": _versions(["torch", "transformers"])}
+              "seed": args.seed, **provenance(clock, argv)}
     save_artifact(out, {"filters": filters}, record)
     print(f"filters {tuple(filters.shape)} in {record['cpu_seconds']} CPU s ({record['wall_seconds']} s) -> {out}")
     return out

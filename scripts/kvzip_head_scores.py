@@ -16,15 +16,15 @@ with its record (model, data and digests, settings, CPU seconds); nothing is dra
 from __future__ import annotations
 
 import argparse
-import hashlib
-import sys
-import time
 from pathlib import Path
 
 import torch
 
 from pyramidkv.models.line import CACHE_ARGUMENT
-from pyramidkv.runner.arguments import ArgumentParser, output_file
+from pyramidkv.runner.arguments import output_file
+from pyramidkv.benchmarks.calibration import (Clock, add_device, calibration_parser, default_artifact,
+                                               essay_folder, essay_windows, provenance, refused_before_loading,
+                                               require_positive)
 
 
 def sample_scores(model, tokenizer, tokens: list[int], chunk_size: int) -> torch.Tensor:
@@ -54,42 +54,21 @@ def calibration_samples(tokenizer, folder: Path, num_samples: int, length: int) 
     ValueError when the essays hold too few tokens."""
     from pyramidkv.methods.kvzip import template_edges
 
-    files = sorted(folder.glob("*.txt"))
-    ids, sources, need = [], [], num_samples * length
-    for path in files:
-        data = path.read_bytes()
-        sources.append({"file": path.name, "sha256": hashlib.sha256(data).hexdigest()})
-        ids += tokenizer(data.decode("utf-8") + "\n\n", add_special_tokens=False).input_ids
-        if len(ids) >= need:
-            break
-    if len(ids) < need:
-        raise ValueError(f"the {len(files)} .txt files of {folder} hold {len(ids)} tokens, fewer than --num_samples "
-                         f"{num_samples} x --length {length}; lower one of them")
+    windows, sources = essay_windows(tokenizer, folder, num_samples, length, ("--num_samples", "--length"))
     prefix, suffix = template_edges(tokenizer)
-    return [prefix + ids[i * length:(i + 1) * length] + suffix for i in range(num_samples)], sources
+    return [prefix + window + suffix for window in windows], sources
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from pyramidkv.models.default_model import DEFAULT_MODEL_NAME
-    from pyramidkv.models.patch import MODEL_GLUE
-
-    parser = ArgumentParser(prog="kvzip_head_scores.py", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
-    parser.add_argument("--model_class", choices=list(MODEL_GLUE), default=None,
-                        help="load the weights as this architecture (as the runners' --model_class)")
+    parser = calibration_parser("kvzip_head_scores.py", __doc__)
     parser.add_argument("--out", default=None, type=output_file,
                         help="output file (default {model}_kvzip-head.safetensors), checked before the work")
     parser.add_argument("--length", type=int, default=2000, help="essay tokens per sample")
     parser.add_argument("--num_samples", type=int, default=1, help="samples (the authors' 1); their maximum is kept")
     parser.add_argument("--chunk_size", type=int, default=2000, help="kvzip's chunk_size (the authors' 2000)")
-    parser.add_argument("--haystack_dir", default=None, help="folder of .txt files (default: the Paul Graham essays)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    add_device(parser)
     args = parser.parse_args(argv)
-    for name in ("length", "num_samples", "chunk_size"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    require_positive(parser, args, ("length", "num_samples", "chunk_size"))
     return args
 
 
@@ -97,42 +76,35 @@ def main(argv=None) -> Path:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from pyramidkv.benchmarks.prompting import essay_dir
     from pyramidkv.components import check_output
     from pyramidkv.methods import make_method
     from pyramidkv.methods.calibrated import model_record, save_artifact
     from pyramidkv.models.loading import check_model, load_model
     from pyramidkv.models.patch import model_shape
-    from pyramidkv.runner.results import _git_commit, _versions
 
-    out = Path(args.out or f"{Path(str(args.model_path).rstrip('/')).name.lower()}_kvzip-head.safetensors")
-    try:   # every check before the weights load
+    out = default_artifact(args, "kvzip-head")
+    with refused_before_loading("kvzip_head_scores.py"):
         if args.out is None:   # a given --out is checked by its type
             check_output(out)
         path, config, _, _ = check_model(args.model_path, "sdpa", args.device, args.dtype, args.model_class)
         make_method("kvzip", budget_ratio=0.5).check_model(model_shape(config, implementation="sdpa"))   # as the runners
-        folder = Path(args.haystack_dir) if args.haystack_dir else essay_dir()
+        folder = essay_folder(args)
         samples, sources = calibration_samples(AutoTokenizer.from_pretrained(path), folder, args.num_samples,
                                                args.length)
         longest = max(len(s) for s in samples) + args.chunk_size + 64   # the repeat passes run after the prompt
         if longest > config.max_position_embeddings:
             raise ValueError(f"--length {args.length} with its repeat passes reaches position {longest}, beyond the "
                              f"model's {config.max_position_embeddings}")
-    except (ValueError, OSError) as e:
-        print(f"kvzip_head_scores.py: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     model, tokenizer = load_model(args.model_path, attn_implementation="sdpa", device=args.device, dtype=args.dtype,
                                   model_class=args.model_class)
-    started, cpu = time.time(), time.process_time()
+    clock = Clock()
     table = head_scores(model, tokenizer, samples, args.chunk_size)
     record = {"kind": "kvzip-head", "model": {**model_record(path, model.config), "name": args.model_path},
               "data": {"folder": folder.name, "sources": sources, "num_samples": args.num_samples,
                        "length": args.length, "prompt_tokens": [len(s) for s in samples]},
               "settings": {"chunk_size": args.chunk_size, "dtype": args.dtype, "reduce": "max over query group, "
                            "positions and samples"},
-              "seed": None, "cpu_seconds": round(time.process_time() - cpu, 1),
-              "wall_seconds": round(time.time() - started, 1), "git_commit": _git_commit(),
-              "versions": _versions(["torch", "transformers"])}
+              "seed": None, **provenance(clock, argv)}
     save_artifact(out, {"head_scores": table}, record)
     print(f"head scores {tuple(table.shape)} in {record['cpu_seconds']} CPU s ({record['wall_seconds']} s) -> {out}")
     return out
