@@ -127,6 +127,7 @@ class RKV(DecodesAtItsBudget, Method):
     """
 
     name = "rkv"
+    decode_rule = "re-selects while decoding (every decode_interval tokens, back to the budget)"
     window_size: int = 8
     decode: Optional[DecodeBudget] = EVERY_128
     mix_lambda: float = 0.07
@@ -147,17 +148,6 @@ class RKV(DecodesAtItsBudget, Method):
         if self.window_size < 1:
             raise ValueError(f"rkv needs window_size >= 1 (the queries whose attention is the importance), got "
                              f"{self.window_size}")
-        if self.decode is None:
-            raise ValueError("rkv re-selects while decoding (every decode_interval tokens, back to the budget); "
-                             "decode_budget=None would never do so: give decode_budget >= 1 or leave it out (the "
-                             "budget)")
-        if self.sizing.outcome:
-            raise ValueError("rkv keeps a token budget (top budget - window_size by its score); it does not combine "
-                             "with threshold eviction (a count that is an outcome): give budget or budget_ratio")
-        if self.decode.decode_budget is None and self.budget is None:
-            raise ValueError(f"rkv with budget_ratio (max_capacity_prompts_ratio) {self.budget_ratio!r} needs "
-                             f"decode_budget (the tokens a head holds while decoding, one number for every prompt); "
-                             f"give decode_budget >= 1, or a budget instead of the ratio")
         super().validate()
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:

@@ -35,22 +35,13 @@ class TOVA(DecodesAtItsBudget, Method):
     evicts one token per decode step once a layer holds the budget (decode_budget defaults to the budget)."""
 
     name = "tova"
+    decode_rule = "evicts while decoding (one token per step once a layer holds its budget)"
+    holder = "a layer"
     newest_row_scores = True   # at the per-step rule the step's own attention row is read (core/drop_one.py)
     window_size: int = 0
     decode: Optional[DecodeBudget] = PER_STEP
 
     def validate(self) -> None:
-        if self.decode is None:
-            raise ValueError("tova evicts while decoding (one token per step once a layer holds its budget); "
-                             "decode_budget=None would never evict: give decode_budget >= 1 or leave it out (the "
-                             "budget)")
-        if self.sizing.outcome:
-            raise ValueError("tova evicts by the newest query's attention as it decodes, to a token budget; it does not "
-                             "combine with threshold eviction (a count that is an outcome): give budget or budget_ratio")
-        if self.decode.decode_budget is None and self.budget is None:
-            raise ValueError(f"tova with budget_ratio (max_capacity_prompts_ratio) {self.budget_ratio!r} needs "
-                             f"decode_budget (the tokens a layer holds while decoding, one number for every prompt); "
-                             f"give decode_budget >= 1, or a budget instead of the ratio")
         if not isinstance(self.head_allocation, UniformHeads):
             raise ValueError(f"tova keeps one set for every head of a layer (its score is the same on all of them); "
                              f"head_allocation must be 'uniform', got {self.head_allocation.name!r}")

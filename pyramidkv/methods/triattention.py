@@ -91,6 +91,7 @@ class TriAttention(DecodesAtItsBudget, Method):
     """
 
     name = "triattention"
+    decode_rule = "compresses while decoding (back to the budget every decode_interval tokens)"
     needs_rotation = True
     path_settings = ("triattention_path",)
     window_size: int = 0
@@ -102,18 +103,6 @@ class TriAttention(DecodesAtItsBudget, Method):
     normalize_scores: bool = True
 
     def validate(self) -> None:
-        if self.decode is None:
-            raise ValueError("triattention compresses while decoding (back to the budget every decode_interval "
-                             "tokens); decode_budget=None would never evict: give decode_budget >= 1 or leave it out "
-                             "(the budget)")
-        if self.sizing.outcome:
-            raise ValueError("triattention keeps a token budget as it decodes (back to it every decode_interval "
-                             "tokens); it does not combine with threshold eviction (a count that is an outcome): give "
-                             "budget or budget_ratio")
-        if self.decode.decode_budget is None and self.budget is None:
-            raise ValueError(f"triattention with budget_ratio (max_capacity_prompts_ratio) {self.budget_ratio!r} needs "
-                             f"decode_budget (the tokens a head holds while decoding); give decode_budget >= 1, or a "
-                             f"budget instead of the ratio")
         if isinstance(self.frequency_window, bool) or not isinstance(self.frequency_window, int) or \
                 self.frequency_window < 1:
             raise ValueError(f"frequency_window must be an integer >= 1 (the farthest future distance scored), "

@@ -178,7 +178,7 @@ def test_bytes_stay_below_fullkv(tiny):
     (dict(budget=32, kernel_size=4), "kernel_size must be a positive odd integer"),
     (dict(budget=32, similarity_threshold=2.0), r"similarity_threshold must be a cosine similarity in \[-1, 1\]"),
     (dict(budget=32, window_size=0), "rkv needs window_size >= 1"),
-    (dict(budget=32, decode_budget=None), "decode_budget=None would never do so"),
+    (dict(budget=32, decode_budget=None), "decode_budget=None would never evict"),
     (dict(budget_ratio=0.5), "needs decode_budget"),
 ])
 def test_refusals_are_one_line(settings, fragment):
