@@ -48,7 +48,7 @@ test-all: setup
 
 # The tests of the 5.x line (tests/tf5/, docs/testing.md), under .venv-tf5.
 test-tf5: setup-tf5
-	$(VENV_TF5)/bin/python -m pytest -q -n auto --durations=10 -m "not exhaustive" $(PYTEST_ARGS) tests/tf5
+	$(VENV_TF5)/bin/python -m pytest -q -n auto --durations=10 -m "not exhaustive" $(PYTEST_ARGS) tests/tf5 tests/methods/test_qfilter.py
 
 benchmark: setup
 	$(PY) measure/benchmark_latency_memory.py

@@ -15,6 +15,7 @@ from transformers import LlamaConfig
 
 from pyramidkv import compress, make_method
 from pyramidkv.methods.calibrated import model_record, save_artifact
+from pyramidkv.models.line import CACHE_ARGUMENT
 from pyramidkv.models.patch import model_shape
 from tests.conftest import tiny_llama
 from tests.helpers import ROOT, load_script
@@ -42,11 +43,12 @@ def reference_queries(model, tokens: list[int]) -> list[np.ndarray]:
     with torch.no_grad():
         hidden = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
         positions = torch.arange(len(tokens))[None]
-        out = []
+        out, heads = [], model.config.num_attention_heads
         for layer, h in zip(model.model.layers, hidden):
             attention = layer.self_attn
-            q = attention.q_proj(layer.input_layernorm(h)).view(1, len(tokens), attention.num_heads, -1).transpose(1, 2)
-            cos, sin = attention.rotary_emb(q, positions)
+            q = attention.q_proj(layer.input_layernorm(h)).view(1, len(tokens), heads, -1).transpose(1, 2)
+            rotary = getattr(attention, "rotary_emb", None) or model.model.rotary_emb   # 4.44.2: per layer; 5.x: model
+            cos, sin = rotary(q, positions)
             q, cos, sin = q[0].double().numpy(), cos[0].double().numpy(), sin[0].double().numpy()
             half = q.shape[-1] // 2
             rotated = np.concatenate([-q[..., half:], q[..., :half]], axis=-1)
@@ -106,10 +108,12 @@ def test_kept_sets_are_the_top_k_of_minus_f_dot_k(tiny, tmp_path, layout):
     method = make_method("qfilter", budget=budget, window_size=window, qfilter_path=path, gqa_layout=layout)
     prompt = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        keys = [k[0].double() for k, _ in model(prompt, use_cache=True).past_key_values]    # [Hkv, n, D] per layer
+        plain = model(prompt, use_cache=True).past_key_values
+        keys = [(plain.layers[l].keys if hasattr(plain, "layers") else plain[l][0])[0].double()    # [Hkv, n, D]
+                for l in range(model.config.num_hidden_layers)]
         with compress(model, method) as patch:
             cache = patch.new_cache()
-            model(prompt, past_key_values=cache, use_cache=True)
+            model(prompt, use_cache=True, **{CACHE_ARGUMENT: cache})
     f = load_file(path)["filters"].double()   # read back independently of the method
     n = prompt.shape[1]
     group = model.config.num_attention_heads // model.config.num_key_value_heads
