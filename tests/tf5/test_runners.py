@@ -66,3 +66,17 @@ def test_leaderboard_grid(tiny_model_dir, tmp_path):
     assert board.returncode == 0, board.stderr[-2000:]
     rows = (tmp_path / "leaderboard.csv").read_text().splitlines()
     assert len(rows) == 3 and all(",done," in row for row in rows[1:]), rows
+
+
+def test_longbench_hub_fallback_loads_datasets_beside_transformers_5(monkeypatch):
+    """requirements-tf5.txt's `datasets` imports beside transformers 5 and the hub client it pins (a hub-client
+    clash fails at that import), and without --data_dir offline the runner ends in one line with the advice, not
+    with 'not installed'."""
+    from pyramidkv.benchmarks.longbench import run as longbench
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(RuntimeError) as error:
+        longbench._load_from_hub("multi_news", False)
+    message = str(error.value)
+    assert "could not load" in message and "--data_dir" in message and "not installed" not in message
