@@ -47,7 +47,8 @@ CORE_ORDER = {
     **{f"pyramidkv.core.{m}": (1, "stores") for m in ("store", "full_precision", "paged", "quantized", "merged_pair",
                                                                             "store_kinds")},
     **{f"pyramidkv.core.{m}": (2, "pipeline and decoding") for m in ("prefill", "decoding", "reconstruction", "threshold",
-                                                                                 "chunked", "drop_one", "running_top")},
+                                                                                 "chunked", "drop_one", "running_top",
+                                                                                 "reconstructing")},
     "pyramidkv.core.cache": (3, "cache"),
     "pyramidkv.core.snapshot": (3, "cache"),
 }

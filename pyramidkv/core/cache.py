@@ -9,6 +9,8 @@ The patched attention (pyramidkv/models/attention.py) talks to it through two en
                                everything it holds; with a decode_budget the decode compressor
                                (decoding.py) may then re-select.
 
+A method scored by repeat passes (KVzip) has three more (`RepeatEntryPoints`, core/reconstructing.py).
+
 Stored heads H are the KV heads (`kv_head` layout) or the query heads (`query_head`: K/V repeated over
 the GQA group before compression). `get_seq_length()` reports the uncompressed count (padded prompt +
 appended tokens), so transformers gives new tokens their true RoPE positions. Batches must be
@@ -33,6 +35,7 @@ from pyramidkv.core.context import CompressionMethod
 from pyramidkv.core.threshold import decoder_for
 from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.prefill import PromptCompressor
+from pyramidkv.core.reconstructing import ReconstructingCompressor, RepeatEntryPoints
 from pyramidkv.core.reconstruction import Reconstruction
 from pyramidkv.core.store_kinds import STORES, store_abilities, store_kind
 from pyramidkv.core.rotary import KeyRotation
@@ -41,7 +44,7 @@ from pyramidkv.core.store import Heads, LayerStore, StoreSetup
 from pyramidkv.quantization.kernels import Scratch
 
 
-class CompressedCache(Cache):
+class CompressedCache(RepeatEntryPoints, Cache):
     """A transformers `Cache` whose prompt part is compressed by a method at prefill."""
 
     def __init__(self, method: CompressionMethod, shape: ModelShape, rotation: Optional[KeyRotation] = None):
@@ -119,8 +122,8 @@ class CompressedCache(Cache):
         if self.pad_lens is None:
             self.pad_lens = [0] * bsz
         if self.prompt is None:
-            self.prompt = PromptCompressor(self.method, self.model_shape, self.pad_lens, n, self.rotary,
-                                           reconstructing=self.reconstruction is not None)
+            pipeline = PromptCompressor if self.reconstruction is None else ReconstructingCompressor
+            self.prompt = pipeline(self.method, self.model_shape, self.pad_lens, n, self.rotary)
         return self.prompt
 
     @torch.no_grad()
@@ -143,21 +146,6 @@ class CompressedCache(Cache):
             self.setup = StoreSetup(self.prompt.real_lens, self.pad_lens, position_ids, self.method, self.num_layers,
                                     self.rotary, self.scratch, self.form)
         self._store(self.prompt.keep(layer_idx, scored))
-
-    @torch.no_grad()
-    def reconstructed(self) -> None:
-        """After a reconstructing method's repeat passes (`reconstruction`, kept for inspection: its scores, the
-        tokens it ran): every layer keeps what they scored."""
-        done = self.reconstruction
-        self._store(self.prompt.reconstructed(done.scores, [(plan.prefix, plan.suffix) for plan in done.plans]))
-
-    def repeat_attend(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor,
-                      values: torch.Tensor) -> torch.Tensor:
-        """One layer of a repeat input of the `reconstruction` (queries [1, Hq, m, D], keys, values [1, Hkv, m, D]):
-        its attention output [1, Hq, m, D] over the prompt's waiting K/V and its own; nothing is stored."""
-        b, held = self.reconstruction.current[0], self.prompt.waiting[layer_idx]
-        return self.reconstruction.attend(layer_idx, queries, keys, values, held.keys[b], held.values[b],
-                                          self.pad_lens[b], self.form)
 
     def _store(self, ready: dict) -> None:
         """Build the stores of the layers whose kept tokens are known (layer -> per prompt its KeptKV)."""

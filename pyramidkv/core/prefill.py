@@ -18,7 +18,8 @@ are still pruned, as ThinK's code does). Every step after
 Layer budgets are fixed when the first layer is scored, or, for allocations that need every layer's scores
 (ZigZagKV's layers, one budget over the whole model: head_allocation global), when the last layer is: until then
 each layer waits with its full K/V, or under one budget over all layers holds only what the B best scores so far
-keep (core/running_top.py).
+keep (core/running_top.py). A method scored by repeat passes (KVzip) gets its scores after the prompt has passed a
+layer: core/reconstructing.py.
 With cross-layer merging (MiniCache) the lower layer of each merged pair waits for the upper one; the
 pair then selects once, on the sum of its two layers' scores (same budget, same seeds), so both keep the
 same tokens.
@@ -76,13 +77,13 @@ def sampling_generator(method: CompressionMethod, layer_idx: int, head: int) -> 
 class PromptCompressor:
     """The prefill pipeline of one batch of prompts, layer by layer."""
 
+    scores_at_prefill = True   # False: the method is scored by repeat passes (core/reconstructing.py), not here
+
     def __init__(self, method: CompressionMethod, model: ModelShape, pad_lens: list[int], prompt_len: int,
-                 rotation=None, reconstructing: bool = False):
-        """rotation: the model's RoPE (core/rotary.py), for methods with `needs_rotation`; reconstructing: the
-        method is scored by repeat passes after the prefill (`reconstructed`), not here."""
+                 rotation=None):
+        """rotation: the model's RoPE (core/rotary.py), for methods with `needs_rotation`."""
         self.method = method
         self.rotation = rotation
-        self.reconstructing = reconstructing
         self.model = model
         self.pad_lens = pad_lens
         self.real_lens = [prompt_len - pad for pad in pad_lens]
@@ -96,7 +97,8 @@ class PromptCompressor:
         # template): the budget is then the method's on the rest, plus them
         self.edges: Optional[list[tuple[int, int]]] = None
         # one budget over every layer, cut as the layers are scored (core/running_top.py); None: layers wait whole
-        self.running = RunningTop(self) if runs_top(method) and self.any_compressed() and not reconstructing else None
+        self.running = RunningTop(self) if runs_top(method) and self.any_compressed() and self.scores_at_prefill \
+            else None
 
     def extra(self, b: int) -> int:
         """Tokens prompt b protects beyond the method's own budget (its prefix and suffix, where it has them)."""
@@ -129,7 +131,7 @@ class PromptCompressor:
         else:
             stored_keys, stored_values = keys, values
         scores = raw = merge_attention = None
-        if self.any_compressed() and not self.reconstructing:   # a reconstructing method is scored at the end
+        if self.any_compressed() and self.scores_at_prefill:
             n = keys.shape[2]
             real = real_positions(self.layer_pads(layer_idx, n), n, keys.device)
             positions = torch.arange(n, device=keys.device)[None] if position_ids is None else position_ids
@@ -148,7 +150,7 @@ class PromptCompressor:
     def keep(self, layer_idx: int, scored: ScoredLayer) -> dict[int, list[KeptKV]]:
         """The layers whose kept tokens are known now -> per prompt its KeptKV: this layer, or none until
         the last layer when the budgets need every layer's scores (then all of them)."""
-        if not (self.method.layer_budgets_need_scores or self.reconstructing):
+        if not self.method.layer_budgets_need_scores:
             self.fix_layer_budgets()
             if layer_idx in self.pairs:  # the lower layer of a merged pair waits for the upper one
                 self._wait(layer_idx, scored)
@@ -162,21 +164,8 @@ class PromptCompressor:
         if self.running is not None:
             return self.running.add(layer_idx, scored)
         self._wait(layer_idx, scored)
-        if layer_idx < self.model.num_layers - 1 or self.reconstructing:
+        if layer_idx < self.model.num_layers - 1:
             return {}
-        self.fix_layer_budgets(self._candidate_scores())
-        return {layer: self._keep_layer(layer, self.waiting.pop(layer)) for layer in range(self.model.num_layers)}
-
-    def reconstructed(self, scores: dict[int, torch.Tensor], edges: list[tuple[int, int]]) -> dict[int, list[KeptKV]]:
-        """Every layer's kept tokens once a reconstructing method's passes have run: scores per layer [B, Hq, n]
-        (core/reconstruction.py), edges per prompt its protected (prefix, suffix)."""
-        self.edges = edges
-        if self.any_compressed():
-            for layer, scored in self.waiting.items():
-                raw = self.method.score(ScoreContext(layer, self.model.num_layers, None, scored.keys, scored.values,
-                                                     None, reconstruction=scores[layer], model=self.model))
-                scored.scores = scores_per_stored_head(raw, self.method, self.model.num_kv_heads,
-                                                       self.model.num_query_heads)
         self.fix_layer_budgets(self._candidate_scores())
         return {layer: self._keep_layer(layer, self.waiting.pop(layer)) for layer in range(self.model.num_layers)}
 

@@ -22,9 +22,8 @@ from transformers.cache_utils import Cache
 
 from pyramidkv.components import AttentionForm, ModelShape
 from pyramidkv.core.cache import CompressedCache
-from pyramidkv.core.reconstruction import RepeatDone
 from pyramidkv.methods.base import Method
-from pyramidkv.models import gemma2, llama, mistral, mixtral, phi3, qwen2
+from pyramidkv.models import gemma2, llama, mistral, mixtral, phi3, qwen2, repeat
 from pyramidkv.models.attention import compressed_attention_forward
 from pyramidkv.models.glue import ModelGlue, decoder
 from pyramidkv.models.line import INTERFACE_LINE
@@ -117,7 +116,7 @@ class CompressionPatch:
         self.glue = glue
         self.implementation = implementation
         self._modules = []
-        self._hook = self._repeat_hook = None
+        self._hook = self._repeat_hook = self._layer_repeats = None
         self._cache_implementation = None
         self._undo_interface = None
 
@@ -133,6 +132,7 @@ class CompressionPatch:
         check_shared_layers(model, method)
         self.model, self.method, self.glue = model, method, None
         self._modules, self._hook, self._repeat_hook, self._cache_implementation = [], None, None, None
+        self._layer_repeats = None
         self._undo_interface = None
         if method.needs_rotation or getattr(method.quant_method, "keys_before_rope", False):
             tf5_families.key_rotation(model, method.name)   # refused here, not at the first forward
@@ -152,7 +152,9 @@ class CompressionPatch:
             self._modules.append((attention, patched, attention.__dict__.get(patched)))
             setattr(attention, patched, types.MethodType(forward, attention))
         self._hook = decoder(self.model).register_forward_pre_hook(self._provide_cache, with_kwargs=True)
-        if self.method.reconstructs:
+        if self.method.reconstructs and repeat.layer_major(self.model):   # models/repeat.py: the two orders
+            self._layer_repeats = repeat.LayerMajorRepeats(self.model)
+        elif self.method.reconstructs:
             self._repeat_hook = decoder(self.model).register_forward_hook(self._reconstruct, with_kwargs=True)
         # generate() would allocate the cache its config names (Gemma2's "hybrid": every layer at full length)
         # only for the patch to replace it: while patched it starts from an empty DynamicCache instead.
@@ -177,6 +179,9 @@ class CompressionPatch:
             if hook is not None:
                 hook.remove()
         self._hook = self._repeat_hook = None
+        if self._layer_repeats is not None:
+            self._layer_repeats.remove()
+            self._layer_repeats = None
         if self._cache_implementation is not None:
             self.model.generation_config.cache_implementation = self._cache_implementation
             self._cache_implementation = None
@@ -199,7 +204,7 @@ class CompressionPatch:
                              f"needs the repeat inputs, which pyramidkv.generate builds with the tokenizer (or pass "
                              f"patch.new_cache(prompt_token_lists, tokenizer) to model.generate)")
         if cache.reconstruction.current is None:
-            run_repeats(module, cache)
+            repeat.run_repeats(module, cache)
         return None
 
     # ---- cache provisioning -------------------------------------------------------------------
@@ -247,33 +252,6 @@ class CompressionPatch:
         cache.set_padding(kwargs.get("attention_mask"), bsz, seq_len)
         kwargs[argument] = cache
         return args, kwargs
-
-
-@torch.no_grad()
-def run_repeats(decoder_module, cache: CompressedCache) -> None:
-    """A reconstructing method's repeat passes, once the prompt's prefill has run with every layer waiting: each
-    compressed prompt's repeat inputs through the decoder alone (positions from the first of the prompt's suffix,
-    which the repeat does not read; the cache in its repeat mode: nothing is stored; each forward ends after the
-    last layer's attention, RepeatDone), then every layer keeps what they scored (core/reconstruction.py)."""
-    recon, prompt = cache.reconstruction, cache.prompt
-    recon.last_layer = cache.model_shape.num_layers - 1
-    prompt.edges = [(plan.prefix, plan.suffix) for plan in recon.plans]
-    device = prompt.waiting[0].keys.device
-    for b, plan in enumerate(recon.plans):
-        if not prompt.compressed(b):
-            continue
-        start = prompt.real_lens[b] - plan.suffix
-        for chunk in plan.chunks:
-            recon.current = (b, chunk)
-            try:
-                decoder_module(input_ids=torch.tensor([chunk.ids], device=device), use_cache=True,
-                               position_ids=torch.arange(start, start + len(chunk.ids), device=device)[None],
-                               **{"cache" if INTERFACE_LINE else "past_key_values": cache})
-            except RepeatDone:    # the last layer's scores are in: nothing after them is read
-                pass
-            recon.repeat_tokens += len(chunk.ids)
-    recon.current = None
-    cache.reconstructed()
 
 
 def model_shape(config, dtype_bytes: int = 0, implementation: Optional[str] = None,
