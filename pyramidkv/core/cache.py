@@ -9,7 +9,7 @@ The patched attention (pyramidkv/models/attention.py) talks to it through two en
                                everything it holds; with a decode_budget the decode compressor
                                (decoding.py) may then re-select.
 
-A method scored by repeat passes (KVzip) has three more (`RepeatEntryPoints`, core/reconstructing.py).
+A method scored by repeat passes (KVzip) has its own (`RepeatEntryPoints`, core/reconstructing.py).
 
 Stored heads H are the KV heads (`kv_head` layout) or the query heads (`query_head`: K/V repeated over
 the GQA group before compression). `get_seq_length()` reports the uncompressed count (padded prompt +

@@ -1,7 +1,7 @@
 """Scoring by context reconstruction (KVzip, Kim et al., 2025, arXiv 2505.23416): after the prompt's prefill the
 model is made to repeat its context, and each context key is scored by the most attention any repeat query gives
-it. The repeat passes run on the full prompt K/V (every layer waits uncompressed until they end) and leave no
-trace in the cache.
+it. A layer's repeat passes read its whole prompt K/V (which waits for them: core/reconstructing.py; models/repeat.py
+runs them layer by layer) and leave no trace in the cache.
 
 One prompt is  [prefix | context | suffix]: the template before the user's text, the text to reconstruct, what
 follows it (the end of the turn and the assistant header, or nothing); prefix and suffix are never evicted. The

@@ -20,8 +20,9 @@ most B tokens), and the layer being scored holds its whole prompt K/V: peak <= f
 (<= fullkv x (budget / n + 1 / L) per compressed prompt; tests/core/test_running_top.py counts it by hand).
 
 Used when the counts are all a layer's K/V waits for; not with a merge rule (it reads the evicted tokens), a random
-share (drawn from outside the top), a threshold sizing, MiniCache's layer pairs, or KVzip's repeat pass (which reads
-every layer's whole prompt K/V after the prefill: core/reconstruction.py); those wait as before.
+share (drawn from outside the top), a threshold sizing, MiniCache's layer pairs, or KVzip's repeat passes run after
+the forward (the 5.x line: they read every layer's whole prompt K/V then; layer-major, each layer is cut once its
+own repeat passes have run: core/reconstructing.py); those wait as before.
 """
 
 from __future__ import annotations

@@ -42,7 +42,6 @@ from safetensors.torch import save_file
 from pyramidkv.allocation import UniformHeads
 from pyramidkv.components import atomic_write, model_digest
 from pyramidkv.core.cache import CompressedCache
-from pyramidkv.core.prefill import PromptCompressor
 from pyramidkv.core.snapshot import SHARED, shared_objects
 from pyramidkv.methods import Method, method_spec, parse_method_spec
 from pyramidkv.models.patch import CompressionPatch, model_shape
@@ -411,8 +410,7 @@ def _check_layout(path, spec: str, fresh: CompressedCache, cache: CompressedCach
     method, prompt = fresh.method, getattr(cache, "prompt", None)
     if prompt is None or prompt.layer_budgets is None or method.layer_budgets_need_scores:
         return
-    expected = PromptCompressor(method, fresh.model_shape, list(cache.pad_lens), cache.prompt_len, fresh.rotary,
-                                reconstructing=prompt.reconstructing)
+    expected = type(prompt)(method, fresh.model_shape, list(cache.pad_lens), cache.prompt_len, fresh.rotary)
     expected.edges = prompt.edges
     budgets, plans = expected.planned_budgets()
     if (budgets, plans) != (prompt.layer_budgets, prompt.head_plans):
