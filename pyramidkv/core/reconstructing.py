@@ -70,7 +70,7 @@ class RepeatEntryPoints:
     `reconstruction`, `prompt`, `_store` and byte counts they use)."""
 
     def start_repeats(self, layer_major: bool) -> None:
-        """Before the first repeat pass of the `reconstruction` (layer_major: ReconstructingCompressor.start_repeats)."""
+        """Before the first repeat pass of the `reconstruction` (layer_major: as ReconstructingCompressor's)."""
         recon = self.reconstruction
         recon.last_layer = self.num_layers - 1
         self.prompt.start_repeats([(plan.prefix, plan.suffix) for plan in recon.plans], layer_major)
@@ -82,7 +82,8 @@ class RepeatEntryPoints:
         K/V count towards the peak prefill K/V while they exist."""
         b, held = self.reconstruction.current[0], self.prompt.waiting[layer_idx]
         own = sum(t.numel() * t.element_size() for t in (keys, values))
-        self.peak_prefill_kv_bytes = max(self.peak_prefill_kv_bytes, self.kv_bytes() + self.prompt.waiting_bytes() + own)
+        now = self.kv_bytes() + self.prompt.waiting_bytes() + own
+        self.peak_prefill_kv_bytes = max(self.peak_prefill_kv_bytes, now)
         return self.reconstruction.attend(layer_idx, queries, keys, values, held.keys[b], held.values[b],
                                           self.pad_lens[b], self.form)
 
