@@ -76,19 +76,16 @@ def compact(store) -> None:
 def fold_into(store, slots: torch.Tensor) -> None:
     """slots [B, H]: each head's one tail token takes kept row slots[b, h] of its head (that row's token leaves;
     slot L, the tail token's own: it leaves, nothing is written). Every prompt keeps L rows a head, the tail empties."""
-    tail_keys, tail_values = store.tail()
-    heads = store.heads
-    for b, k in enumerate(store.kept):
-        length, slot = k.lengths[0], slots[b]
-        base = torch.arange(0, heads * length, length, device=slot.device)
-        which = None if bool((slot < length).all()) else (slot < length).nonzero()[:, 0]
-        rows = base + slot if which is None else base[which] + slot[which]
-        new_keys, new_values = tail_keys[b, :, 0], tail_values[b, :, 0]
-        if which is not None:
-            new_keys, new_values = new_keys[which], new_values[which]
-        k.keys.index_copy_(0, rows, new_keys)
-        k.values.index_copy_(0, rows, new_values)
-        k.positions.index_fill_(0, rows, store.tail_start[b])
+    heads, length = store.heads, store.kept[0].lengths[0]
+    rows = slots + torch.arange(0, heads * length, length, device=slots.device)   # [B, H] flat kept rows
+    written = None if bool((slots < length).all()) else slots < length
+    for b, k in enumerate(store.kept):   # the tail token of head h is buffer row [b, h, 0]
+        new_keys, new_values, at = store._buffers[0][b, :, 0], store._buffers[1][b, :, 0], rows[b]
+        if written is not None:
+            new_keys, new_values, at = new_keys[written[b]], new_values[written[b]], at[written[b]]
+        k.keys.index_copy_(0, at, new_keys)
+        k.values.index_copy_(0, at, new_values)
+        k.positions.index_fill_(0, at, store.tail_start[b])
     store.tail_start = [start + 1 for start in store.tail_start]
     store.tail_len = 0
     store.in_order = False
