@@ -47,6 +47,7 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
         self._buffers: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # [B, H, capacity, D] keys, values
         self._layout: Optional[DecodeLayout] = None                       # built at the first attend
         self.keep_rows = False   # the attend keeps its attention rows (`rows`: the per-step rule reads them)
+        self.by_segment = False  # ragged rows attended segment by segment (a threshold decoder's: layout.py)
         in_place.reset(self)
 
     # ---- growing -------------------------------------------------------------------------------
@@ -79,7 +80,7 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
         if self._layout is None:
             self._layout = DecodeLayout(self.kept, self.form)
             self._layout.gone = self.gone_rows
-        self._layout.keep_rows = self.keep_rows
+        self._layout.keep_rows, self._layout.by_segment = self.keep_rows, self.by_segment
         return self._layout
 
     def attend(self, queries: torch.Tensor) -> torch.Tensor:

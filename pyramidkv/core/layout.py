@@ -6,13 +6,14 @@ stays 1/sqrt(D)). Within a part, either every prompt and head keeps the same cou
 matmul over [B, H, L, Dk] views; or the counts are ragged (AdaKV, HeadKV, prompts kept whole next to
 compressed ones): the part's rows lie flat, prompt-major then head-major, and are attended in blocks
 of segments (a segment = one prompt's stored head); each block's query rows meet all of the block's
-key rows in one matmul and the rows of other segments are masked out. No Python loop over heads, no
-padded copy. One joint softmax (float32) over (thin, full, tail) per query row. Rows marked gone (a threshold
+key rows in one matmul and the rows of other segments are masked out (a threshold decoder's stores, whose heads
+hold 128 next to 4,000 tokens: one segment at a time instead, `by_segment`). No padded copy. One joint softmax (float32) over (thin, full, tail) per query row. Rows marked gone (a threshold
 decision in place, core/in_place.py) get the lowest logit: probability 0, as if not held.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Optional
 
@@ -92,6 +93,8 @@ class DecodeLayout:
         self.form = form  # the model's attention form: its logits
         self.gone: Optional[torch.Tensor] = None   # bool [R] per full-width row: its token left (in_place.py)
         self.keep_rows = False                     # keep the dense attend's probabilities in `rows`
+        self.by_segment = False                    # ragged: each segment on its own (`_attend_segments`)
+        self.gone_segments: set[int] = set()       # full-width segments holding a row marked gone
         self.rows: Optional[torch.Tensor] = None   # [B, H, g * q, L + t] float32, the last dense attend's
         thin = _flatten_thin(kept)
         self.parts = ([] if thin is None else [thin]) + [_flatten(kept)]
@@ -105,7 +108,10 @@ class DecodeLayout:
 
     def mark(self, rows: torch.Tensor) -> None:
         """Full-width rows (flat indices) whose tokens left: out of every block's own rows (`gone` holds them for
-        the dense path)."""
+        the dense path), their segments noted for the segment path."""
+        if not self.dense:
+            offsets = self.parts[-1].offsets
+            self.gone_segments.update(bisect.bisect_right(offsets, r) - 1 for r in rows.tolist())
         for _, _, part_rows in self.blocks:
             start, stop, own = part_rows[-1]
             inside = rows[(rows >= start) & (rows < stop)]
@@ -133,6 +139,8 @@ class DecodeLayout:
                                                                     torch.finfo(tail_scores.dtype).min)
         if self.dense:
             return self._attend_dense(grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
+        if self.by_segment and len(self.parts) == 1:
+            return self._attend_segments(grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
         return self._attend_blocks(grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
 
     def _attend_dense(self, grouped, tail_scores, tail_values) -> torch.Tensor:
@@ -157,6 +165,26 @@ class DecodeLayout:
             out = term if out is None else out + term
             start = stop
         return out + torch.matmul(probs[..., start:], tail_values)  # [B, H, rows, D]
+
+    def _attend_segments(self, grouped, tail_scores, tail_values) -> torch.Tensor:
+        """Ragged full-width rows (no thin part), one segment at a time: its queries meet its own rows only. At a
+        threshold decoder's raggedness (heads of 128 next to heads of 4,000 tokens) the blocks' masked rows cost
+        more than the extra calls (docs/speed.md, "Sixth pass")."""
+        bsz, heads, rows, dim = grouped.shape
+        part = self.parts[0]
+        grouped = grouped.reshape(bsz * heads, rows, dim)
+        tail_scores = tail_scores.reshape(bsz * heads, rows, -1)
+        tail_values = tail_values.reshape(bsz * heads, -1, dim)
+        out = torch.empty_like(grouped)
+        for s in range(bsz * heads):
+            start, stop = part.offsets[s], part.offsets[s + 1]
+            scores = self.form.logits(grouped[s], part.keys[start:stop].T)   # [rows, L_s]
+            if s in self.gone_segments:
+                scores = scores.masked_fill(self.gone[start:stop], torch.finfo(scores.dtype).min)
+            probs = probabilities(torch.cat([scores, tail_scores[s]], dim=-1), dtype=grouped.dtype)
+            torch.addmm(torch.matmul(probs[:, stop - start:], tail_values[s]), probs[:, :stop - start],
+                        part.values[start:stop], out=out[s])
+        return out
 
     def _attend_blocks(self, grouped, tail_scores, tail_values) -> torch.Tensor:
         bsz, heads, rows, dim = grouped.shape

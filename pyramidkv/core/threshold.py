@@ -80,6 +80,9 @@ class ThresholdDecoder(RunningBytes):
         self.pending[layer_idx] = pending
 
     def after_prefill(self, layer_idx: int) -> None:
+        store = self.stores[layer_idx]
+        if type(store) is FullPrecisionStore:   # its heads grow apart as they decide: segment by segment
+            store.by_segment = True
         self._recount(layer_idx)
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
 
