@@ -84,7 +84,8 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
         return self._layout
 
     def attend(self, queries: torch.Tensor) -> torch.Tensor:
-        return self.layout().attend(queries, *self.tail(), self.tail_gone)
+        tail_gone = None if self.tail_gone is None else self.tail_gone[:, :, :self.settled]
+        return self.layout().attend(queries, *self.tail(), tail_gone)
 
     def rows(self) -> Optional[torch.Tensor]:
         """The last attend's probabilities [B, H, g * q, L + t] float32 (slot order), if `keep_rows` asked."""

@@ -30,7 +30,7 @@ def reset(store) -> None:
     store.marks = 0                 # threshold decisions marked since the last compaction
     store.gone = [[0] * store.heads for _ in store.kept]
     store.gone_rows = None          # bool [sum of the prompts' kept rows]
-    store.tail_gone = None          # bool [B, H, settled]
+    store.tail_gone = None          # bool [B, H, >= settled]: of the first `settled` tail rows, those gone
 
 
 def clean(store, b: int) -> KeptKV:
@@ -100,8 +100,9 @@ def mark_gone(store, cuts: list[list[list[int]]]) -> int:
         store.gone_rows = torch.zeros(sum(k.keys.shape[0] for k in store.kept), dtype=torch.bool,
                                       device=store.kept[0].keys.device)
     layout.gone = store.gone_rows
-    if store.tail_gone is None or store.tail_gone.shape[2] < t:
-        grown = torch.zeros(len(store.kept), store.heads, t, dtype=torch.bool, device=store.gone_rows.device)
+    if store.tail_gone is None or store.tail_gone.shape[2] < t:   # as wide as the tail buffer: grown when it grows
+        grown = torch.zeros(len(store.kept), store.heads, t if store._buffers is None else store._buffers[0].shape[2],
+                            dtype=torch.bool, device=store.gone_rows.device)
         if store.tail_gone is not None:
             grown[:, :, :store.tail_gone.shape[2]] = store.tail_gone
         store.tail_gone = grown

@@ -99,12 +99,20 @@ class DecodeLayout:
         thin = _flatten_thin(kept)
         self.parts = ([] if thin is None else [thin]) + [_flatten(kept)]
         self.dense = all(part.dense for part in self.parts)
-        segments = self.batch * self.heads
-        # Ragged: per block of segments, each part's (row start, row stop, own_rows).
-        self.blocks = [] if self.dense else [
-            (first, min(first + SEGMENTS_PER_BLOCK, segments),
-             [part.rows(first, min(first + SEGMENTS_PER_BLOCK, segments)) for part in self.parts])
-            for first in range(0, segments, SEGMENTS_PER_BLOCK)]
+        self._blocks: Optional[list] = None       # ragged, attended in blocks: built at the first such attend
+
+    @property
+    def blocks(self) -> list:
+        """Ragged: per block of segments, each part's (row start, row stop, own_rows), rows marked gone not own."""
+        if self._blocks is None:
+            segments = self.batch * self.heads
+            self._blocks = [] if self.dense else [
+                (first, min(first + SEGMENTS_PER_BLOCK, segments),
+                 [part.rows(first, min(first + SEGMENTS_PER_BLOCK, segments)) for part in self.parts])
+                for first in range(0, segments, SEGMENTS_PER_BLOCK)]
+            if self.gone is not None and self._blocks:
+                self.mark_blocks(self.gone.nonzero()[:, 0])
+        return self._blocks
 
     def mark(self, rows: torch.Tensor) -> None:
         """Full-width rows (flat indices) whose tokens left: out of every block's own rows (`gone` holds them for
@@ -112,7 +120,11 @@ class DecodeLayout:
         if not self.dense:
             offsets = self.parts[-1].offsets
             self.gone_segments.update(bisect.bisect_right(offsets, r) - 1 for r in rows.tolist())
-        for _, _, part_rows in self.blocks:
+        if self._blocks is not None:
+            self.mark_blocks(rows)
+
+    def mark_blocks(self, rows: torch.Tensor) -> None:
+        for _, _, part_rows in self._blocks:
             start, stop, own = part_rows[-1]
             inside = rows[(rows >= start) & (rows < stop)]
             if inside.numel():
