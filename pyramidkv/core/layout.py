@@ -100,6 +100,7 @@ class DecodeLayout:
         self.parts = ([] if thin is None else [thin]) + [_flatten(kept)]
         self.dense = all(part.dense for part in self.parts)
         self._blocks: Optional[list] = None       # ragged, attended in blocks: built at the first such attend
+        self._segments: Optional[list] = None     # ragged, one segment at a time: its views, built at the first
 
     @property
     def blocks(self) -> list:
@@ -145,10 +146,8 @@ class DecodeLayout:
             query_pos = torch.arange(t - q_len, t, device=queries.device).repeat(num_q_heads // heads)
             visible = torch.arange(t, device=queries.device)[None, :] <= query_pos[:, None]
             tail_scores = tail_scores.masked_fill(~visible, torch.finfo(tail_scores.dtype).min)
-        if tail_gone is not None:
-            s = tail_gone.shape[2]
-            tail_scores[..., :s] = tail_scores[..., :s].masked_fill(tail_gone[:, :, None, :],
-                                                                    torch.finfo(tail_scores.dtype).min)
+        if tail_gone is not None and tail_gone.shape[2]:
+            tail_scores[..., :tail_gone.shape[2]].masked_fill_(tail_gone[:, :, None, :], torch.finfo(tail_scores.dtype).min)
         if self.dense:
             return self._attend_dense(grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
         if self.by_segment and len(self.parts) == 1:
@@ -184,18 +183,19 @@ class DecodeLayout:
         more than the extra calls (docs/speed.md, "Sixth pass")."""
         bsz, heads, rows, dim = grouped.shape
         part = self.parts[0]
-        grouped = grouped.reshape(bsz * heads, rows, dim)
-        tail_scores = tail_scores.reshape(bsz * heads, rows, -1)
-        tail_values = tail_values.reshape(bsz * heads, -1, dim)
+        if self._segments is None:   # per segment (row start, keys^T [D, L_s], values [L_s, D])
+            self._segments = [(start, keys.T, values) for start, keys, values in
+                              zip(part.offsets, part.keys.split(part.lengths), part.values.split(part.lengths))]
         out = torch.empty_like(grouped)
-        for s in range(bsz * heads):
-            start, stop = part.offsets[s], part.offsets[s + 1]
-            scores = self.form.logits(grouped[s], part.keys[start:stop].T)   # [rows, L_s]
+        for s, (queries, tail, tail_v, (start, keys_t, values), into) in enumerate(zip(
+                grouped.view(-1, rows, dim), tail_scores.view(bsz * heads, rows, -1),
+                tail_values.view(bsz * heads, -1, dim), self._segments, out.view(-1, rows, dim))):
+            scores = self.form.logits(queries, keys_t)   # [rows, L_s]
             if s in self.gone_segments:
-                scores = scores.masked_fill(self.gone[start:stop], torch.finfo(scores.dtype).min)
-            probs = probabilities(torch.cat([scores, tail_scores[s]], dim=-1), dtype=grouped.dtype)
-            torch.addmm(torch.matmul(probs[:, stop - start:], tail_values[s]), probs[:, :stop - start],
-                        part.values[start:stop], out=out[s])
+                scores = scores.masked_fill(self.gone[start:start + scores.shape[1]], torch.finfo(scores.dtype).min)
+            probs = probabilities(torch.cat([scores, tail], dim=-1), dtype=grouped.dtype)
+            kept, new = probs.split([scores.shape[1], tail.shape[1]], dim=-1)
+            torch.addmm(torch.matmul(new, tail_v), kept, values, out=into)
         return out
 
     def _attend_blocks(self, grouped, tail_scores, tail_values) -> torch.Tensor:
