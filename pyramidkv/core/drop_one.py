@@ -79,10 +79,13 @@ def in_place_step(compressor, layer_idx: int, store: FullPrecisionStore, fire: l
         return False
     real = _grid(compressor, heads, m, rows.device)[0]
     queries, slots = compressor.queries[layer_idx], []
+    if queries.shape[2] > 1:
+        queries = queries[:, :, -1:]
     for b, k in enumerate(store.kept):
         newest = store.tail_start[b]
         positions = torch.cat([k.positions.view(heads, length), k.positions.new_full((heads, 1), newest)], dim=1)
-        ctx = DecodeScoreContext(layer_idx, compressor.num_layers, queries[b:b + 1, :, -1:], None, None, real,
+        ctx = DecodeScoreContext(layer_idx, compressor.num_layers, queries if len(fire) == 1 else queries[b:b + 1],
+                                 None, None, real,
                                  positions=positions[None], rotation=compressor.rotation, model=compressor.model,
                                  attention=rows[b].view(1, -1, 1, m))
         scores = scores_per_stored_head(method.decode_score(ctx), method, heads, queries.shape[1])[0]   # [H, m]
