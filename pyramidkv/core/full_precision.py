@@ -60,6 +60,10 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
         keys, values = self._buffers
         return keys[:, :, :self.tail_len], values[:, :, :self.tail_len]
 
+    def tail_capacity(self) -> int:
+        """Tokens the tail buffer has room for, the held ones included."""
+        return 0 if self._buffers is None else self._buffers[0].shape[2]
+
     def append(self, keys: torch.Tensor, values: torch.Tensor, rope_positions: torch.Tensor) -> None:
         bsz, heads, q_len, dim = keys.shape
         t = self.tail_len

@@ -79,8 +79,9 @@ def fold_into(store, slots: torch.Tensor) -> None:
     heads, length = store.heads, store.kept[0].lengths[0]
     rows = slots + torch.arange(0, heads * length, length, device=slots.device)   # [B, H] flat kept rows
     written = None if bool((slots < length).all()) else slots < length
-    for b, k in enumerate(store.kept):   # the tail token of head h is buffer row [b, h, 0]
-        new_keys, new_values, at = store._buffers[0][b, :, 0], store._buffers[1][b, :, 0], rows[b]
+    tail_keys, tail_values = store.tail()
+    for b, k in enumerate(store.kept):
+        new_keys, new_values, at = tail_keys[b, :, 0], tail_values[b, :, 0], rows[b]
         if written is not None:
             new_keys, new_values, at = new_keys[written[b]], new_values[written[b]], at[written[b]]
         k.keys.index_copy_(0, at, new_keys)
@@ -101,8 +102,8 @@ def mark_gone(store, cuts: list[list[list[int]]]) -> int:
                                       device=store.kept[0].keys.device)
     layout.gone = store.gone_rows
     if store.tail_gone is None or store.tail_gone.shape[2] < t:   # as wide as the tail buffer: grown when it grows
-        grown = torch.zeros(len(store.kept), store.heads, t if store._buffers is None else store._buffers[0].shape[2],
-                            dtype=torch.bool, device=store.gone_rows.device)
+        grown = torch.zeros(len(store.kept), store.heads, max(t, store.tail_capacity()), dtype=torch.bool,
+                            device=store.gone_rows.device)
         if store.tail_gone is not None:
             grown[:, :, :store.tail_gone.shape[2]] = store.tail_gone
         store.tail_gone = grown
