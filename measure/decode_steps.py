@@ -8,6 +8,10 @@ cheap figure for decode-time work such as per-step eviction, on a machine too lo
 
 Base and branch side by side: run it twice at once, PYTHONPATH at each checkout, same arguments. Each row also
 reports what its cache holds after the last step (tokens summed over layers and heads, and bytes).
+
+--interleave: every row gets its own copy of the model and cache, prefilled first, then the rows take their decode
+steps in turn (step 1 of every row, then step 2, ...), so that a load changing over the run weighs on every row
+alike: on a shared machine the ratios between rows hold where separate windows of time move a row by 10-20 %.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import argparse
 import json
 import statistics
 import time
+from copy import deepcopy
 
 import torch
 
@@ -50,6 +55,30 @@ def decode_row(model, ids, spec: str, budget: int, new_tokens: int, warmup: int)
         patch.remove()
 
 
+@torch.no_grad()
+def interleaved_rows(model, ids, specs: list[str], budget: int, new_tokens: int, warmup: int) -> dict:
+    """decode_row's figures for every spec, the steps of the rows taken in turn (each row its own model copy)."""
+    rows = []
+    try:
+        for spec in specs:
+            copy = deepcopy(model)
+            patch = compress(copy, method_from_spec(spec, budget))
+            rows.append((spec, copy, patch, patch.new_cache(ids.tolist(), None), []))
+        tokens = [m(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1) for _, m, _, cache, _ in rows]
+        for step in range(warmup + new_tokens):
+            for i, (_, m, _, cache, times) in enumerate(rows):
+                start = time.thread_time()
+                tokens[i] = m(tokens[i], past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                if step >= warmup:
+                    times.append(time.thread_time() - start)
+        return {spec: {"decode_s_per_token": statistics.median(times), "kv_bytes": cache.kv_bytes(),
+                       "held_tokens": sum(sum(cache.held_counts(layer)[0]) for layer in range(len(cache.layers)))}
+                for spec, _, _, cache, times in rows}
+    finally:
+        for _, _, patch, _, _ in rows:
+            patch.remove()
+
+
 def main(argv=None) -> None:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default=DEFAULT_MODEL_NAME)
@@ -58,6 +87,8 @@ def main(argv=None) -> None:
     parser.add_argument("--methods", nargs="+", default=["snapkv", "fullkv", "tova", "kvzap", "duo_attention"])
     parser.add_argument("--new_tokens", type=int, default=24)
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--interleave", action="store_true",
+                        help="the rows' decode steps taken in turn, each row on its own model copy")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     for flag in ("context_length", "budget", "new_tokens"):
@@ -68,9 +99,13 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     model, tokenizer = load_model(args.model_path, "sdpa", "cpu", None)
     ids = prompt_ids(tokenizer, args.context_length)
-    rows = {spec: decode_row(model, ids, spec, args.budget, args.new_tokens, args.warmup) for spec in args.methods}
+    if args.interleave:
+        rows = interleaved_rows(model, ids, args.methods, args.budget, args.new_tokens, args.warmup)
+    else:
+        rows = {spec: decode_row(model, ids, spec, args.budget, args.new_tokens, args.warmup) for spec in args.methods}
     first = rows[args.methods[0]]["decode_s_per_token"]
-    print(f"\nn = {args.context_length}, budget {args.budget}, {args.new_tokens} timed steps after {args.warmup}, "
+    print(f"\nn = {args.context_length}, budget {args.budget}, {args.new_tokens} timed steps after {args.warmup}"
+          f"{' (rows interleaved)' if args.interleave else ''}, "
           f"thread CPU time, 1 thread\n\n| row | decode ms/token | x {args.methods[0]} | held tokens | KV MiB |\n"
           "|---|---|---|---|---|")
     for spec, r in rows.items():

@@ -17,6 +17,7 @@ slot order: sinks and the window are found by position, not by rank.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -76,30 +77,28 @@ def in_place_step(compressor, layer_idx: int, store: FullPrecisionStore, fire: l
     sinks = min(method.selection.num_sinks, m - window)
     if compressor.budget < window + sinks or rows.shape[3] != m:
         return False
-    tail_keys, tail_values = store.tail()
-    slots = []
+    real = _grid(compressor, heads, m, rows.device)[0]
+    queries, slots = compressor.queries[layer_idx], []
+    if queries.shape[2] > 1:
+        queries = queries[:, :, -1:]
     for b, k in enumerate(store.kept):
-        dim = k.keys.shape[-1]
-        keys = torch.cat([k.keys.view(heads, length, dim), tail_keys[b]], dim=1)[None]     # [1, H, m, D], slot order
-        values = torch.cat([k.values.view(heads, length, dim), tail_values[b]], dim=1)[None]
         newest = store.tail_start[b]
         positions = torch.cat([k.positions.view(heads, length), k.positions.new_full((heads, 1), newest)], dim=1)
-        real, _, _ = _grid(compressor, heads, m, keys.device)
-        queries = compressor.queries[layer_idx][b:b + 1, :, -1:].to(keys.dtype)
-        ctx = DecodeScoreContext(layer_idx, compressor.num_layers, queries, keys, values, real,
+        ctx = DecodeScoreContext(layer_idx, compressor.num_layers, queries if len(fire) == 1 else queries[b:b + 1],
+                                 None, None, real,
                                  positions=positions[None], rotation=compressor.rotation, model=compressor.model,
-                                 attention=rows[b].reshape(1, -1, 1, m))
+                                 attention=rows[b].view(1, -1, 1, m))
         scores = scores_per_stored_head(method.decode_score(ctx), method, heads, queries.shape[1])[0]   # [H, m]
         if window or sinks:   # the newest `window` positions and the oldest `sinks` held are no candidates
             candidate = positions <= newest - window
             if sinks:
                 candidate &= positions > positions.kthvalue(sinks, dim=1, keepdim=True).values
             scores = scores.masked_fill(~candidate, float("inf"))
-        if bool(scores.isnan().any()):
+        lowest = scores.min(dim=1, keepdim=True).values   # NaN where a candidate's score is NaN
+        if math.isnan(lowest.sum().item()):   # a row of probabilities: no -inf, so a NaN sum is a NaN minimum
             return False
-        lowest = scores == scores.min(dim=1, keepdim=True).values
-        slots.append(torch.where(lowest, positions, newest + 1).argmin(dim=1))   # of equal minima the older
-    in_place.fold_into(store, torch.stack(slots))
+        slots.append(torch.where(scores == lowest, positions, newest + 1).argmin(dim=1))   # of equal minima the older
+    in_place.fold_into(store, slots[0][None] if len(slots) == 1 else torch.stack(slots))
     return True
 
 

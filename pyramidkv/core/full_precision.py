@@ -47,6 +47,7 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
         self._buffers: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # [B, H, capacity, D] keys, values
         self._layout: Optional[DecodeLayout] = None                       # built at the first attend
         self.keep_rows = False   # the attend keeps its attention rows (`rows`: the per-step rule reads them)
+        self.by_segment = False  # ragged rows attended segment by segment (a threshold decoder's: layout.py)
         in_place.reset(self)
 
     # ---- growing -------------------------------------------------------------------------------
@@ -58,6 +59,10 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
             return empty, empty
         keys, values = self._buffers
         return keys[:, :, :self.tail_len], values[:, :, :self.tail_len]
+
+    def tail_capacity(self) -> int:
+        """Tokens the tail buffer has room for, the held ones included."""
+        return 0 if self._buffers is None else self._buffers[0].shape[2]
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, rope_positions: torch.Tensor) -> None:
         bsz, heads, q_len, dim = keys.shape
@@ -79,11 +84,12 @@ class FullPrecisionStore(LayerStore, Reselectable, AttentionStatistics):
         if self._layout is None:
             self._layout = DecodeLayout(self.kept, self.form)
             self._layout.gone = self.gone_rows
-        self._layout.keep_rows = self.keep_rows
+        self._layout.keep_rows, self._layout.by_segment = self.keep_rows, self.by_segment
         return self._layout
 
     def attend(self, queries: torch.Tensor) -> torch.Tensor:
-        return self.layout().attend(queries, *self.tail(), self.tail_gone)
+        tail_gone = None if self.tail_gone is None else self.tail_gone[:, :, :self.settled]
+        return self.layout().attend(queries, *self.tail(), tail_gone)
 
     def rows(self) -> Optional[torch.Tensor]:
         """The last attend's probabilities [B, H, g * q, L + t] float32 (slot order), if `keep_rows` asked."""

@@ -30,7 +30,7 @@ def reset(store) -> None:
     store.marks = 0                 # threshold decisions marked since the last compaction
     store.gone = [[0] * store.heads for _ in store.kept]
     store.gone_rows = None          # bool [sum of the prompts' kept rows]
-    store.tail_gone = None          # bool [B, H, settled]
+    store.tail_gone = None          # bool [B, H, >= settled]: of the first `settled` tail rows, those gone
 
 
 def clean(store, b: int) -> KeptKV:
@@ -76,19 +76,17 @@ def compact(store) -> None:
 def fold_into(store, slots: torch.Tensor) -> None:
     """slots [B, H]: each head's one tail token takes kept row slots[b, h] of its head (that row's token leaves;
     slot L, the tail token's own: it leaves, nothing is written). Every prompt keeps L rows a head, the tail empties."""
+    heads, length = store.heads, store.kept[0].lengths[0]
+    rows = slots + torch.arange(0, heads * length, length, device=slots.device)   # [B, H] flat kept rows
+    written = None if bool((slots < length).all()) else slots < length
     tail_keys, tail_values = store.tail()
-    heads = store.heads
     for b, k in enumerate(store.kept):
-        length, slot = k.lengths[0], slots[b]
-        base = torch.arange(0, heads * length, length, device=slot.device)
-        which = None if bool((slot < length).all()) else (slot < length).nonzero()[:, 0]
-        rows = base + slot if which is None else base[which] + slot[which]
-        new_keys, new_values = tail_keys[b, :, 0], tail_values[b, :, 0]
-        if which is not None:
-            new_keys, new_values = new_keys[which], new_values[which]
-        k.keys.index_copy_(0, rows, new_keys)
-        k.values.index_copy_(0, rows, new_values)
-        k.positions.index_fill_(0, rows, store.tail_start[b])
+        new_keys, new_values, at = tail_keys[b, :, 0], tail_values[b, :, 0], rows[b]
+        if written is not None:
+            new_keys, new_values, at = new_keys[written[b]], new_values[written[b]], at[written[b]]
+        k.keys.index_copy_(0, at, new_keys)
+        k.values.index_copy_(0, at, new_values)
+        k.positions.index_fill_(0, at, store.tail_start[b])
     store.tail_start = [start + 1 for start in store.tail_start]
     store.tail_len = 0
     store.in_order = False
@@ -103,8 +101,9 @@ def mark_gone(store, cuts: list[list[list[int]]]) -> int:
         store.gone_rows = torch.zeros(sum(k.keys.shape[0] for k in store.kept), dtype=torch.bool,
                                       device=store.kept[0].keys.device)
     layout.gone = store.gone_rows
-    if store.tail_gone is None or store.tail_gone.shape[2] < t:
-        grown = torch.zeros(len(store.kept), store.heads, t, dtype=torch.bool, device=store.gone_rows.device)
+    if store.tail_gone is None or store.tail_gone.shape[2] < t:   # as wide as the tail buffer: grown when it grows
+        grown = torch.zeros(len(store.kept), store.heads, max(t, store.tail_capacity()), dtype=torch.bool,
+                            device=store.gone_rows.device)
         if store.tail_gone is not None:
             grown[:, :, :store.tail_gone.shape[2]] = store.tail_gone
         store.tail_gone = grown

@@ -6,13 +6,14 @@ stays 1/sqrt(D)). Within a part, either every prompt and head keeps the same cou
 matmul over [B, H, L, Dk] views; or the counts are ragged (AdaKV, HeadKV, prompts kept whole next to
 compressed ones): the part's rows lie flat, prompt-major then head-major, and are attended in blocks
 of segments (a segment = one prompt's stored head); each block's query rows meet all of the block's
-key rows in one matmul and the rows of other segments are masked out. No Python loop over heads, no
-padded copy. One joint softmax (float32) over (thin, full, tail) per query row. Rows marked gone (a threshold
+key rows in one matmul and the rows of other segments are masked out (a threshold decoder's stores, whose heads
+hold 128 next to 4,000 tokens: one segment at a time instead, `by_segment`). No padded copy. One joint softmax (float32) over (thin, full, tail) per query row. Rows marked gone (a threshold
 decision in place, core/in_place.py) get the lowest logit: probability 0, as if not held.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Optional
 
@@ -92,21 +93,39 @@ class DecodeLayout:
         self.form = form  # the model's attention form: its logits
         self.gone: Optional[torch.Tensor] = None   # bool [R] per full-width row: its token left (in_place.py)
         self.keep_rows = False                     # keep the dense attend's probabilities in `rows`
+        self.by_segment = False                    # ragged: each segment on its own (`_attend_segments`)
+        self.gone_segments: set[int] = set()       # full-width segments holding a row marked gone
         self.rows: Optional[torch.Tensor] = None   # [B, H, g * q, L + t] float32, the last dense attend's
         thin = _flatten_thin(kept)
         self.parts = ([] if thin is None else [thin]) + [_flatten(kept)]
         self.dense = all(part.dense for part in self.parts)
-        segments = self.batch * self.heads
-        # Ragged: per block of segments, each part's (row start, row stop, own_rows).
-        self.blocks = [] if self.dense else [
-            (first, min(first + SEGMENTS_PER_BLOCK, segments),
-             [part.rows(first, min(first + SEGMENTS_PER_BLOCK, segments)) for part in self.parts])
-            for first in range(0, segments, SEGMENTS_PER_BLOCK)]
+        self._blocks: Optional[list] = None       # ragged, attended in blocks: built at the first such attend
+        self._segments: Optional[list] = None     # ragged, one segment at a time: its views, built at the first
+
+    @property
+    def blocks(self) -> list:
+        """Ragged: per block of segments, each part's (row start, row stop, own_rows), rows marked gone not own."""
+        if self._blocks is None:
+            segments = self.batch * self.heads
+            self._blocks = [] if self.dense else [
+                (first, min(first + SEGMENTS_PER_BLOCK, segments),
+                 [part.rows(first, min(first + SEGMENTS_PER_BLOCK, segments)) for part in self.parts])
+                for first in range(0, segments, SEGMENTS_PER_BLOCK)]
+            if self.gone is not None and self._blocks:
+                self.mark_blocks(self.gone.nonzero()[:, 0])
+        return self._blocks
 
     def mark(self, rows: torch.Tensor) -> None:
         """Full-width rows (flat indices) whose tokens left: out of every block's own rows (`gone` holds them for
-        the dense path)."""
-        for _, _, part_rows in self.blocks:
+        the dense path), their segments noted for the segment path."""
+        if not self.dense:
+            offsets = self.parts[-1].offsets
+            self.gone_segments.update(bisect.bisect_right(offsets, r) - 1 for r in rows.tolist())
+        if self._blocks is not None:
+            self.mark_blocks(rows)
+
+    def mark_blocks(self, rows: torch.Tensor) -> None:
+        for _, _, part_rows in self._blocks:
             start, stop, own = part_rows[-1]
             inside = rows[(rows >= start) & (rows < stop)]
             if inside.numel():
@@ -127,12 +146,12 @@ class DecodeLayout:
             query_pos = torch.arange(t - q_len, t, device=queries.device).repeat(num_q_heads // heads)
             visible = torch.arange(t, device=queries.device)[None, :] <= query_pos[:, None]
             tail_scores = tail_scores.masked_fill(~visible, torch.finfo(tail_scores.dtype).min)
-        if tail_gone is not None:
-            s = tail_gone.shape[2]
-            tail_scores[..., :s] = tail_scores[..., :s].masked_fill(tail_gone[:, :, None, :],
-                                                                    torch.finfo(tail_scores.dtype).min)
+        if tail_gone is not None and tail_gone.shape[2]:
+            tail_scores[..., :tail_gone.shape[2]].masked_fill_(tail_gone[:, :, None, :], torch.finfo(tail_scores.dtype).min)
         if self.dense:
             return self._attend_dense(grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
+        if self.by_segment and len(self.parts) == 1:
+            return self._attend_segments(grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
         return self._attend_blocks(grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
 
     def _attend_dense(self, grouped, tail_scores, tail_values) -> torch.Tensor:
@@ -157,6 +176,27 @@ class DecodeLayout:
             out = term if out is None else out + term
             start = stop
         return out + torch.matmul(probs[..., start:], tail_values)  # [B, H, rows, D]
+
+    def _attend_segments(self, grouped, tail_scores, tail_values) -> torch.Tensor:
+        """Ragged full-width rows (no thin part), one segment at a time: its queries meet its own rows only. At a
+        threshold decoder's raggedness (heads of 128 next to heads of 4,000 tokens) the blocks' masked rows cost
+        more than the extra calls (docs/speed.md, "Sixth pass")."""
+        bsz, heads, rows, dim = grouped.shape
+        part = self.parts[0]
+        if self._segments is None:   # per segment (row start, keys^T [D, L_s], values [L_s, D])
+            self._segments = [(start, keys.T, values) for start, keys, values in
+                              zip(part.offsets, part.keys.split(part.lengths), part.values.split(part.lengths))]
+        out = torch.empty_like(grouped)
+        for s, (queries, tail, tail_v, (start, keys_t, values), into) in enumerate(zip(
+                grouped.view(-1, rows, dim), tail_scores.view(bsz * heads, rows, -1),
+                tail_values.view(bsz * heads, -1, dim), self._segments, out.view(-1, rows, dim))):
+            scores = self.form.logits(queries, keys_t)   # [rows, L_s]
+            if s in self.gone_segments:
+                scores = scores.masked_fill(self.gone[start:start + scores.shape[1]], torch.finfo(scores.dtype).min)
+            probs = probabilities(torch.cat([scores, tail], dim=-1), dtype=grouped.dtype)
+            kept, new = probs.split([scores.shape[1], tail.shape[1]], dim=-1)
+            torch.addmm(torch.matmul(new, tail_v), kept, values, out=into)
+        return out
 
     def _attend_blocks(self, grouped, tail_scores, tail_values) -> torch.Tensor:
         bsz, heads, rows, dim = grouped.shape

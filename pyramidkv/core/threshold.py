@@ -80,6 +80,9 @@ class ThresholdDecoder(RunningBytes):
         self.pending[layer_idx] = pending
 
     def after_prefill(self, layer_idx: int) -> None:
+        store = self.stores[layer_idx]
+        if type(store) is FullPrecisionStore:   # its heads grow apart as they decide: segment by segment
+            store.by_segment = True
         self._recount(layer_idx)
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
 
@@ -105,7 +108,8 @@ class ThresholdDecoder(RunningBytes):
         `needs_hidden`), rope [B] the last new token's RoPE position. Score them, then decide what leaves the
         window."""
         bsz, _, q_len, _ = keys.shape
-        positions = rope[:, None] - q_len + 1 + torch.arange(q_len, device=keys.device)   # [B, q] RoPE positions
+        positions = rope[:, None] if q_len == 1 else \
+            rope[:, None] - q_len + 1 + torch.arange(q_len, device=keys.device)   # [B, q] RoPE positions
         ctx = ScoreContext(layer_idx, self.num_layers, queries, keys, values,
                            torch.ones(bsz, q_len, dtype=torch.bool, device=keys.device),
                            positions=positions.long(), rotation=self.rotation, hidden=hidden, model=self.model)
@@ -126,8 +130,9 @@ class ThresholdDecoder(RunningBytes):
             # the oldest pending tokens up to position newest - W leave: (their first position, fails [H, P'])
             leaving = min(max(start + q_len - self.window - first, 0), held.shape[1])
             pending[b] = (first + leaving, held[:, leaving:] if leaving else held)
-            drops.append((first, held[:, :leaving] < self.threshold))
-        if any(fails.shape[1] and bool(fails.any()) for _, fails in drops):
+            fails = held[:, :leaving] < self.threshold if leaving else None
+            drops.append((first, fails, fails.nonzero().tolist() if leaving else []))   # (head, j) of each that fails
+        if any(hits for *_, hits in drops):
             self._evict(layer_idx, drops)
         self._recount(layer_idx)   # the step's append, and any eviction
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
@@ -145,8 +150,9 @@ class ThresholdDecoder(RunningBytes):
         self._recount(layer_idx)
 
     # ---- eviction ---------------------------------------------------------------------------
-    def _evict(self, layer_idx: int, drops: list[tuple[int, torch.Tensor]]) -> None:
-        """Per prompt (first, fails [H, P]): head h drops the positions first + j where fails[h, j]. In a plain
+    def _evict(self, layer_idx: int, drops: list[tuple[int, torch.Tensor, list[list[int]]]]) -> None:
+        """Per prompt (first, fails [H, P] or None where none leaves, the (h, j) where fails[h, j]): head h drops the
+        positions first + j where fails[h, j]. In a plain
         full-precision store without thin rows the leaving rows are marked gone in place (their row known from the
         newest position, module docstring; core/in_place.py) and the store compacts every COMPACT_EVERY decisions;
         elsewhere every prompt's held tokens are rebuilt without them, head by head."""
@@ -155,11 +161,11 @@ class ThresholdDecoder(RunningBytes):
         if type(store) is FullPrecisionStore and all(k.thin is None for k in store.kept):
             t = store.tail_len
             cuts = []
-            for b, (first, fails) in enumerate(drops):
+            for b, (first, _, hits) in enumerate(drops):
                 # row of position first + j in head h: m_h - 1 - (newest - first - j), m_h = L_h + t, newest the tail's last
                 lengths, base = store.kept[b].lengths, first - store.tail_start[b]
                 heads = [[] for _ in lengths]
-                for h, j in fails.nonzero().tolist():
+                for h, j in hits:
                     heads[h].append(lengths[h] + base + j)
                 cuts.append(heads)
             self.evicted[layer_idx] += in_place.mark_gone(store, cuts)
@@ -167,7 +173,10 @@ class ThresholdDecoder(RunningBytes):
                 in_place.compact(store)
             return
         kept = []
-        for b, (first, fails) in enumerate(drops):
+        for b, (first, fails, hits) in enumerate(drops):
+            if not hits:
+                kept.append(KeptKV.from_heads(store.held(b)))
+                continue
             positions, rows = torch.arange(first, first + fails.shape[1], device=fails.device), []
             for h, (k, v, p) in enumerate(store.held(b)):
                 stay = ~torch.isin(p, positions[fails[h]])

@@ -49,7 +49,8 @@ class TOVA(DecodesAtItsBudget, Method):
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """[B, H, n]: the last query's attention averaged over all query heads, copied to every head."""
-        row = getattr(ctx, "attention", None)   # the decode step's own row, where the engine gives it
+        row = getattr(ctx, "attention", None)   # the decode step's own row, where the engine gives it (no keys then)
         if row is None:
             row = window_attention(ctx.queries, ctx.keys, ctx.real, 1, ctx.pattern, form=ctx.form)  # [B, Hq, 1, n]
-        return row[:, :, 0].mean(dim=1, keepdim=True).expand(-1, ctx.keys.shape[1], -1)
+        heads = ctx.keys.shape[1] if ctx.keys is not None else ctx.positions.shape[1]
+        return row[:, :, 0].mean(dim=1, keepdim=True).expand(-1, heads, -1)

@@ -80,9 +80,11 @@ def assert_store_is(store, reference, gen):
                                atol=TOLERANCE)
 
 
+@pytest.mark.parametrize("by_segment", [False, True])   # ragged rows in blocks, or one segment at a time
 @pytest.mark.parametrize("lengths", [[[6, 9, 4]], [[6, 9, 4], [5, 5, 7]], [[7, 7, 7]]])   # ragged, batch, dense
-def test_rows_marked_gone_leave_the_attention_and_every_report(lengths):
+def test_rows_marked_gone_leave_the_attention_and_every_report(lengths, by_segment):
     store, reference, gen = random_store(lengths)
+    store.by_segment = by_segment
     for step in range(7):
         append(store, reference, gen)
         assert_store_is(store, reference, gen)   # attends: the layout exists, as after a decode step
