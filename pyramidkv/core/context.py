@@ -101,7 +101,7 @@ class DecodeScoreContext(ScoreContext):
     1 / (tokens its stored head attended) of each of those queries, for methods with a `history_window`;
     else None.
     attention: [1, Hq, 1, m] float32, the newest query's attention row over the held tokens as the decode step's
-    own attention computed it, for methods with `newest_row_scores` (TOVA) at the per-step rule in place
+    own attention computed it, for methods with a `newest_row_score` (TOVA) at the per-step rule in place
     (core/drop_one.py); positions are then in the store's slot order, not position order, and keys and values are
     None (not gathered: such a score reads the row); else None.
     """

@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 
 from pyramidkv.core.context import CompressionMethod, DecodeScoreContext
-from pyramidkv.core.drop_one import drop_one
+from pyramidkv.core.drop_one import drop_one, in_place_step
 from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.scoring import PLAIN, scores_per_stored_head, window_attention
@@ -102,6 +102,7 @@ class DecodeCompressor(RunningBytes):
         self.start_byte_counts()
         self.pad_lens: list[int] = []
         self.drop_grid = None                       # drop_one.py's constant tensors for the step's shape
+        self.step_bytes = [0] * self.num_layers     # bytes a layer's last re-selection freed (its steady step's)
         self.queries: list[Optional[torch.Tensor]] = [None] * self.num_layers        # [B, Hq, <= buffer_size, D]
         self.stats = None                           # what decode_score reads besides the tokens
         if method.accumulates_attention:
@@ -130,7 +131,7 @@ class DecodeCompressor(RunningBytes):
         if self.stats is not None:
             self.stats.start(layer_idx, self.stores[layer_idx], self.pad_lens)
         # the per-step rule in place reads the step's own attention rows (core/drop_one.py)
-        self.stores[layer_idx].keep_rows = self.interval == 1 and getattr(self.method, "newest_row_scores", False)
+        self.stores[layer_idx].keep_rows = self.interval == 1 and getattr(self.method, "newest_row_score", None) is not None
         fire = [max(lengths) >= self.limit for lengths in self.stores[layer_idx].kept_counts()]
         if any(fire):
             self._compress(layer_idx, fire)
@@ -149,12 +150,21 @@ class DecodeCompressor(RunningBytes):
             self.queries[layer_idx] = torch.cat([self.queries[layer_idx], queries], dim=2)[:, :, -self.buffer_size:]
         if self.stats is not None:
             self.stats.step(layer_idx, self.stores[layer_idx], queries)
-        self._recount(layer_idx)   # the step's append
-        fire = [max(held) >= self.limit for held in self.stores[layer_idx].held_counts()]
-        if any(fire):
-            self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
-            self._compress(layer_idx, fire)
-            self._recount(layer_idx)
+        store = self.stores[layer_idx]
+        if getattr(store, "steady", False) and in_place_step(self, layer_idx, store, [True] * len(store.kept)):
+            # the step before was TOVA's in place, nothing else since: every head held decode_budget + 1 tokens
+            # after the append, as then, and is back to decode_budget: the layer's bytes are its count before it
+            self.compressions[layer_idx] += 1
+            self.peak_kv_bytes = max(self.peak_kv_bytes, self.total_bytes + self.step_bytes[layer_idx])
+        else:
+            self._recount(layer_idx)   # the step's append
+            fire = [max(held) >= self.limit for held in store.held_counts()]
+            if any(fire):
+                self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
+                appended = self.layer_bytes[layer_idx]
+                self._compress(layer_idx, fire)
+                self._recount(layer_idx)
+                self.step_bytes[layer_idx] = appended - self.layer_bytes[layer_idx]
         if layer_idx == self.num_layers - 1:
             self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
 

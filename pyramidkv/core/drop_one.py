@@ -8,7 +8,7 @@ copies, padding and sorts. The row index is the cached [H, m - 1] grid h * m + j
 lowest (one comparison and one add a step). tests/core/test_in_place_eviction.py: the same held positions, stored
 K/V, tokens and bytes as the rebuild, step for step, on a float64 model.
 
-A method whose decode score is the newest query's attention row, key by key (`newest_row_scores`: TOVA), is decided
+A method whose decode score is the newest query's attention row, key by key (a `newest_row_score`: TOVA), is decided
 without any copy where every prompt fires and its rows come from the step's own attention (float32 or float64: the
 store's logits are then at least as precise as a recomputation's): each head's lowest candidate by that row
 (ties: the older), and the new token written into its row (core/in_place.py `fold_into`). The rows are then in
@@ -67,8 +67,9 @@ def in_place_step(compressor, layer_idx: int, store: FullPrecisionStore, fire: l
     """Every prompt fires, its one new token in the tail: each head's lowest candidate by the step's own attention
     row leaves, the new token takes its row. False, changing nothing, where that does not apply."""
     method, rows = compressor.method, store.rows()
-    if not getattr(method, "newest_row_scores", False) or type(store) is not FullPrecisionStore or not all(fire) \
-            or store.tail_len != 1 or store.marks or rows is None or rows.shape[2] != compressor.group or \
+    row_score = getattr(method, "newest_row_score", None)
+    if row_score is None or type(store) is not FullPrecisionStore or not all(fire) or store.tail_len != 1 or \
+            store.marks or rows is None or rows.shape[2] != compressor.group or \
             store.kept[0].keys.dtype not in (torch.float32, torch.float64):
         return False
     heads, length = store.heads, store.kept[0].lengths[0]
@@ -77,29 +78,43 @@ def in_place_step(compressor, layer_idx: int, store: FullPrecisionStore, fire: l
     sinks = min(method.selection.num_sinks, m - window)
     if compressor.budget < window + sinks or rows.shape[3] != m:
         return False
-    real = _grid(compressor, heads, m, rows.device)[0]
-    queries, slots = compressor.queries[layer_idx], []
-    if queries.shape[2] > 1:
-        queries = queries[:, :, -1:]
+    scores = row_score(rows.view(rows.shape[0], -1, m))   # [B, 1 | Hq | H, m]: one row for every head, or a row each
+    if scores.shape[1] not in (1, heads):
+        scores = scores_per_stored_head(scores, method, heads, rows.shape[1] * rows.shape[2])
+    two = scores.topk(2, dim=2, largest=False)   # each row's two lowest [B, 1 | H, 2] (NaN sorts above every number)
+    if window or sinks or any(low != low or low == second for row in two.values.tolist() for low, second in row):
+        # the window or sinks protected, equal minima (the older leaves), or a NaN: a row of probabilities is NaN
+        # whole where it is NaN at all, its lowest NaN then
+        slots = slots_by_position(store, scores, window, sinks)
+        if slots is None:
+            return False
+    else:
+        slots = two.indices[..., 0]
+    in_place.fold_into(store, slots.expand(-1, heads), _grid(compressor, heads, m, rows.device)[3])
+    store.steady = True
+    return True
+
+
+def slots_by_position(store, scores: torch.Tensor, window: int, sinks: int) -> Optional[torch.Tensor]:
+    """scores [B, 1 | H, m] in slot order (the new token last) -> [B, H] each head's lowest candidate, of equal
+    minima the older; the newest `window` positions and the oldest `sinks` held are no candidates. None where a
+    candidate's score is NaN."""
+    heads, length = store.heads, store.kept[0].lengths[0]
+    slots = []
     for b, k in enumerate(store.kept):
         newest = store.tail_start[b]
         positions = torch.cat([k.positions.view(heads, length), k.positions.new_full((heads, 1), newest)], dim=1)
-        ctx = DecodeScoreContext(layer_idx, compressor.num_layers, queries if len(fire) == 1 else queries[b:b + 1],
-                                 None, None, real,
-                                 positions=positions[None], rotation=compressor.rotation, model=compressor.model,
-                                 attention=rows[b].view(1, -1, 1, m))
-        scores = scores_per_stored_head(method.decode_score(ctx), method, heads, queries.shape[1])[0]   # [H, m]
-        if window or sinks:   # the newest `window` positions and the oldest `sinks` held are no candidates
+        row = scores[b].expand(heads, -1)
+        if window or sinks:
             candidate = positions <= newest - window
             if sinks:
                 candidate &= positions > positions.kthvalue(sinks, dim=1, keepdim=True).values
-            scores = scores.masked_fill(~candidate, float("inf"))
-        lowest = scores.min(dim=1, keepdim=True).values   # NaN where a candidate's score is NaN
+            row = row.masked_fill(~candidate, float("inf"))
+        lowest = row.min(dim=1, keepdim=True).values   # NaN where a candidate's score is NaN
         if math.isnan(lowest.sum().item()):   # a row of probabilities: no -inf, so a NaN sum is a NaN minimum
-            return False
-        slots.append(torch.where(scores == lowest, positions, newest + 1).argmin(dim=1))   # of equal minima the older
-    in_place.fold_into(store, slots[0][None] if len(slots) == 1 else torch.stack(slots))
-    return True
+            return None
+        slots.append(torch.where(row == lowest, positions, newest + 1).argmin(dim=1))   # of equal minima the older
+    return torch.stack(slots)
 
 
 def lowest_dropped(compressor, layer_idx: int, b: int, keys, values, positions) -> Optional[torch.Tensor]:
@@ -111,7 +126,7 @@ def lowest_dropped(compressor, layer_idx: int, b: int, keys, values, positions) 
     sinks = min(method.selection.num_sinks, m - window)
     if compressor.budget < window + sinks:
         return None
-    real, every, rows = _grid(compressor, heads, m, keys.device)   # [1, m] all real; [m - 1]; [H, m - 1]: h * m + j
+    real, every, rows, _ = _grid(compressor, heads, m, keys.device)   # [1, m] all real; [m - 1]; [H, m - 1]: h * m + j
     buffered = compressor.queries[layer_idx][b:b + 1]
     w = min(buffered.shape[2], m)
     ctx = DecodeScoreContext(
@@ -125,12 +140,14 @@ def lowest_dropped(compressor, layer_idx: int, b: int, keys, values, positions) 
     return (rows + (every >= lowest)).view(-1)
 
 
-def _grid(compressor, heads: int, m: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The step's constant tensors, kept on the compressor while the shape holds (it does at every step)."""
+def _grid(compressor, heads: int, m: int, device) -> tuple[torch.Tensor, ...]:
+    """The step's constant tensors, kept on the compressor while the shape holds (it does at every step): [1, m] all
+    real; [m - 1]; [H, m - 1] h * m + j; [H] each head's first kept row h * (m - 1)."""
     cached = compressor.drop_grid
     if cached is None or cached[0] != (heads, m, device):
         every = torch.arange(m - 1, device=device)
         cached = ((heads, m, device), torch.ones(1, m, dtype=torch.bool, device=device), every,
-                  every + torch.arange(0, heads * m, m, device=device)[:, None])
+                  every + torch.arange(0, heads * m, m, device=device)[:, None],
+                  torch.arange(0, heads * (m - 1), m - 1, device=device))
         compressor.drop_grid = cached
     return cached[1:]

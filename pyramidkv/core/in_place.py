@@ -18,6 +18,8 @@ bytes are running figures, never re-summed from tensors.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from pyramidkv.core.kept import KeptKV
@@ -26,6 +28,7 @@ from pyramidkv.core.kept import KeptKV
 def reset(store) -> None:
     """A store whose rows are in position order, nothing gone (after it is built, replaced or compacted)."""
     store.in_order = True
+    store.steady = False            # the last step was TOVA's in place, nothing else since (core/decoding.py)
     store.settled = 0
     store.marks = 0                 # threshold decisions marked since the last compaction
     store.gone = [[0] * store.heads for _ in store.kept]
@@ -73,12 +76,15 @@ def compact(store) -> None:
     store.fold([clean(store, b) for b in range(len(store.kept))], store.settled)
 
 
-def fold_into(store, slots: torch.Tensor) -> None:
+def fold_into(store, slots: torch.Tensor, first_rows: Optional[torch.Tensor] = None) -> None:
     """slots [B, H]: each head's one tail token takes kept row slots[b, h] of its head (that row's token leaves;
-    slot L, the tail token's own: it leaves, nothing is written). Every prompt keeps L rows a head, the tail empties."""
+    slot L, the tail token's own: it leaves, nothing is written). Every prompt keeps L rows a head, the tail empties.
+    first_rows: [H] each head's first kept row, h * L (made here where not given)."""
     heads, length = store.heads, store.kept[0].lengths[0]
-    rows = slots + torch.arange(0, heads * length, length, device=slots.device)   # [B, H] flat kept rows
-    written = None if bool((slots < length).all()) else slots < length
+    if first_rows is None:
+        first_rows = torch.arange(0, heads * length, length, device=slots.device)
+    rows = slots + first_rows   # [B, H] flat kept rows
+    written = None if max(max(row) for row in slots.tolist()) < length else slots < length
     tail_keys, tail_values = store.tail()
     for b, k in enumerate(store.kept):
         new_keys, new_values, at = tail_keys[b, :, 0], tail_values[b, :, 0], rows[b]
@@ -120,9 +126,8 @@ def mark_gone(store, cuts: list[list[list[int]]]) -> int:
             offset += n
         start += k.keys.shape[0]
     if flat:
-        rows = torch.tensor(flat, device=store.gone_rows.device)
-        store.gone_rows[rows] = True
-        layout.mark(rows)
+        store.gone_rows.index_fill_(0, torch.tensor(flat, device=store.gone_rows.device), True)
+        layout.mark(flat)
     if tail:
         store.tail_gone[tuple(torch.tensor(tail, device=store.gone_rows.device).T)] = True
     store.settled = t

@@ -115,14 +115,14 @@ class DecodeLayout:
                 self.mark_blocks(self.gone.nonzero()[:, 0])
         return self._blocks
 
-    def mark(self, rows: torch.Tensor) -> None:
+    def mark(self, rows: list[int]) -> None:
         """Full-width rows (flat indices) whose tokens left: out of every block's own rows (`gone` holds them for
         the dense path), their segments noted for the segment path."""
         if not self.dense:
             offsets = self.parts[-1].offsets
-            self.gone_segments.update(bisect.bisect_right(offsets, r) - 1 for r in rows.tolist())
+            self.gone_segments.update(bisect.bisect_right(offsets, r) - 1 for r in rows)
         if self._blocks is not None:
-            self.mark_blocks(rows)
+            self.mark_blocks(torch.tensor(rows, device=self.parts[-1].keys.device))
 
     def mark_blocks(self, rows: torch.Tensor) -> None:
         for _, _, part_rows in self._blocks:
@@ -190,12 +190,12 @@ class DecodeLayout:
         for s, (queries, tail, tail_v, (start, keys_t, values), into) in enumerate(zip(
                 grouped.view(-1, rows, dim), tail_scores.view(bsz * heads, rows, -1),
                 tail_values.view(bsz * heads, -1, dim), self._segments, out.view(-1, rows, dim))):
-            scores = self.form.logits(queries, keys_t)   # [rows, L_s]
+            scores = self.form.logits(queries, keys_t)   # [rows, L_s], a new tensor: masked in place
+            length = scores.shape[1]
             if s in self.gone_segments:
-                scores = scores.masked_fill(self.gone[start:start + scores.shape[1]], torch.finfo(scores.dtype).min)
+                scores.masked_fill_(self.gone[start:start + length], torch.finfo(scores.dtype).min)
             probs = probabilities(torch.cat([scores, tail], dim=-1), dtype=grouped.dtype)
-            kept, new = probs.split([scores.shape[1], tail.shape[1]], dim=-1)
-            torch.addmm(torch.matmul(new, tail_v), kept, values, out=into)
+            torch.addmm(torch.matmul(probs[:, length:], tail_v), probs[:, :length], values, out=into)
         return out
 
     def _attend_blocks(self, grouped, tail_scores, tail_values) -> torch.Tensor:

@@ -11,8 +11,9 @@ report and byte figure: core/in_place.py), and the store compacts every COMPACT_
 rebuilt without the gone ones, the tail up to the last decision folded into the kept rows, as a decode-time
 re-selection does (decoding.py). A report between two compactions reads what the rebuild at each decision held.
 
-Per prompt, per layer: `pending` holds (first, scores [H, P]): the pending tokens are the true positions
-first .. first + P - 1 (0 = first real prompt token), oldest first. They are consecutive: every token from the first
+Per prompt, per layer: `pending` holds (first, scores): the pending tokens are the true positions
+first .. first + P - 1 (0 = first real prompt token), oldest first, and scores their P scores as Python lists of H
+floats (one `tolist` as a token enters, each decision then a comparison in Python: no tensor op per step). They are consecutive: every token from the first
 pending one to the newest is pending (a token >= num_sinks becomes pending as it enters and leaves only once every
 older one has), so the P' tokens leaving at a step are the first P' and, as every pending token is held in every
 head, the token at position p is row m - 1 - (newest - p) of a head whose slots hold m tokens, gone ones included
@@ -34,8 +35,11 @@ from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.scoring import scores_per_stored_head
 
 # Threshold decisions marked in place between two compactions of a layer's store (core/in_place.py): the gone rows
-# stay in the attention (masked) until then, the decisions between cost no copy.
-COMPACT_EVERY = 16
+# stay in the attention (masked) until then, the decisions between cost no copy. A compaction copies the layer's
+# whole store (1.45 ms a layer at kvzap's n = 4,096 on the CPU): at 16 it cost 0.1 ms a layer-step, at 64 a quarter
+# of that; the gone rows kept meanwhile are a few per decision (about 3 % of kvzap's rows at 4,096), counted out of
+# every byte figure (held tokens), not yet returned to the allocator.
+COMPACT_EVERY = 64
 
 
 class ThresholdDecoder(RunningBytes):
@@ -50,9 +54,13 @@ class ThresholdDecoder(RunningBytes):
         self.num_query_heads, self.num_kv_heads = model.num_query_heads, model.num_kv_heads
         self.rotation = rotation
         self.threshold = threshold
+        # the threshold as the float32 comparison of a score tensor reads it: a float32 score s (a Python float)
+        # is below it iff s < self.limit, exactly as (score tensor < threshold) in float32
+        self.limit = float(torch.tensor(threshold, dtype=torch.float32))
+        self.all_real: dict = {}   # (B, q, device) -> the new tokens' `real` [B, q] (never padding)
         self.window = method.window_size
         self.sinks = method.selection.num_sinks
-        self.pending: list[Optional[list[tuple[torch.Tensor, torch.Tensor]]]] = [None] * self.num_layers
+        self.pending: list[Optional[list[tuple[int, list[list[float]]]]]] = [None] * self.num_layers
         self.next_position: list[list[int]] = [[] for _ in range(self.num_layers)]  # per layer, per prompt
         self.compressions = [0] * self.num_layers   # decode steps at which a layer evicted something
         self.evicted = [0] * self.num_layers        # (prompt, head, token) entries evicted while decoding, per layer
@@ -73,10 +81,9 @@ class ThresholdDecoder(RunningBytes):
         for b, real in enumerate(real_lens):
             first = max(real - self.window, self.sinks)   # true positions [first, real) are pending
             if scores is None or first >= real:
-                heads = 1 if scores is None else scores.shape[1]
-                pending.append((first, keys.new_zeros(heads, 0, dtype=torch.float32)))
+                pending.append((first, []))
             else:
-                pending.append((first, scores[b, :, n - real + first:]))
+                pending.append((first, scores[b, :, n - real + first:].T.tolist()))
         self.pending[layer_idx] = pending
 
     def after_prefill(self, layer_idx: int) -> None:
@@ -95,9 +102,9 @@ class ThresholdDecoder(RunningBytes):
             return 1
         steps = self.window
         for (first, scores), start in zip(self.pending[layer_idx], self.next_position[layer_idx]):
-            fails = (scores < self.threshold).any(dim=0).nonzero()
-            if fails.numel():   # position p leaves after the step that appends p + W, step p + W - start + 1
-                steps = min(steps, first + int(fails[0]) + self.window - start + 1)
+            fails = next((j for j, heads in enumerate(scores) if min(heads) < self.limit), None)
+            if fails is not None:   # position p leaves after the step that appends p + W, step p + W - start + 1
+                steps = min(steps, first + fails + self.window - start + 1)
         return steps
 
     def after_attend(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor = None,
@@ -110,11 +117,14 @@ class ThresholdDecoder(RunningBytes):
         bsz, _, q_len, _ = keys.shape
         positions = rope[:, None] if q_len == 1 else \
             rope[:, None] - q_len + 1 + torch.arange(q_len, device=keys.device)   # [B, q] RoPE positions
-        ctx = ScoreContext(layer_idx, self.num_layers, queries, keys, values,
-                           torch.ones(bsz, q_len, dtype=torch.bool, device=keys.device),
-                           positions=positions.long(), rotation=self.rotation, hidden=hidden, model=self.model)
+        real = self.all_real.get((bsz, q_len, keys.device))
+        if real is None:
+            real = self.all_real[bsz, q_len, keys.device] = torch.ones(bsz, q_len, dtype=torch.bool, device=keys.device)
+        ctx = ScoreContext(layer_idx, self.num_layers, queries, keys, values, real, positions=positions.long(),
+                           rotation=self.rotation, hidden=hidden, model=self.model)
         scores = scores_per_stored_head(self.method.score(ctx), self.method, self.num_kv_heads,
                                         self.num_query_heads).float()   # [B, H, q]
+        new_scores = scores.transpose(1, 2).tolist()   # [B][q][H]
         drops, pending = [], self.pending[layer_idx]
         for b in range(bsz):
             start = self.next_position[layer_idx][b]
@@ -122,17 +132,16 @@ class ThresholdDecoder(RunningBytes):
             first, held = pending[b]
             entering = max(start, self.sinks)             # the new tokens from here on become pending
             if entering < start + q_len:
-                new = scores[b] if entering == start else scores[b][:, entering - start:]
-                if held.shape[1]:
-                    held = torch.cat([held if held.device == new.device else held.to(new.device), new], dim=1)
-                else:
-                    first, held = entering, new
-            # the oldest pending tokens up to position newest - W leave: (their first position, fails [H, P'])
-            leaving = min(max(start + q_len - self.window - first, 0), held.shape[1])
-            pending[b] = (first + leaving, held[:, leaving:] if leaving else held)
-            fails = held[:, :leaving] < self.threshold if leaving else None
-            drops.append((first, fails, fails.nonzero().tolist() if leaving else []))   # (head, j) of each that fails
-        if any(hits for *_, hits in drops):
+                if not held:
+                    first = entering
+                held = held + new_scores[b][entering - start:]
+            # the oldest pending tokens up to position newest - W leave: (their first position, (head, j) of each
+            # that fails)
+            leaving = min(max(start + q_len - self.window - first, 0), len(held))
+            drops.append((first, [(h, j) for j in range(leaving) for h, score in enumerate(held[j])
+                                  if score < self.limit]))
+            pending[b] = (first + leaving, held[leaving:] if leaving else held)
+        if any(hits for _, hits in drops):
             self._evict(layer_idx, drops)
         self._recount(layer_idx)   # the step's append, and any eviction
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.stored_bytes())
@@ -143,16 +152,16 @@ class ThresholdDecoder(RunningBytes):
         pending = self.pending[layer_idx]
         for b, f in enumerate(first):
             start, scores = pending[b]
-            gone = min(max(f - start, 0), scores.shape[1])
-            pending[b] = (start + gone, scores[:, gone:])
+            gone = min(max(f - start, 0), len(scores))
+            pending[b] = (start + gone, scores[gone:])
         store.replace([KeptKV.from_heads([(k[p >= f], v[p >= f], p[p >= f]) for k, v, p in store.held(b)])
                        for b, f in enumerate(first)])
         self._recount(layer_idx)
 
     # ---- eviction ---------------------------------------------------------------------------
-    def _evict(self, layer_idx: int, drops: list[tuple[int, torch.Tensor, list[list[int]]]]) -> None:
-        """Per prompt (first, fails [H, P] or None where none leaves, the (h, j) where fails[h, j]): head h drops the
-        positions first + j where fails[h, j]. In a plain
+    def _evict(self, layer_idx: int, drops: list[tuple[int, list[tuple[int, int]]]]) -> None:
+        """Per prompt (first, the (h, j) of each pending token that fails): head h drops position first + j. In a
+        plain
         full-precision store without thin rows the leaving rows are marked gone in place (their row known from the
         newest position, module docstring; core/in_place.py) and the store compacts every COMPACT_EVERY decisions;
         elsewhere every prompt's held tokens are rebuilt without them, head by head."""
@@ -161,7 +170,7 @@ class ThresholdDecoder(RunningBytes):
         if type(store) is FullPrecisionStore and all(k.thin is None for k in store.kept):
             t = store.tail_len
             cuts = []
-            for b, (first, _, hits) in enumerate(drops):
+            for b, (first, hits) in enumerate(drops):
                 # row of position first + j in head h: m_h - 1 - (newest - first - j), m_h = L_h + t, newest the tail's last
                 lengths, base = store.kept[b].lengths, first - store.tail_start[b]
                 heads = [[] for _ in lengths]
@@ -173,13 +182,14 @@ class ThresholdDecoder(RunningBytes):
                 in_place.compact(store)
             return
         kept = []
-        for b, (first, fails, hits) in enumerate(drops):
+        for b, (first, hits) in enumerate(drops):
             if not hits:
                 kept.append(KeptKV.from_heads(store.held(b)))
                 continue
-            positions, rows = torch.arange(first, first + fails.shape[1], device=fails.device), []
+            rows = []
             for h, (k, v, p) in enumerate(store.held(b)):
-                stay = ~torch.isin(p, positions[fails[h]])
+                stay = ~torch.isin(p, torch.tensor([first + j for head, j in hits if head == h], dtype=p.dtype,
+                                                   device=p.device))
                 self.evicted[layer_idx] += int((~stay).sum())
                 rows.append((k[stay], v[stay], p[stay]))
             kept.append(KeptKV.from_heads(rows))

@@ -126,6 +126,12 @@ def _streaming(path: Optional[str], share: float, selection: str, model: ModelSh
     return torch.from_numpy(streaming_heads(gates, share, selection))
 
 
+@lru_cache(maxsize=32)
+def _retrieval(path: Optional[str], share: float, selection: str, model: ModelShape) -> torch.Tensor:
+    """[L, Hkv] float32: 1.0 on a retrieval head, 0.0 on a streaming one (the score's rows, made once, not per step)."""
+    return (~_streaming(path, share, selection, model)).float()
+
+
 @dataclass(frozen=True)
 class DuoAttention(Method):
     """Retrieval heads keep everything; streaming heads keep num_sinks + the last window_size tokens.
@@ -195,6 +201,7 @@ class DuoAttention(Method):
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """[B, Hkv, n]: 1.0 on a retrieval head, 0.0 on a streaming head, whatever the token."""
         bsz, _, n, _ = ctx.keys.shape
-        streaming = self.streaming(ctx.model)
-        keep = (~streaming[ctx.layer_idx]).to(device=ctx.keys.device, dtype=torch.float32)
-        return keep[None, :, None].expand(bsz, keep.shape[0], n)
+        if ctx.model is None:
+            self.streaming(ctx.model)   # refuses, naming why
+        keep = _retrieval(self.duo_pattern, self.streaming_share, self.duo_selection, ctx.model)[ctx.layer_idx]
+        return keep.to(ctx.keys.device)[None, :, None].expand(bsz, keep.shape[0], n)

@@ -122,9 +122,10 @@ class KVzap(Method):
         tensors = self.predictor(ctx.model)
         hidden = ctx.hidden
         bsz, n, _ = hidden.shape
-        device = hidden.device
-        out = torch.zeros(bsz, n, tensors["bias" if "bias" in tensors else "b2"].shape[-1], device=device)
         real = ctx.real if ctx.real is not None and ctx.real.dim() == 2 and ctx.real.shape[-1] == n else None
+        if bsz == 1 and (real is None or n == 1):   # one prompt, no padding (a decode step's token): no masks
+            return predict(tensors, ctx.layer_idx, hidden[0]).T[None]
+        out = torch.zeros(bsz, n, tensors["bias" if "bias" in tensors else "b2"].shape[-1], device=hidden.device)
         for row in range(bsz):
             if real is None:
                 out[row] = predict(tensors, ctx.layer_idx, hidden[row])

@@ -37,7 +37,6 @@ class TOVA(DecodesAtItsBudget, Method):
     name = "tova"
     decode_rule = "evicts while decoding (one token per step once a layer holds its budget)"
     holder = "a layer"
-    newest_row_scores = True   # at the per-step rule the step's own attention row is read (core/drop_one.py)
     window_size: int = 0
     decode: Optional[DecodeBudget] = PER_STEP
 
@@ -53,4 +52,10 @@ class TOVA(DecodesAtItsBudget, Method):
         if row is None:
             row = window_attention(ctx.queries, ctx.keys, ctx.real, 1, ctx.pattern, form=ctx.form)  # [B, Hq, 1, n]
         heads = ctx.keys.shape[1] if ctx.keys is not None else ctx.positions.shape[1]
-        return row[:, :, 0].mean(dim=1, keepdim=True).expand(-1, heads, -1)
+        return self.newest_row_score(row[:, :, 0]).expand(-1, heads, -1)
+
+    @staticmethod
+    def newest_row_score(rows: torch.Tensor) -> torch.Tensor:
+        """rows [B, Hq, n]: the newest query's attention per query head -> [B, 1, n] their mean, every head's score.
+        At the per-step rule the engine reads it from the step's own attention rows (core/drop_one.py)."""
+        return rows.mean(dim=1, keepdim=True)

@@ -31,24 +31,29 @@ def model():
 def run(model, prompts, method, steps=STEPS):
     """Per forward, per prompt, per layer: every head's (held positions, stored keys, stored values); the tokens;
     the final bytes."""
-    states = []
+    states, figures = [], []
 
     def record(module, args, kwargs, output):
         cache = kwargs["past_key_values"]
         states.append([[[(p.tolist(), k.clone(), v.clone()) for p, k, v in cache.stored_kv(layer, b)]
                         for layer in range(len(cache.layers))] for b in range(len(prompts))])
+        decoder = getattr(cache, "decoding", None)   # the decode-time unit's running figures, as the benchmark reads
+        figures.append(None if decoder is None else (decoder.peak_kv_bytes, decoder.stored_bytes(),
+                                                     list(getattr(decoder, "compressions", []))))
 
     hook = model.register_forward_hook(record, with_kwargs=True)
     try:
         out = generate(model, TokenIds(), prompts, method, steps, stop_token_ids=[])
     finally:
         hook.remove()
-    return states, [g.text for g in out], [(g.kv_bytes_per_prompt, g.held_tokens) for g in out]
+    return states, [g.text for g in out], [(g.kv_bytes_per_prompt, g.held_tokens) for g in out], figures
 
 
 def assert_equal_runs(got, want):
-    (states, tokens, nbytes), (states_ref, tokens_ref, nbytes_ref) = got, want
+    (states, tokens, nbytes, figures), (states_ref, tokens_ref, nbytes_ref, figures_ref) = got, want
     assert tokens == tokens_ref and nbytes == nbytes_ref and len(states) == len(states_ref)
+    for step, (a, b) in enumerate(zip(figures, figures_ref)):   # peak and stored bytes, re-selections per layer
+        assert a == b, f"forward {step}: the decode-time unit's (peak bytes, bytes, compressions) {a} != {b}"
     for step, (a, b) in enumerate(zip(states, states_ref)):
         for prompt, (layers, layers_ref) in enumerate(zip(a, b)):
             for layer, (heads, heads_ref) in enumerate(zip(layers, layers_ref)):
@@ -100,10 +105,11 @@ def test_drop_one_equals_the_rebuild(model, monkeypatch, settings, lengths):
     monkeypatch.setattr(DecodeCompressor, "_drop_one", counted)
     writes = spy(monkeypatch, in_place, "fold_into")
     got = run(model, prompts, method)
-    assert sum(calls) > STEPS, "the in-place path ran (else the test compares the rebuild with itself)"
     # TOVA decides from the step's own attention row and writes the new token in place once every prompt fires
-    # (in the batch too, once its short prompt reached the budget)
+    # (in the batch too, once its short prompt reached the budget), and from then on at each step straight from
+    # after_attend (its steady state: no _drop_one call); the others go through _drop_one at every step
     assert (len(writes) > STEPS) == (method.name == "tova"), len(writes)
+    assert sum(calls) > STEPS or len(writes) > STEPS, "the in-place path ran (else the rebuild is compared with itself)"
     monkeypatch.setattr(DecodeCompressor, "_drop_one", lambda self, layer_idx, fire: False)
     assert_equal_runs(got, run(model, prompts, method))
 
@@ -121,6 +127,7 @@ def test_threshold_eviction_equals_the_per_head_rebuild(model, monkeypatch, leng
     method = KeyAndInput(window_size=6, sizing=Threshold(threshold=0.1),
                          selection=Selection(num_sinks=2), gqa_layout=layout)
     prompts = prompts_of(lengths)
+    monkeypatch.setattr(threshold, "COMPACT_EVERY", 16)   # at least two compactions in STEPS decisions
     marks, compactions = spy(monkeypatch, in_place, "mark_gone"), spy(monkeypatch, threshold.in_place, "compact")
     got = run(model, prompts, method)
     assert len(marks) > STEPS and len(compactions) >= 2, "rows were marked gone, reported between compactions"
@@ -130,4 +137,21 @@ def test_threshold_eviction_equals_the_per_head_rebuild(model, monkeypatch, leng
         pass
 
     monkeypatch.setattr(threshold, "FullPrecisionStore", NotFullPrecision)
+    assert_equal_runs(got, run(model, prompts, method))
+
+
+@pytest.mark.parametrize("lengths", [[40], [40, 17, 31]])
+def test_equal_minima_leave_the_older_in_place(model, monkeypatch, lengths):
+    """TOVA's row scores made coarse (floor of 16 x the mean: most steps have equal minima), so the in-place step
+    takes its tie path (the older of equal minima leaves) at every step: against the general re-selection's rule."""
+    from pyramidkv.core import drop_one
+    from pyramidkv.methods.tova import TOVA
+
+    monkeypatch.setattr(TOVA, "newest_row_score", staticmethod(lambda rows: (rows.mean(dim=1, keepdim=True) * 16).floor()))
+    method = make_method("tova", budget=24)
+    prompts = prompts_of(lengths)
+    ties, writes = spy(monkeypatch, drop_one, "slots_by_position"), spy(monkeypatch, in_place, "fold_into")
+    got = run(model, prompts, method)
+    assert len(writes) > STEPS and len(ties) > STEPS, (len(writes), len(ties))
+    monkeypatch.setattr(DecodeCompressor, "_drop_one", lambda self, layer_idx, fire: False)
     assert_equal_runs(got, run(model, prompts, method))
