@@ -144,7 +144,9 @@ class DecodeCompressor(RunningBytes):
     def after_attend(self, layer_idx: int, queries: torch.Tensor, *new) -> None:
         """After a decode step's attention at one layer (queries [B, Hq, q, D] of the new tokens; `new`: their keys,
         values, hidden states and position, which a threshold decoder reads, core/threshold.py)."""
-        if queries.shape[2] >= self.buffer_size:   # the new queries fill the buffer (TOVA's one query a step)
+        if queries.shape[2] == self.buffer_size:   # the new queries are the buffer (TOVA's one query a step)
+            self.queries[layer_idx] = queries
+        elif queries.shape[2] > self.buffer_size:
             self.queries[layer_idx] = queries[:, :, queries.shape[2] - self.buffer_size:]
         else:
             self.queries[layer_idx] = torch.cat([self.queries[layer_idx], queries], dim=2)[:, :, -self.buffer_size:]

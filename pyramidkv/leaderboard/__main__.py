@@ -9,7 +9,8 @@ shared-context protocol, through the benchmark runners; then one CSV/JSON of eve
     python -m pyramidkv.leaderboard --rerender docs                   # docs/leaderboard.md again, from its CSV
 
 A rerun resumes (finished units are skipped, a killed unit continues at its missing rows). A save_dir holds one
-grid: another grid's arguments are refused (docs/leaderboard.md: treatments of methods that take no ratio).
+grid: another grid's arguments are refused (docs/leaderboard.md: treatments of methods that take no ratio), except
+with --extend a grid that only adds methods or ratios (its cells done stay done).
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def build_parser():
     r = parser.add_argument_group("running")
     r.add_argument("--save_dir", default=DEFAULTS["save_dir"])
     r.add_argument("--shard", default=None, metavar="i/n", help="run units k with k mod n == i only (0 <= i < n)")
+    r.add_argument("--extend", action="store_true",
+                   help="SAVE_DIR holds a grid with fewer methods or ratios (every other setting the same): this "
+                        "grid takes it over, its cells done stay done, the added cells run")
     r.add_argument("--count", action="store_true", help="print the number of units and exit")
     r.add_argument("--summarize", action="store_true",
                    help="write the outputs from the cells done so far (the grid of SAVE_DIR/grid.json) and exit")
@@ -133,7 +137,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             grid = grid_of(args)
         shard = parse_shard(args.shard) if args.shard is not None else None
         if not args.summarize:
-            claim_folder(save_dir, grid, write=False)       # another grid's folder: refused before anything
+            claim_folder(save_dir, grid, write=False, extend=args.extend)   # another grid's: refused before anything
         units = grid.units()
         from tqdm import tqdm
 
@@ -146,7 +150,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{len(units)} units")
         return 0
     if not args.summarize:
-        claim_folder(save_dir, grid)
+        claim_folder(save_dir, grid, extend=args.extend)
         mine = shard_units(units, shard)
         failed = []
         for k, unit in enumerate(mine, 1):

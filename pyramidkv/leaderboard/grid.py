@@ -191,8 +191,11 @@ def check_tasks(tasks) -> None:
 GRID_FILE = "grid.json"
 
 
-def claim_folder(save_dir: Path, grid: Grid, write: bool = True) -> None:
-    """The folder's grid.json is this grid (written now if absent and `write`); another grid's folder is refused."""
+def claim_folder(save_dir: Path, grid: Grid, write: bool = True, extend: bool = False) -> None:
+    """The folder's grid.json is this grid (written now if absent and `write`); another grid's folder is refused.
+    extend: a grid that only adds methods or ratios to the folder's (every other setting the same) takes the folder
+    over: its cells done stay done (a cell is one method at one ratio: the same computation in either grid), the
+    added ones are pending; grid.json is rewritten to this grid (with `write`)."""
     from pyramidkv.runner.results import atomic_write_json
 
     path = Path(save_dir) / GRID_FILE
@@ -202,12 +205,24 @@ def claim_folder(save_dir: Path, grid: Grid, write: bool = True) -> None:
             held = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             raise ValueError(f"{path} is not a readable grid record ({e}); delete it or use another --save_dir") from None
-        if held != record:
-            differ = [k for k in sorted(set(held) | set(record)) if held.get(k) != record.get(k)]
-            raise ValueError(f"--save_dir {save_dir} holds another grid's cells (its {GRID_FILE} differs in: "
-                             f"{', '.join(f'{k} {held.get(k)!r} here, {record.get(k)!r} asked' for k in differ)}); "
-                             f"use another --save_dir, never a mixed one")
-        return
+        if held == record:
+            return
+        differ = [k for k in sorted(set(held) | set(record)) if held.get(k) != record.get(k)]
+        grows = {"methods", "ratios"}
+        if extend and set(differ) <= grows and all(set(held[k]) <= set(record[k]) for k in differ):
+            if write:
+                atomic_write_json(path, record)
+            return
+        if extend:
+            lost = [f"{k} {sorted(set(held[k]) - set(record[k]))!r}" for k in sorted(grows & set(differ))
+                    if not set(held[k]) <= set(record[k])]
+            other = [k for k in differ if k not in grows]
+            raise ValueError(f"--extend: --save_dir {save_dir} holds a grid this one does not contain ("
+                             f"{'; '.join(lost + [f'{k} {held.get(k)!r} here, {record.get(k)!r} asked' for k in other])}"
+                             f"); a grid extends a folder only by adding --methods or --ratios")
+        raise ValueError(f"--save_dir {save_dir} holds another grid's cells (its {GRID_FILE} differs in: "
+                         f"{', '.join(f'{k} {held.get(k)!r} here, {record.get(k)!r} asked' for k in differ)}); "
+                         f"use another --save_dir, never a mixed one (--extend adds methods or ratios to it)")
     if write:
         atomic_write_json(path, record)
 

@@ -239,3 +239,33 @@ def test_one_method_written_several_ways_is_one_entry(tiny_model_dir, tmp_path):
     counted = leaderboard(*argv, "--methods", "snapkv", "snapkv", "snapkv:window_size=32", "--save_dir",
                           tmp_path / "out", "--count")
     assert counted.stdout.strip() == "2 units"
+
+
+def test_extend_takes_over_a_folder_only_by_adding_methods_or_ratios(tmp_path):
+    """--extend: a grid that only adds ratios or methods takes the folder over (grid.json rewritten, the status of
+    its cells untouched); one that drops a ratio or changes another setting is refused, naming it."""
+    from pyramidkv.leaderboard.grid import GRID_FILE, claim_folder
+
+    def grid(methods=("fullkv", "snapkv"), ratios=(0.5,), samples=2):
+        return Grid("m", list(methods), list(ratios), ["niah_single_1"], 512, samples, 3)
+
+    small, wide = grid(), grid(methods=("fullkv", "snapkv", "tova"), ratios=(0.25, 0.5))
+    claim_folder(tmp_path, small)
+    (tmp_path / "status").mkdir()
+    (tmp_path / "status" / "ruler__snapkv@0.5.json").write_text('{"state": "done"}')
+    with pytest.raises(ValueError, match="holds another grid's cells.*--extend adds"):
+        claim_folder(tmp_path, wide)
+    claim_folder(tmp_path, wide, write=False, extend=True)          # checked only: the folder keeps its grid
+    assert json.loads((tmp_path / GRID_FILE).read_text()) == small.record()
+    claim_folder(tmp_path, wide, extend=True)
+    assert json.loads((tmp_path / GRID_FILE).read_text()) == wide.record()
+    assert (tmp_path / "status" / "ruler__snapkv@0.5.json").read_text() == '{"state": "done"}'
+    claim_folder(tmp_path, wide, extend=True)                        # the same grid again: nothing to do
+    with pytest.raises(ValueError, match=r"does not contain \(ratios \[0\.25\]\)"):
+        claim_folder(tmp_path, grid(ratios=(0.5, 0.75), methods=("fullkv", "snapkv", "tova")), extend=True)
+    with pytest.raises(ValueError, match=r"methods \['tova'\]"):
+        claim_folder(tmp_path, grid(ratios=(0.25, 0.5)), extend=True)
+    with pytest.raises(ValueError, match="num_samples 2 here, 3 asked"):
+        claim_folder(tmp_path, grid(methods=("fullkv", "snapkv", "tova"), ratios=(0.25, 0.5), samples=3),
+                     extend=True)
+    assert json.loads((tmp_path / GRID_FILE).read_text()) == wide.record()
