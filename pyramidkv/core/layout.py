@@ -25,6 +25,11 @@ from pyramidkv.core.scoring import PLAIN, probabilities
 
 # At most this many segments per block bounds the FLOPs spent on masked rows.
 SEGMENTS_PER_BLOCK = 4
+# Ragged full-width rows are attended one segment at a time where a segment holds this many rows on average (and
+# always under `by_segment`, a threshold decoder's), else in blocks. measure/ragged_attend.py, n = 4,096, one thread,
+# x a dense read of the same size: AdaKV at 128 / 256 tokens a head, segments 1.53 / 1.50, blocks 1.42 / 1.45; at
+# 1,024 / 2,048, segments 1.31-1.40 / 1.26, blocks 1.58-1.64 / 1.57 (docs/speed.md, Seventh pass).
+SEGMENT_ROWS = 512
 
 
 @dataclass
@@ -150,7 +155,7 @@ class DecodeLayout:
             tail_scores[..., :tail_gone.shape[2]].masked_fill_(tail_gone[:, :, None, :], torch.finfo(tail_scores.dtype).min)
         if self.dense:
             return self._attend_dense(grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
-        if self.by_segment and len(self.parts) == 1:
+        if len(self.parts) == 1 and (self.by_segment or self.parts[0].keys.shape[0] >= SEGMENT_ROWS * bsz * heads):
             return self._attend_segments(grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
         return self._attend_blocks(grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
 

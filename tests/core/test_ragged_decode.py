@@ -6,13 +6,29 @@ prompt positions), so these tests do not depend on any method producing ragged h
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import DynamicCache
 
 from pyramidkv import compress, make_method
+from pyramidkv.core import layout
 from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.kept import KeptKV
 from tests.prompts import STORY, passkey_prompt
+
+
+def spy_paths(monkeypatch) -> set[str]:
+    """The names of DecodeLayout's ragged paths that attend from now on (filled as they run)."""
+    ran = set()
+    for name in ("_attend_segments", "_attend_blocks"):
+        original = getattr(layout.DecodeLayout, name)
+
+        def recorded(self, *args, name=name, original=original):
+            ran.add(name)
+            return original(self, *args)
+
+        monkeypatch.setattr(layout.DecodeLayout, name, recorded)
+    return ran
 
 
 def full_prefill(model, ids, attention_mask=None):
@@ -51,10 +67,13 @@ def hand_built_cache(patch, full: DynamicCache, kept: list[list[list[torch.Tenso
     return cache
 
 
-def test_ragged_decode_equals_hf_attention_over_each_heads_kept_tokens(smollm2):
+@pytest.mark.parametrize("segment_rows", [1, 10**9])   # the ragged rows one segment at a time, or in blocks
+def test_ragged_decode_equals_hf_attention_over_each_heads_kept_tokens(smollm2, monkeypatch, segment_rows):
     """Each layer's attention output (before o_proj) of the patched model, for 3 decode steps, against
     transformers' own attention module run once per KV head h over a DynamicCache that physically holds
     only head h's kept tokens (plus the appended ones), on the same layer input."""
+    monkeypatch.setattr(layout, "SEGMENT_ROWS", segment_rows)
+    attended = spy_paths(monkeypatch)
     model, tokenizer = smollm2
     cfg = model.config
     layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
@@ -102,6 +121,7 @@ def test_ragged_decode_equals_hf_attention_over_each_heads_kept_tokens(smollm2):
     finally:
         for hook in hooks:
             hook.remove()
+    assert attended == {"_attend_segments" if segment_rows == 1 else "_attend_blocks"}, attended
 
 
 def test_ragged_left_padded_batch_equals_single_prompts(smollm2):
