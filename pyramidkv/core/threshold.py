@@ -11,13 +11,13 @@ report and byte figure: core/in_place.py), and the store compacts every COMPACT_
 rebuilt without the gone ones, the tail up to the last decision folded into the kept rows, as a decode-time
 re-selection does (decoding.py). A report between two compactions reads what the rebuild at each decision held.
 
-Per prompt, per layer: `pending` holds (first, scores): the pending tokens are the true positions
-first .. first + P - 1 (0 = first real prompt token), oldest first, and scores their P scores as Python lists of H
-floats (one `tolist` as a token enters, each decision then a comparison in Python: no tensor op per step). They are consecutive: every token from the first
-pending one to the newest is pending (a token >= num_sinks becomes pending as it enters and leaves only once every
-older one has), so the P' tokens leaving at a step are the first P' and, as every pending token is held in every
-head, the token at position p is row m - 1 - (newest - p) of a head whose slots hold m tokens, gone ones included
-(they are all older than every pending token): `_evict` marks that row.
+Per prompt, per layer: `pending` holds (first, scores): the pending tokens are the true positions first .. first +
+P - 1 (0 = first real prompt token), oldest first, and scores their P scores as Python lists of H floats (one
+`tolist` as a token enters, each decision then a comparison in Python: no tensor op per step). They are consecutive:
+every token from the first pending one to the newest is pending (a token >= num_sinks becomes pending as it enters
+and leaves only once every older one has), so the P' tokens leaving at a step are the first P' and, as every pending
+token is held in every head, the token at position p is row m - 1 - (newest - p) of a head whose slots hold m
+tokens, gone ones included (they are all older than every pending token): `_evict` marks that row.
 """
 
 from __future__ import annotations
@@ -160,11 +160,10 @@ class ThresholdDecoder(RunningBytes):
 
     # ---- eviction ---------------------------------------------------------------------------
     def _evict(self, layer_idx: int, drops: list[tuple[int, list[tuple[int, int]]]]) -> None:
-        """Per prompt (first, the (h, j) of each pending token that fails): head h drops position first + j. In a
-        plain
-        full-precision store without thin rows the leaving rows are marked gone in place (their row known from the
-        newest position, module docstring; core/in_place.py) and the store compacts every COMPACT_EVERY decisions;
-        elsewhere every prompt's held tokens are rebuilt without them, head by head."""
+        """Per prompt (first, the (h, j) of each pending token that fails): head h drops position first + j.
+        In a plain full-precision store without thin rows the leaving rows are marked gone in place (their row known
+        from the newest position, module docstring; core/in_place.py) and the store compacts every COMPACT_EVERY
+        decisions; elsewhere every prompt's held tokens are rebuilt without them, head by head."""
         store = self.stores[layer_idx]
         self.compressions[layer_idx] += 1
         if type(store) is FullPrecisionStore and all(k.thin is None for k in store.kept):

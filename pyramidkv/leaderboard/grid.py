@@ -216,10 +216,9 @@ def claim_folder(save_dir: Path, grid: Grid, write: bool = True, extend: bool = 
         if extend:
             lost = [f"{k} {sorted(set(held[k]) - set(record[k]))!r}" for k in sorted(grows & set(differ))
                     if not set(held[k]) <= set(record[k])]
-            other = [k for k in differ if k not in grows]
+            other = [f"{k} {held.get(k)!r} here, {record.get(k)!r} asked" for k in differ if k not in grows]
             raise ValueError(f"--extend: --save_dir {save_dir} holds a grid this one does not contain ("
-                             f"{'; '.join(lost + [f'{k} {held.get(k)!r} here, {record.get(k)!r} asked' for k in other])}"
-                             f"); a grid extends a folder only by adding --methods or --ratios")
+                             f"{'; '.join(lost + other)}); a grid extends a folder only by adding --methods or --ratios")
         raise ValueError(f"--save_dir {save_dir} holds another grid's cells (its {GRID_FILE} differs in: "
                          f"{', '.join(f'{k} {held.get(k)!r} here, {record.get(k)!r} asked' for k in differ)}); "
                          f"use another --save_dir, never a mixed one (--extend adds methods or ratios to it)")
