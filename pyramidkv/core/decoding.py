@@ -131,7 +131,8 @@ class DecodeCompressor(RunningBytes):
         if self.stats is not None:
             self.stats.start(layer_idx, self.stores[layer_idx], self.pad_lens)
         # the per-step rule in place reads the step's own attention rows (core/drop_one.py)
-        self.stores[layer_idx].keep_rows = \
+        # (and H2O's accumulation, core/token_stats.py)
+        self.stores[layer_idx].keep_rows = self.method.accumulates_attention or \
             self.interval == 1 and getattr(self.method, "newest_row_score", None) is not None
         fire = [max(lengths) >= self.limit for lengths in self.stores[layer_idx].kept_counts()]
         if any(fire):

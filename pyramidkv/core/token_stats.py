@@ -70,15 +70,31 @@ class AccumulatedAttention(TokenRows):
         self.prefill[layer_idx] = None
 
     def step(self, layer_idx: int, store, queries: torch.Tensor) -> None:
-        """Add the attention of the new queries (over everything held, causal among themselves),
-        recomputed in float32 by the store rather than taken from the step's attention."""
-        kept_mass, tail_mass = store.received_attention(queries)
+        """Add the attention of the new queries (over everything held, causal among themselves): the step's own
+        float32 rows where its attention kept them (a dense store in position order: `keep_rows`), else recomputed
+        in float32 by the store."""
+        kept_mass, tail_mass = self.step_rows(store, queries.shape[2]) or store.received_attention(queries)
         for acc, mass in zip(self.kept[layer_idx], kept_mass):
             acc += mass
         old = self.tail[layer_idx]
         bsz, heads, _, g = old.shape
         self.tail[layer_idx] = torch.cat([old, old.new_zeros(bsz, heads, queries.shape[2], g)], dim=2) + tail_mass
 
+
+    def step_rows(self, store, q_len: int):
+        """(per prompt [T, g], [B, H, t, g]) the attention the new tokens gave every held token, summed over them,
+        read from the rows the step's attention kept ([B, H, g * q, L + t], position order); None where it kept
+        none, or not in that layout."""
+        rows = store.rows() if getattr(store, "in_order", False) and not getattr(store, "marks", 0) else None
+        t, g = store.tail_len, self.group
+        if rows is None or rows.shape[2] != g * q_len or \
+                any(not k.uniform or k.lengths[0] != rows.shape[3] - t for k in store.kept):
+            return None
+        bsz, heads, _, width = rows.shape
+        mass = rows.view(bsz, heads, g, q_len, width).sum(dim=3)   # [B, H, g, L + t]
+        length = width - t
+        kept = [mass[b, :, :, :length].permute(0, 2, 1).reshape(-1, g) for b in range(bsz)]
+        return kept, mass[:, :, :, length:].permute(0, 1, 3, 2)
 
 
 class AttentionHistory(TokenRows):

@@ -155,3 +155,30 @@ def test_equal_minima_leave_the_older_in_place(model, monkeypatch, lengths):
     assert len(writes) > STEPS and len(ties) > STEPS, (len(writes), len(ties))
     monkeypatch.setattr(DecodeCompressor, "_drop_one", lambda self, layer_idx, fire: False)
     assert_equal_runs(got, run(model, prompts, method))
+
+
+@pytest.mark.parametrize("settings", [
+    dict(budget=24, window_size=4, decode_budget=20, decode_interval=4),
+    dict(budget=24, window_size=4, decode_budget=20, decode_interval=4, gqa_layout="query_head"),
+])
+@pytest.mark.parametrize("lengths", [[40], [40, 33, 31]])   # a batch: every prompt over the budget (dense rows)
+def test_h2o_accumulates_from_the_steps_own_rows(model, monkeypatch, settings, lengths):
+    """H2O's accumulated attention read from the rows the step's attention kept equals the float32 recomputation
+    (`received_attention`) it replaced: the same held sets, tokens, bytes and K/V at every forward."""
+    from pyramidkv.core.token_stats import AccumulatedAttention
+
+    method = make_method("h2o", **settings)
+    prompts = prompts_of(lengths)
+    read = []
+    original = AccumulatedAttention.step_rows
+
+    def counted(self, store, q_len):
+        got = original(self, store, q_len)
+        read.append(got is not None)
+        return got
+
+    monkeypatch.setattr(AccumulatedAttention, "step_rows", counted)
+    got = run(model, prompts, method)
+    assert sum(read) > STEPS, "the steps' own rows were read (else the recomputation is compared with itself)"
+    monkeypatch.setattr(AccumulatedAttention, "step_rows", lambda self, store, q_len: None)
+    assert_equal_runs(got, run(model, prompts, method))
