@@ -100,14 +100,9 @@ class DecodeScoreContext(ScoreContext):
     then the decode queries; NaN where it was not there), history_levels: [1, Hq, w_h] the uniform level
     1 / (tokens its stored head attended) of each of those queries, for methods with a `history_window`;
     else None.
-    attention: [1, Hq, 1, m] float32, the newest query's attention row over the held tokens as the decode step's
-    own attention computed it, for methods with a `newest_row_score` (TOVA) at the per-step rule in place
-    (core/drop_one.py); positions are then in the store's slot order, not position order, and keys and values are
-    None (not gathered: such a score reads the row); else None.
     """
 
     accumulated: Optional[torch.Tensor] = None
-    attention: Optional[torch.Tensor] = None
     history: Optional[torch.Tensor] = None
     history_levels: Optional[torch.Tensor] = None
 

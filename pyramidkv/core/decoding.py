@@ -155,7 +155,7 @@ class DecodeCompressor(RunningBytes):
         if self.stats is not None:
             self.stats.step(layer_idx, self.stores[layer_idx], queries)
         store = self.stores[layer_idx]
-        if getattr(store, "steady", False) and in_place_step(self, layer_idx, store, [True] * len(store.kept)):
+        if getattr(store, "steady", False) and in_place_step(self, layer_idx, store):
             # the step before was TOVA's in place, nothing else since: every head held decode_budget + 1 tokens
             # after the append, as then, and is back to decode_budget: the layer's bytes are its count before it
             self.compressions[layer_idx] += 1

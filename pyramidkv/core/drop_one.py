@@ -63,12 +63,13 @@ def drop_one(compressor, layer_idx: int, fire: list[bool]) -> bool:
     return True
 
 
-def in_place_step(compressor, layer_idx: int, store: FullPrecisionStore, fire: list[bool]) -> bool:
-    """Every prompt fires, its one new token in the tail: each head's lowest candidate by the step's own attention
-    row leaves, the new token takes its row. False, changing nothing, where that does not apply."""
+def in_place_step(compressor, layer_idx: int, store: FullPrecisionStore, fire: Optional[list[bool]] = None) -> bool:
+    """Every prompt fires (fire None: known to), its one new token in the tail: each head's lowest candidate by the
+    step's own attention row leaves, the new token takes its row. False, changing nothing, where that does not
+    apply."""
     method, rows = compressor.method, store.rows()
     row_score = getattr(method, "newest_row_score", None)
-    if row_score is None or type(store) is not FullPrecisionStore or not all(fire) or store.tail_len != 1 or \
+    if row_score is None or type(store) is not FullPrecisionStore or not all(fire or ()) or store.tail_len != 1 or \
             store.marks or rows is None or rows.shape[2] != compressor.group or \
             store.kept[0].keys.dtype not in (torch.float32, torch.float64):
         return False

@@ -80,7 +80,6 @@ class AccumulatedAttention(TokenRows):
         bsz, heads, _, g = old.shape
         self.tail[layer_idx] = torch.cat([old, old.new_zeros(bsz, heads, queries.shape[2], g)], dim=2) + tail_mass
 
-
     def step_rows(self, store, q_len: int):
         """(per prompt [T, g], [B, H, t, g]) the attention the new tokens gave every held token, summed over them,
         read from the rows the step's attention kept ([B, H, g * q, L + t], position order); None where it kept

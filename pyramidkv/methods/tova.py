@@ -48,11 +48,8 @@ class TOVA(DecodesAtItsBudget, Method):
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """[B, H, n]: the last query's attention averaged over all query heads, copied to every head."""
-        row = getattr(ctx, "attention", None)   # the decode step's own row, where the engine gives it (no keys then)
-        if row is None:
-            row = window_attention(ctx.queries, ctx.keys, ctx.real, 1, ctx.pattern, form=ctx.form)  # [B, Hq, 1, n]
-        heads = ctx.keys.shape[1] if ctx.keys is not None else ctx.positions.shape[1]
-        return self.newest_row_score(row[:, :, 0]).expand(-1, heads, -1)
+        row = window_attention(ctx.queries, ctx.keys, ctx.real, 1, ctx.pattern, form=ctx.form)  # [B, Hq, 1, n]
+        return self.newest_row_score(row[:, :, 0]).expand(-1, ctx.keys.shape[1], -1)
 
     @staticmethod
     def newest_row_score(rows: torch.Tensor) -> torch.Tensor:
