@@ -18,6 +18,10 @@ def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
         os.environ["OMP_NUM_THREADS"] = "1"
+    # The C reads of quantized KV are built (a compiler process, once per machine) before any test runs: the tier
+    # guard below refuses processes inside a fast test.
+    from pyramidkv.quantization import native
+    native.library()
 
 
 # ---------------------------------------------------------------------------------------------------- tiers
@@ -31,6 +35,8 @@ def pytest_configure(config):
 # make test-fast: none of the three (the edit loop); make test (README, CI): all but exhaustive; make test-all.
 TIERS: dict[str, tuple[str, ...]] = {
     "integration": (
+        "tests/quantization/test_native_read.py::test_without_a_compiler_the_torch_ops_read_and_say_why",
+        "tests/quantization/test_native_read.py::test_a_build_is_kept_and_reused",
         "tests/allocation/test_head_scores.py::test_script_both_kinds_naming",
         "tests/allocation/test_head_scores.py::test_script_on_default_model_reduced",
         "tests/sizing/test_threshold.py::test_a_runner_records_what_was_achieved",

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from pyramidkv.quantization import native
 from pyramidkv.quantization.block import QuantizedBlock
 from pyramidkv.quantization.kernels import unpack_levels
 
@@ -89,6 +90,9 @@ def grid_scores(grid: CellGrid, keys: QuantizedBlock, queries: torch.Tensor, scr
     segs, most = grid.segments, grid.most
     _, g, dim = keys.shape
     rows = queries.shape[1]
+    if native.reads(keys):
+        out = native.key_scores(keys.codes, keys.scale, keys.zero, queries, most, g, keys.nbits, _order(grid))
+        return _capped_and_masked(grid, out, cap)
     codes, scale, zero = _in_grid(grid, keys, scratch, "grid.keys.")            # [S*M, D, G/per], [S*M, D, 1] x 2
     levels = unpack_levels(codes, keys.nbits, scratch=scratch)                 # [S*M, D, G]
     q = queries.float()
@@ -100,10 +104,30 @@ def grid_scores(grid: CellGrid, keys: QuantizedBlock, queries: torch.Tensor, scr
     raw = torch.bmm(scaled.view(segs * most, rows, dim), levels)               # [S*M, rows, G]
     out = torch.empty(segs, rows, most, g, device=q.device)
     torch.add(raw.view(segs, most, rows, g).transpose(1, 2), bias.transpose(1, 2).unsqueeze(-1), out=out)
-    out = out.view(segs, rows, most * g) if cap is None else cap(out.view(segs, rows, most * g))
+    return _capped_and_masked(grid, out.view(segs, rows, most * g), cap)
+
+
+def _capped_and_masked(grid: CellGrid, scores: torch.Tensor, cap) -> torch.Tensor:
+    """scores [S, rows, M * G] through the soft-cap where given, then empty cells at the lowest float."""
+    out = scores if cap is None else cap(scores)
     if grid.empty is not None:
-        out.view(segs, rows, most, g).masked_fill_(grid.empty[:, None, :, None], torch.finfo(torch.float32).min)
+        out.view(grid.segments, out.shape[1], grid.most, -1).masked_fill_(grid.empty[:, None, :, None],
+                                                                            torch.finfo(torch.float32).min)
     return out
+
+
+_IDENTITY: dict[torch.device, torch.Tensor] = {}
+
+
+def _order(grid: CellGrid) -> torch.Tensor:
+    """The stack row of each cell (long [S * M]): grid.order, or the identity where the stack is the grid."""
+    if grid.order is not None:
+        return grid.order
+    device, cells = grid.keys.codes.device, grid.segments * grid.most
+    if device not in _IDENTITY or _IDENTITY[device].numel() < cells:
+        _IDENTITY[device] = torch.arange(max(cells, 2 * _IDENTITY.get(device, torch.empty(0)).numel()),
+                                         device=device)
+    return _IDENTITY[device][:cells]
 
 
 def grid_values(grid: CellGrid, values: QuantizedBlock, probs: torch.Tensor, scratch=None) -> torch.Tensor:
@@ -114,6 +138,9 @@ def grid_values(grid: CellGrid, values: QuantizedBlock, probs: torch.Tensor, scr
     _, row_tokens, dim = values.shape
     g = values.group_size                                                      # channels per group
     groups, tokens, rows = dim // g, most * row_tokens, probs.shape[1]
+    if native.reads(values):
+        return native.weighted_values(values.codes, values.scale, values.zero, probs, most, row_tokens, g,
+                                      values.nbits, _order(grid))
     codes, scale, zero = _in_grid(grid, values, scratch, "grid.values.")       # [S*M, G, D/per], [S*M, G, J] x 2
     codes = codes.reshape(segs, tokens, groups, -1).transpose(1, 2)            # [S, J, T, g/per] (a view)
     levels = unpack_levels(codes, values.nbits, scratch=scratch)               # [S, J, T, g]

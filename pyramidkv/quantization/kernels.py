@@ -40,6 +40,7 @@ from typing import Optional
 
 import torch
 
+from pyramidkv.quantization import native
 from pyramidkv.quantization.block import QuantizedBlock
 from pyramidkv.quantization.packing import packed_length
 
@@ -264,6 +265,8 @@ def key_scores(block: QuantizedBlock, queries: torch.Tensor, start: int, stop: i
     if stop - start != tokens:
         codes = codes[:, :, start // per_byte: stop // per_byte]
         scale, zero = scale[:, :, start // g: stop // g], zero[:, :, start // g: stop // g]
+    if native.reads(block):
+        return native.key_scores(codes, scale, zero, queries, groups, g, block.nbits)
     if groups > 1:
         codes = _groups_first(codes.unflatten(-1, (groups, -1)), scratch)     # [N, J, D, G / 4]
     levels = unpack_levels(codes, block.nbits, block.codebook, scratch).view(n * groups, dim, g)
@@ -298,6 +301,8 @@ def weighted_values(block: QuantizedBlock, probs: torch.Tensor, start: int, stop
     codes, scale, zero = block.codes, block.scale, block.zero                  # [N, T, D / 4], [N, T, D / G] (2 bits)
     if span != tokens:
         codes, scale, zero = codes[:, start:stop], scale[:, start:stop], zero[:, start:stop]
+    if native.reads(block):
+        return native.weighted_values(codes, scale, zero, probs, 1, span, g, block.nbits).to(dtype)
     levels = unpack_levels(codes, block.nbits, block.codebook, scratch)                           # [N, span, D]
     p = probs.float()
     scaled = torch.mul(p.unsqueeze(1), scale.transpose(1, 2).unsqueeze(2),      # [N, D / G, rows, span]

@@ -58,7 +58,7 @@ def grown_store(counts, quantizer, steps: int, form=AttentionForm()) -> Quantize
     ([[160, 160, 160], [96, 96, 96]], 0, False, True),   # two prompts: the second's cells past 2 groups empty
     ([[70, 130, 33], [200, 12, 96]], 40, False, True),   # ragged heads, groups pushed while decoding
 ])
-def test_grid_read_equals_a_float64_softmax_over_the_dequantized_store(counts, steps, in_order, empty):
+def test_grid_read_equals_a_float64_softmax_over_the_dequantized_store(counts, steps, in_order, empty, reader):
     store = grown_store(counts, KIVIQuantizer(nbits=2, group_size=32, residual_length=32), steps)
     grid = store.decoded.grid()
     assert grid is not None
@@ -69,7 +69,7 @@ def test_grid_read_equals_a_float64_softmax_over_the_dequantized_store(counts, s
 
 
 @pytest.mark.parametrize("nbits,group", [(4, 16), (8, 32), (2, 8)])
-def test_grid_read_at_other_widths(nbits, group):
+def test_grid_read_at_other_widths(nbits, group, reader):
     store = grown_store([[70, 130, 33]], KIVIQuantizer(nbits=nbits, group_size=group, residual_length=group), group + 3)
     assert store.decoded.grid() is not None
     queries = torch.randn(1, 6, 1, HEAD_DIM, generator=torch.Generator().manual_seed(5))
@@ -77,7 +77,7 @@ def test_grid_read_at_other_widths(nbits, group):
     np.testing.assert_allclose(got, float64_attention(store, queries), rtol=1e-5, atol=2e-5)
 
 
-def test_soft_capped_grid_masks_empty_cells_after_the_cap():
+def test_soft_capped_grid_masks_empty_cells_after_the_cap(reader):
     """cap(lowest) is -softcap, a logit like any other: empty cells must be masked after the cap, not before."""
     cap = 5.0
     store = grown_store([[70, 130, 33]], KIVIQuantizer(nbits=2, group_size=16, residual_length=16), 0,

@@ -70,7 +70,7 @@ SETTINGS = [(2, 4), (2, 8), (2, 16), (2, 32), (2, 64), (4, 8), (4, 32), (8, 16),
 # --- the kernels ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("nbits,group", SETTINGS)
-def test_folded_key_scores_equal_float64_dequantize_then_matmul(nbits, group):
+def test_folded_key_scores_equal_float64_dequantize_then_matmul(nbits, group, reader):
     block = random_block(KIVIQuantizer(nbits=nbits, group_size=group, residual_length=0), "channel", 3, 4 * 64, 1)
     assert folds(block)
     keys = dequantized_f64(block)
@@ -85,7 +85,7 @@ def test_folded_key_scores_equal_float64_dequantize_then_matmul(nbits, group):
 
 
 @pytest.mark.parametrize("nbits,group", SETTINGS)
-def test_folded_weighted_values_equal_float64_dequantize_then_matmul(nbits, group):
+def test_folded_weighted_values_equal_float64_dequantize_then_matmul(nbits, group, reader):
     block = random_block(KIVIQuantizer(nbits=nbits, group_size=group, residual_length=0), "token", 3, 160, 3)
     assert folds(block)
     values = dequantized_f64(block)
@@ -266,7 +266,7 @@ def expected_attention(quantizer, handed_keys, handed_values, query) -> np.ndarr
 
 
 @pytest.mark.parametrize("nbits,group,residual", [(2, 32, 32), (2, 8, 16), (4, 16, 0), (8, 32, 64), (2, 16, 128)])
-def test_store_attention_equals_float64_softmax_over_ragged_segments(nbits, group, residual):
+def test_store_attention_equals_float64_softmax_over_ragged_segments(nbits, group, residual, reader):
     """Two prompts of three stored heads keeping different counts (with most settings some head holds fewer
     than R tokens, or no whole group past R, at first), 2 query heads per stored head; tokens appended until
     groups leave the windows while decoding."""
