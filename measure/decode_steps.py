@@ -9,6 +9,9 @@ cheap figure for decode-time work such as per-step eviction, on a machine too lo
 Base and branch side by side: run it twice at once, PYTHONPATH at each checkout, same arguments. Each row also
 reports what its cache holds after the last step (tokens summed over layers and heads, and bytes).
 
+A row ending in @torch (`"fullkv:quant_method=kivi,nbits=2@torch"`, `kvzap@torch`) runs the torch ops where the
+C kernels (pyramidkv/native: the quantized reads, the ragged segments) run by default: both side by side in one run.
+
 --interleave: every row gets its own copy of the model and cache, prefilled first, then the rows take their decode
 steps in turn (step 1 of every row, then step 2, ...), so that a load changing over the run weighs on every row
 alike: on a shared machine the ratios between rows hold where separate windows of time move a row by 10-20 %.
@@ -55,6 +58,33 @@ def decode_row(model, ids, spec: str, budget: int, new_tokens: int, warmup: int)
         patch.remove()
 
 
+TORCH_READS = "@torch"
+
+
+def step_reads(row: str):
+    """The context a row's steps run in: a row ending in @torch with the torch ops, not the C kernels
+    (pyramidkv/native); any other row as the machine's default."""
+    import contextlib
+
+    if not row.endswith(TORCH_READS):
+        return contextlib.nullcontext()
+    from pyramidkv.quantization import native
+
+    from pyramidkv.core import layout
+
+    @contextlib.contextmanager
+    def torch_ops():
+        reads, native.reads = native.reads, lambda block: False
+        in_c = getattr(layout, "_in_c", None)
+        layout._in_c = lambda *args: False
+        try:
+            yield
+        finally:
+            native.reads = reads
+            layout._in_c = in_c
+    return torch_ops()
+
+
 @torch.no_grad()
 def interleaved_rows(model, ids, specs: list[str], budget: int, new_tokens: int, warmup: int) -> dict:
     """decode_row's figures for every spec, the steps of the rows taken in turn (each row its own model copy)."""
@@ -62,15 +92,19 @@ def interleaved_rows(model, ids, specs: list[str], budget: int, new_tokens: int,
     try:
         for spec in specs:
             copy = deepcopy(model)
-            patch = compress(copy, method_from_spec(spec, budget))
+            patch = compress(copy, method_from_spec(spec.removesuffix(TORCH_READS), budget))
             rows.append((spec, copy, patch, patch.new_cache(ids.tolist(), None), []))
-        tokens = [m(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1) for _, m, _, cache, _ in rows]
+        tokens = []
+        for spec, m, _, cache, _ in rows:
+            with step_reads(spec):
+                tokens.append(m(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1))
         for step in range(warmup + new_tokens):
-            for i, (_, m, _, cache, times) in enumerate(rows):
-                start = time.thread_time()
-                tokens[i] = m(tokens[i], past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-                if step >= warmup:
-                    times.append(time.thread_time() - start)
+            for i, (spec, m, _, cache, times) in enumerate(rows):
+                with step_reads(spec):
+                    start = time.thread_time()
+                    tokens[i] = m(tokens[i], past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                    if step >= warmup:
+                        times.append(time.thread_time() - start)
         return {spec: {"decode_s_per_token": statistics.median(times), "kv_bytes": cache.kv_bytes(),
                        "held_tokens": sum(sum(cache.held_counts(layer)[0]) for layer in range(len(cache.layers)))}
                 for spec, _, _, cache, times in rows}
@@ -102,7 +136,11 @@ def main(argv=None) -> None:
     if args.interleave:
         rows = interleaved_rows(model, ids, args.methods, args.budget, args.new_tokens, args.warmup)
     else:
-        rows = {spec: decode_row(model, ids, spec, args.budget, args.new_tokens, args.warmup) for spec in args.methods}
+        rows = {}
+        for spec in args.methods:
+            with step_reads(spec):
+                rows[spec] = decode_row(model, ids, spec.removesuffix(TORCH_READS), args.budget, args.new_tokens,
+                                        args.warmup)
     first = rows[args.methods[0]]["decode_s_per_token"]
     print(f"\nn = {args.context_length}, budget {args.budget}, {args.new_tokens} timed steps after {args.warmup}"
           f"{' (rows interleaved)' if args.interleave else ''}, "

@@ -6,9 +6,11 @@ thread CPU time, one torch thread, rows interleaved in one process (SmolLM2-135M
 
 Rows: "full precision" (FullPrecisionStore.attend), "kivi, spans" (the stacked groups read span by span, each
 G-token group its own product: the path before the grid, still taken by stacks that are not plain), "kivi, grid"
-(quantization/cells.py). Each store holds n prompt tokens of every head plus 16 appended (the decode benchmark's
-steps). Prints per length the least CPU milliseconds per attend of each row over the rounds (the machine is shared:
-the least is the run least disturbed) and its ratio to full precision.
+(quantization/cells.py), "kivi, torch ops" (the grid read by torch ops instead of the C kernels of
+pyramidkv/native; the two rows before use the C kernels where this machine built them). Each store holds n prompt
+tokens of every head plus 16 appended (the decode benchmark's steps). Prints per length the least CPU milliseconds per
+attend of each row over the rounds (the machine is shared: the least is the run least disturbed) and its ratio to full
+precision.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.quantized import QuantizedStore
-from pyramidkv.quantization import KIVIQuantizer
+from pyramidkv.quantization import KIVIQuantizer, native
 from pyramidkv.quantization.kernels import Scratch
 from pyramidkv.quantization.stack import DecodeBlocks
 from pyramidkv.runner.arguments import ArgumentParser
@@ -49,7 +51,7 @@ def main() -> None:
     ap.add_argument("--nbits", type=int, default=2, choices=(2, 4, 8))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    grid = DecodeBlocks.grid
+    grid, reads = DecodeBlocks.grid, native.reads
     for n in args.lengths:
         quantized, full, queries = stores(n, args.nbits)
 
@@ -60,8 +62,15 @@ def main() -> None:
             finally:
                 DecodeBlocks.grid = grid
 
+        def torch_ops():
+            native.reads = lambda block: False
+            try:
+                return quantized.attend(queries)
+            finally:
+                native.reads = reads
+
         rows = {"full precision": lambda: full.attend(queries), "kivi, spans": spans,
-                "kivi, grid": lambda: quantized.attend(queries)}
+                "kivi, grid": lambda: quantized.attend(queries), "kivi, torch ops": torch_ops}
         times = {name: [] for name in rows}
         for _ in range(args.rounds):
             for name, attend in rows.items():
@@ -73,7 +82,7 @@ def main() -> None:
         base = min(times["full precision"])
         print(f"n = {n}, kivi-{args.nbits}, {args.rounds} rounds, least CPU ms per attend (x full precision)")
         for name, values in times.items():
-            print(f"  {name:16s} {min(values) * 1e3:7.3f}  ({min(values) / base:.2f}x)")
+            print(f"  {name:17s} {min(values) * 1e3:7.3f}  ({min(values) / base:.2f}x)")
 
 
 if __name__ == "__main__":

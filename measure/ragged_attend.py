@@ -1,6 +1,7 @@
 """Decode attention over a ragged cache against a dense cache of the same size: each layer's held counts per head
 after a real prefill of a threshold method (kvzap, duo_attention), its rows attended one segment at a time (the
-threshold decoder's path, core/layout.py `_attend_segments`) or in blocks of segments (the ragged path of AdaKV and
+threshold decoder's path, core/layout.py `_attend_segments`: in C, pyramidkv/native/segment_attend.c, and by the
+torch ops it replaces) or in blocks of segments (the ragged path of AdaKV and
 HeadKV), beside a dense store holding each layer's mean count in every head. Thread CPU time, one torch thread,
 rows interleaved in one process, random K/V (the counts set the cost, not the values), 16 tokens appended.
 
@@ -18,6 +19,7 @@ import torch
 
 from pyramidkv import DEFAULT_MODEL_NAME, compress, load_model
 from pyramidkv.benchmarks.measure import method_from_spec, prompt_ids
+from pyramidkv.core import layout
 from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.runner.arguments import ArgumentParser
@@ -64,18 +66,23 @@ def main(argv=None) -> None:
     queries = torch.randn(1, query_heads, 1, dim, generator=generator)
     for spec in args.methods:
         layers = held_counts(model, ids, spec)
+        by_segment = [store(c, dim, query_heads, True, generator) for c in layers]
         rows = {
-            "ragged, by segment": [store(c, dim, query_heads, True, generator) for c in layers],
+            "ragged, by segment": by_segment,
+            "ragged, by segment, torch ops": by_segment,
             "ragged, in blocks": [store(c, dim, query_heads, False, generator) for c in layers],
             "dense, same size": [store([round(sum(c) / len(c))] * len(c), dim, query_heads, False, generator)
                                  for c in layers]}
         times = {name: [] for name in rows}
+        in_c = layout._in_c
         for _ in range(args.rounds):
             for name, stores in rows.items():
+                layout._in_c = (lambda *a: False) if name.endswith("torch ops") else in_c
                 start = time.thread_time()
                 for layer_store in stores:
                     layer_store.attend(queries)
                 times[name].append(time.thread_time() - start)
+        layout._in_c = in_c
         dense = statistics.median(times["dense, same size"])
         print(f"\n{spec}: {sum(map(sum, layers))} held tokens over {len(layers)} layers\n\n"
               f"| row | ms per attend of every layer | x dense |\n|---|---|---|")

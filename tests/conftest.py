@@ -18,10 +18,10 @@ def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
         os.environ["OMP_NUM_THREADS"] = "1"
-    # The C reads of quantized KV are built (a compiler process, once per machine) before any test runs: the tier
-    # guard below refuses processes inside a fast test.
-    from pyramidkv.quantization import native
-    native.library()
+    # The C kernels are built (a compiler process, once per machine) before any test runs: the tier guard below
+    # refuses processes inside a fast test.
+    from pyramidkv.native import library
+    library()
 
 
 # ---------------------------------------------------------------------------------------------------- tiers

@@ -49,8 +49,9 @@ def test_installed_package_imports_every_module_and_draws_the_needle_heatmap(tmp
         from pyramidkv.methods.calibrated import model_artifact
         for kind in ("kvzap-linear", "qfilter", "kvzip-head"):   # packaged calibration files
             model_artifact(kind, None, ModelShape(30, 9, 3, {smollm2_path!r}))
-        from pyramidkv.quantization import native                     # the packaged C source builds
-        assert native.SOURCE.is_file() and native.SOURCE.is_relative_to({str(target)!r}), native.SOURCE
+        import pyramidkv.native as native                              # the packaged C sources build
+        for source in (*native.SOURCES, native.HEADER):
+            assert source.is_file() and source.is_relative_to({str(target)!r}), source
         assert native.status() == "on", native.status()
         from pyramidkv.viz.needle import plot_run
         print(len(names), plot_run({str(run_dir)!r}, {str(out)!r}, annotate=True))

@@ -17,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pyramidkv"
 # The floor table (docs/architecture.md and shared/STYLE.md keep the same one).
 FLOORS = {
     "pyramidkv.components": 0,      # settings base and checks
+    "pyramidkv.native": 0,          # C kernels (built on first use, loaded with ctypes): imports nothing of ours
     "pyramidkv.allocation": 1,      # the units of a method, one folder per axis
     "pyramidkv.merging": 1,
     "pyramidkv.quantization": 1,

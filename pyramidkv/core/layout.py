@@ -6,8 +6,10 @@ stays 1/sqrt(D)). Within a part, either every prompt and head keeps the same cou
 matmul over [B, H, L, Dk] views; or the counts are ragged (AdaKV, HeadKV, prompts kept whole next to
 compressed ones): the part's rows lie flat, prompt-major then head-major, and are attended in blocks
 of segments (a segment = one prompt's stored head); each block's query rows meet all of the block's
-key rows in one matmul and the rows of other segments are masked out (a threshold decoder's stores, whose heads
-hold 128 next to 4,000 tokens: one segment at a time instead, `by_segment`). No padded copy. One joint softmax (float32) over (thin, full, tail) per query row. Rows marked gone (a threshold
+key rows in one matmul and the rows of other segments are masked out (a threshold decoder's stores, whose
+heads hold 128 next to 4,000 tokens: one segment at a time instead, `by_segment`; float32 CPU segments without
+thin rows: every segment of the layer in one C call, pyramidkv/native/segment_attend.c). No padded copy. One
+joint softmax (float32) over (thin, full, tail) per query row. Rows marked gone (a threshold
 decision in place, core/in_place.py) get the lowest logit: probability 0, as if not held.
 """
 
@@ -22,11 +24,13 @@ import torch
 from pyramidkv.components import AttentionForm
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.scoring import PLAIN, probabilities
+from pyramidkv.native import check, library
 
 # At most this many segments per block bounds the FLOPs spent on masked rows.
 SEGMENTS_PER_BLOCK = 4
 # Ragged full-width rows are attended one segment at a time where a segment holds this many rows on average (and
-# always under `by_segment`, a threshold decoder's), else in blocks. measure/ragged_attend.py, n = 4,096, one thread,
+# always under `by_segment`, a threshold decoder's, and wherever the segments run in C: pyramidkv/native's
+# segment_attend.c, 0.76x-0.98x a dense read of the same size, docs/speed.md, Eighth pass), else in blocks. measure/ragged_attend.py, n = 4,096, one thread,
 # x a dense read of the same size: AdaKV at 128 / 256 tokens a head, segments 1.53 / 1.50, blocks 1.42 / 1.45; at
 # 1,024 / 2,048, segments 1.31-1.40 / 1.26, blocks 1.58-1.64 / 1.57 (docs/speed.md, Seventh pass).
 SEGMENT_ROWS = 512
@@ -155,7 +159,9 @@ class DecodeLayout:
             tail_scores[..., :tail_gone.shape[2]].masked_fill_(tail_gone[:, :, None, :], torch.finfo(tail_scores.dtype).min)
         if self.dense:
             return self._attend_dense(grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
-        if len(self.parts) == 1 and (self.by_segment or self.parts[0].keys.shape[0] >= SEGMENT_ROWS * bsz * heads):
+        part = self.parts[-1]
+        if len(self.parts) == 1 and (self.by_segment or _in_c(part, grouped, self.form)
+                                     or part.keys.shape[0] >= SEGMENT_ROWS * bsz * heads):
             return self._attend_segments(grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
         return self._attend_blocks(grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
 
@@ -188,6 +194,8 @@ class DecodeLayout:
         more than the extra calls (docs/speed.md, "Sixth pass")."""
         bsz, heads, rows, dim = grouped.shape
         part = self.parts[0]
+        if _in_c(part, grouped, self.form):
+            return _segments_in_c(part, self.gone if self.gone_segments else None, grouped, tail_scores, tail_values)
         if self._segments is None:   # per segment (row start, keys^T [D, L_s], values [L_s, D])
             self._segments = [(start, keys.T, values) for start, keys, values in
                               zip(part.offsets, part.keys.split(part.lengths), part.values.split(part.lengths))]
@@ -227,3 +235,28 @@ class DecodeLayout:
             tail = torch.matmul(probs[..., start:], tail_values[first:last])
             outputs.append(out.view(last - first, rows, dim) + tail)
         return torch.cat(outputs)
+
+
+def _in_c(part: Part, grouped: torch.Tensor, form: AttentionForm) -> bool:
+    """Whether the segment path runs in C (pyramidkv/native/segment_attend.c): float32 on the CPU, logits not
+    soft-capped, and the kernels built."""
+    return (grouped.device.type == "cpu" and grouped.dtype == part.keys.dtype == torch.float32 and not form.capped
+            and library() is not None)
+
+
+def _segments_in_c(part: Part, gone: Optional[torch.Tensor], grouped: torch.Tensor, tail_scores: torch.Tensor,
+                   tail_values: torch.Tensor) -> torch.Tensor:
+    """The segment path in one call: grouped [B, H, rows, D], tail_scores [B, H, rows, t] (the tail's logits, masked),
+    tail_values [B, H, t, D]; gone: bool [R] or None. Same logits, float32 softmax and products as the torch ops."""
+    if getattr(part, "offset_tensor", None) is None:
+        part.offset_tensor = torch.tensor(part.offsets, dtype=torch.int64)
+    keys, values = part.keys.contiguous(), part.values.contiguous()
+    queries, tail_scores = grouped.contiguous(), tail_scores.float().contiguous()
+    tail_values = tail_values.contiguous()
+    bsz, heads, rows, dim = queries.shape
+    out = torch.empty_like(queries)
+    check(library().pk_segment_attend(queries.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                                      part.offset_tensor.data_ptr(), None if gone is None else gone.contiguous().data_ptr(),
+                                      tail_scores.data_ptr(), tail_values.data_ptr(), bsz * heads, rows, dim,
+                                      tail_values.shape[2], out.data_ptr()))
+    return out

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from pyramidkv.components import atomic_write
-from pyramidkv.quantization import native
+from pyramidkv.native import status as native_status
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -178,7 +178,7 @@ def write_run_meta(out_dir: Path, args: dict, method=None, extra: dict | None = 
         "python": platform.python_version(),
         "platform": platform.platform(),
         "versions": _versions(["torch", "transformers", "pyramidkv", "flash-attn", "datasets"]),
-        "quantized_reads": "C kernels" if native.status() == "on" else f"torch ops: {native.status()}",
+        "native_kernels": native_status(),   # on, or why the torch ops ran instead (pyramidkv/native)
         **(extra or {}),
         "fingerprint": fingerprint,
     }

@@ -67,13 +67,19 @@ def hand_built_cache(patch, full: DynamicCache, kept: list[list[list[torch.Tenso
     return cache
 
 
-@pytest.mark.parametrize("segment_rows", [1, 10**9])   # the ragged rows one segment at a time, or in blocks
-def test_ragged_decode_equals_hf_attention_over_each_heads_kept_tokens(smollm2, monkeypatch, segment_rows):
+# The ragged rows one segment at a time (in C, pyramidkv/native/segment_attend.c, or by torch ops), or in blocks.
+@pytest.mark.parametrize("segment_rows,in_c", [(1, True), (1, False), (10**9, False)])
+def test_ragged_decode_equals_hf_attention_over_each_heads_kept_tokens(smollm2, monkeypatch, segment_rows, in_c):
     """Each layer's attention output (before o_proj) of the patched model, for 3 decode steps, against
     transformers' own attention module run once per KV head h over a DynamicCache that physically holds
     only head h's kept tokens (plus the appended ones), on the same layer input."""
     monkeypatch.setattr(layout, "SEGMENT_ROWS", segment_rows)
     attended = spy_paths(monkeypatch)
+    in_c_calls = []
+    in_c_original = layout._segments_in_c
+    monkeypatch.setattr(layout, "_segments_in_c", lambda *args: in_c_calls.append(1) or in_c_original(*args))
+    if not in_c:
+        monkeypatch.setattr(layout, "_in_c", lambda *args: False)
     model, tokenizer = smollm2
     cfg = model.config
     layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
@@ -122,6 +128,7 @@ def test_ragged_decode_equals_hf_attention_over_each_heads_kept_tokens(smollm2, 
         for hook in hooks:
             hook.remove()
     assert attended == {"_attend_segments" if segment_rows == 1 else "_attend_blocks"}, attended
+    assert bool(in_c_calls) == in_c
 
 
 def test_ragged_left_padded_batch_equals_single_prompts(smollm2):

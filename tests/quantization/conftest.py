@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from pyramidkv.native import library, status
 from pyramidkv.quantization import native
 
 
@@ -13,5 +14,5 @@ def reader(request, monkeypatch):
     if request.param == "torch":
         monkeypatch.setattr(native, "reads", lambda block: False)
     else:
-        assert native.library() is not None, f"the C reads of quantized KV are {native.status()}"
+        assert library() is not None, f"the C kernels are {status()}"
     return request.param

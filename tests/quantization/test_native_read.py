@@ -1,4 +1,4 @@
-"""The C reads of quantized KV (pyramidkv.quantization.native): built on this machine, used for plain blocks, and
+"""The C reads of quantized KV (pyramidkv.quantization.native over pyramidkv/native): built on this machine, used for plain blocks, and
 right for every row count a panel can hold (1-4 query rows a stored head, and more, split in panels) against the
 float64 dequantize-then-matmul reference; without a compiler, or turned off, the torch ops read instead and
 `status()` says why. The reads themselves are also run by the `reader`-parametrized tests beside this file."""
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import pyramidkv.native as built
 from pyramidkv.quantization import GEARQuantizer, KIVIQuantizer, kernels, native
 from tests.quantization.test_folded_attention import dequantized_f64, random_block
 
@@ -17,13 +18,13 @@ from tests.quantization.test_folded_attention import dequantized_f64, random_blo
 def rebuilt(monkeypatch, tmp_path):
     """A fresh look for the library (cleared again after the test, so later tests find the real one)."""
     monkeypatch.setenv("PYRAMIDKV_NATIVE_CACHE", str(tmp_path))
-    native.library.cache_clear()
+    built.library.cache_clear()
     yield
-    native.library.cache_clear()
+    built.library.cache_clear()
 
 
 def test_this_machine_builds_and_uses_the_c_reads():
-    assert native.status() == "on"
+    assert built.status() == "on"
     assert native.reads(random_block(KIVIQuantizer(), "channel", 2, 64, 0))
     gear = random_block(GEARQuantizer(group_size=16), "channel", 2, 64, 0)
     assert not native.reads(gear)                         # outliers and a low-rank term: the torch ops fold them
@@ -49,8 +50,8 @@ def test_every_row_count_equals_float64(rows, nbits, group):
 def test_without_a_compiler_the_torch_ops_read_and_say_why(rebuilt, monkeypatch):
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with pytest.warns(RuntimeWarning, match="could not be built"):
-        assert native.library() is None
-    assert native.status().startswith("unavailable (/nonexistent/cc")
+        assert built.library() is None
+    assert built.status().startswith("unavailable (/nonexistent/cc")
     block = random_block(KIVIQuantizer(), "channel", 2, 64, 1)
     assert not native.reads(block)
     queries = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0))
@@ -60,15 +61,15 @@ def test_without_a_compiler_the_torch_ops_read_and_say_why(rebuilt, monkeypatch)
 
 def test_turned_off_by_the_environment(rebuilt, monkeypatch):
     monkeypatch.setenv("PYRAMIDKV_NATIVE", "0")
-    assert native.library() is None and native.status() == "off (PYRAMIDKV_NATIVE=0)"
+    assert built.library() is None and built.status() == "off (PYRAMIDKV_NATIVE=0)"
     assert not native.reads(random_block(KIVIQuantizer(), "channel", 2, 64, 1))
 
 
 def test_a_build_is_kept_and_reused(rebuilt, tmp_path):
-    assert native.library() is not None
-    built = sorted(tmp_path.glob("native_read-*.so"))
+    assert built.library() is not None
+    built = sorted(tmp_path.glob("native-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
-    native.library.cache_clear()
-    assert native.library() is not None
+    built.library.cache_clear()
+    assert built.library() is not None
     assert sorted(tmp_path.glob("*")) == built and built[0].stat().st_mtime_ns == stamp   # no rebuild, no leftovers

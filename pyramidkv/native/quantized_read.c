@@ -1,6 +1,6 @@
 /* Decode attention's two products over uniformly quantized KV (KIVI's plain groups), reading the packed
  * codes directly: a code's level is made in a small buffer at the moment it is multiplied and never
- * written to memory. Built and loaded by native.py; kernels.py and cells.py hold the same products in
+ * written to memory. Built and loaded by pyramidkv/native, wrapped by quantization/native.py; kernels.py and cells.py hold the same products in
  * torch ops (the fallback) and their docstrings the algebra:
  *
  *   keys (per channel, groups of G tokens):
@@ -13,9 +13,7 @@
  * (a stack of groups read as a grid of cells, quantization/cells.py). Scales and zeros are fp16.
  * Accumulation is float32, one output element at a time in d (keys) or t (values) order.
  */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "common.h"
 
 #if defined(__FLT16_MANT_DIG__)
 typedef _Float16 half_t;
@@ -64,65 +62,6 @@ static inline void expand(const uint8_t *codes, int64_t nbytes, const float *tab
 
 static inline int64_t group_row(const int64_t *order, int64_t n, int64_t j, int64_t groups) {
     return order ? order[n * groups + j] : -1;
-}
-
-/* The one product both reads reduce to, a panel at a time: sums[r][0..16) = sum_i w[r * ws + i] m[i * ms + 0..16)
- * for r < rows <= 4, i < count. Each loaded row of m serves every r; the rows x 2 sums of 8 are independent
- * chains held in registers (GCC / Clang vector types: lowered to whatever width the CPU has). */
-typedef float v8 __attribute__((vector_size(32)));
-#define PANEL 16
-#define PANEL_ROWS 4
-
-static inline v8 load8(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
-
-/* sum_i a[i] b[i], in eight interleaved partial sums (one chain would wait on every add). */
-static inline float dot(const float *a, const float *b, int64_t count) {
-    v8 acc = {0};
-    int64_t i = 0;
-    for (; i + 8 <= count; i += 8) acc += load8(a + i) * load8(b + i);
-    float sum = 0.0f;
-    for (int k = 0; k < 8; ++k) sum += acc[k];
-    for (; i < count; ++i) sum += a[i] * b[i];
-    return sum;
-}
-
-static inline void panel_rows(const float *w, int64_t ws, const float *m, int64_t ms, int64_t count,
-                              float sums[PANEL_ROWS][PANEL], const int rows) {
-    v8 acc[PANEL_ROWS][2];
-    for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = (v8){0};
-    for (int64_t i = 0; i < count; ++i) {
-        v8 lo = load8(m + i * ms), hi = load8(m + i * ms + 8);
-        for (int r = 0; r < rows; ++r) {
-            float x = w[r * ws + i];
-            acc[r][0] += x * lo;
-            acc[r][1] += x * hi;
-        }
-    }
-    for (int r = 0; r < rows; ++r) {
-        memcpy(sums[r], &acc[r][0], sizeof(v8));
-        memcpy(sums[r] + 8, &acc[r][1], sizeof(v8));
-    }
-}
-
-static void panel(const float *w, int64_t ws, const float *m, int64_t ms, int64_t count,
-                  float sums[PANEL_ROWS][PANEL], int rows) {
-    switch (rows) {                            /* constant row counts: the loop over r unrolls */
-        case 1: panel_rows(w, ws, m, ms, count, sums, 1); break;
-        case 2: panel_rows(w, ws, m, ms, count, sums, 2); break;
-        case 3: panel_rows(w, ws, m, ms, count, sums, 3); break;
-        default: panel_rows(w, ws, m, ms, count, sums, 4); break;
-    }
-}
-
-/* The same sums for a panel narrower than 16 (a group size that is not a multiple of 16). */
-static void narrow_panel(const float *w, int64_t ws, const float *m, int64_t ms, int64_t count, int64_t width,
-                         float sums[PANEL_ROWS][PANEL], int rows) {
-    for (int r = 0; r < rows; ++r)
-        for (int64_t t = 0; t < width; ++t) {
-            float sum = 0.0f;
-            for (int64_t i = 0; i < count; ++i) sum += w[r * ws + i] * m[i * ms + t];
-            sums[r][t] = sum;
-        }
 }
 
 /* codes: channel layout; group (n, j) holds D channel rows of G codes, row d at + d * sd bytes.
