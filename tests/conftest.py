@@ -37,6 +37,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "integration": (
         "tests/quantization/test_native_read.py::test_without_a_compiler_the_torch_ops_read_and_say_why",
         "tests/quantization/test_native_read.py::test_a_build_is_kept_and_reused",
+        "tests/quantization/test_native_read.py::test_a_cache_folder_that_cannot_be_made_falls_back_to_the_temporary_directory",
         "tests/allocation/test_head_scores.py::test_script_both_kinds_naming",
         "tests/allocation/test_head_scores.py::test_script_on_default_model_reduced",
         "tests/sizing/test_threshold.py::test_a_runner_records_what_was_achieved",

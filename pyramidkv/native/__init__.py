@@ -62,13 +62,27 @@ def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> None:
             os.unlink(partial)
 
 
+def _folder() -> Path:
+    """The cache folder, or where it cannot be made or written, one of the temporary directory."""
+    folder = _cache_folder()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.access(folder, os.W_OK):
+            return folder
+    except OSError:
+        pass
+    user = os.getuid() if hasattr(os, "getuid") else 0
+    return Path(tempfile.gettempdir()) / f"pyramidkv-native-{user}"
+
+
 def _build() -> ctypes.CDLL:
+    """Build (or find built) and load: for this CPU first, else portable."""
     compiler = os.environ.get("CC", "cc")
-    errors = []
+    folder, errors = _folder(), []
     for flags in (FLAGS + _CPU_FLAGS, FLAGS):
         texts = [source.read_text() for source in (*SOURCES, HEADER)]
-        key = hashlib.sha256("\0".join([*texts, compiler, *flags, platform.machine(), _cpu()]).encode()).hexdigest()[:16]
-        target = _cache_folder() / f"native-{key}.so"
+        key = hashlib.sha256("\0".join([*texts, compiler, *flags, platform.machine(), _cpu()]).encode()).hexdigest()
+        target = folder / f"native-{key[:16]}.so"
         try:
             if not target.exists():
                 _compile(compiler, flags, target)

@@ -67,9 +67,18 @@ def test_turned_off_by_the_environment(rebuilt, monkeypatch):
 
 def test_a_build_is_kept_and_reused(rebuilt, tmp_path):
     assert built.library() is not None
-    built = sorted(tmp_path.glob("native-*.so"))
-    assert len(built) == 1
-    stamp = built[0].stat().st_mtime_ns
+    files = sorted(tmp_path.glob("native-*.so"))
+    assert len(files) == 1
+    stamp = files[0].stat().st_mtime_ns
     built.library.cache_clear()
     assert built.library() is not None
-    assert sorted(tmp_path.glob("*")) == built and built[0].stat().st_mtime_ns == stamp   # no rebuild, no leftovers
+    assert sorted(tmp_path.glob("*")) == files and files[0].stat().st_mtime_ns == stamp   # no rebuild, no leftovers
+
+
+def test_a_cache_folder_that_cannot_be_made_falls_back_to_the_temporary_directory(rebuilt, monkeypatch, tmp_path):
+    blocked = tmp_path / "a_file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("PYRAMIDKV_NATIVE_CACHE", str(blocked / "cache"))
+    monkeypatch.setattr(built.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    assert built.library() is not None and built.status() == "on"
+    assert len(list((tmp_path / "tmp").glob("pyramidkv-native-*/native-*.so"))) == 1
