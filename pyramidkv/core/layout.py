@@ -69,6 +69,7 @@ class Part:
         self.offsets = [0]
         for n in self.lengths:
             self.offsets.append(self.offsets[-1] + n)
+        self.offset_tensor = torch.tensor(self.offsets, dtype=torch.int64)   # for the C segment path
 
 
 def _flatten(kept: list[KeptKV]) -> Part:
@@ -160,8 +161,10 @@ class DecodeLayout:
         if self.dense:
             return self._attend_dense(grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
         part = self.parts[-1]
-        if len(self.parts) == 1 and (self.by_segment or _in_c(part, grouped, self.form)
-                                     or part.keys.shape[0] >= SEGMENT_ROWS * bsz * heads):
+        if len(self.parts) == 1 and _in_c(part, grouped, self.form):
+            gone = self.gone if self.gone_segments else None
+            return _segments_in_c(part, gone, grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
+        if len(self.parts) == 1 and (self.by_segment or part.keys.shape[0] >= SEGMENT_ROWS * bsz * heads):
             return self._attend_segments(grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
         return self._attend_blocks(grouped, tail_scores, tail_values).reshape(bsz, num_q_heads, q_len, dim)
 
@@ -194,8 +197,6 @@ class DecodeLayout:
         more than the extra calls (docs/speed.md, "Sixth pass")."""
         bsz, heads, rows, dim = grouped.shape
         part = self.parts[0]
-        if _in_c(part, grouped, self.form):
-            return _segments_in_c(part, self.gone if self.gone_segments else None, grouped, tail_scores, tail_values)
         if self._segments is None:   # per segment (row start, keys^T [D, L_s], values [L_s, D])
             self._segments = [(start, keys.T, values) for start, keys, values in
                               zip(part.offsets, part.keys.split(part.lengths), part.values.split(part.lengths))]
@@ -248,15 +249,14 @@ def _segments_in_c(part: Part, gone: Optional[torch.Tensor], grouped: torch.Tens
                    tail_values: torch.Tensor) -> torch.Tensor:
     """The segment path in one call: grouped [B, H, rows, D], tail_scores [B, H, rows, t] (the tail's logits, masked),
     tail_values [B, H, t, D]; gone: bool [R] or None. Same logits, float32 softmax and products as the torch ops."""
-    if getattr(part, "offset_tensor", None) is None:
-        part.offset_tensor = torch.tensor(part.offsets, dtype=torch.int64)
     keys, values = part.keys.contiguous(), part.values.contiguous()
+    gone = None if gone is None else gone.contiguous()
     queries, tail_scores = grouped.contiguous(), tail_scores.float().contiguous()
     tail_values = tail_values.contiguous()
     bsz, heads, rows, dim = queries.shape
     out = torch.empty_like(queries)
     check(library().pk_segment_attend(queries.data_ptr(), keys.data_ptr(), values.data_ptr(),
-                                      part.offset_tensor.data_ptr(), None if gone is None else gone.contiguous().data_ptr(),
+                                      part.offset_tensor.data_ptr(), None if gone is None else gone.data_ptr(),
                                       tail_scores.data_ptr(), tail_values.data_ptr(), bsz * heads, rows, dim,
                                       tail_values.shape[2], out.data_ptr()))
     return out

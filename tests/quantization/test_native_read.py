@@ -1,7 +1,8 @@
-"""The C reads of quantized KV (pyramidkv.quantization.native over pyramidkv/native): built on this machine, used for plain blocks, and
-right for every row count a panel can hold (1-4 query rows a stored head, and more, split in panels) against the
-float64 dequantize-then-matmul reference; without a compiler, or turned off, the torch ops read instead and
-`status()` says why. The reads themselves are also run by the `reader`-parametrized tests beside this file."""
+"""The C reads of quantized KV (pyramidkv.quantization.native over pyramidkv/native): built on this machine, used
+for plain blocks, and right for every row count a panel can hold (1-4 query rows a stored head, and more, split
+in panels) against the float64 dequantize-then-matmul reference; without a compiler, or turned off, the torch
+ops read instead and `status()` says why. The reads themselves are also run by the `reader`-parametrized tests
+beside this file."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ def test_every_row_count_equals_float64(rows, nbits, group):
     queries = torch.randn(3, rows, 64, generator=generator)
     probs = torch.softmax(torch.randn(3, rows, 96, generator=generator), -1)
     got = kernels.key_scores(keys, queries, 0, 96)
-    np.testing.assert_allclose(got.double().numpy(), queries.double().numpy() @ dequantized_f64(keys).transpose(0, 2, 1),
-                               rtol=1e-5, atol=1e-4)
+    want = queries.double().numpy() @ dequantized_f64(keys).transpose(0, 2, 1)
+    np.testing.assert_allclose(got.double().numpy(), want, rtol=1e-5, atol=1e-4)
     got = kernels.weighted_values(values, probs, 0, 96, torch.float32)
     np.testing.assert_allclose(got.double().numpy(), probs.double().numpy() @ dequantized_f64(values),
                                rtol=1e-5, atol=1e-5)
@@ -55,8 +56,8 @@ def test_without_a_compiler_the_torch_ops_read_and_say_why(rebuilt, monkeypatch)
     block = random_block(KIVIQuantizer(), "channel", 2, 64, 1)
     assert not native.reads(block)
     queries = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0))
-    np.testing.assert_allclose(kernels.key_scores(block, queries, 0, 64).double().numpy(),
-                               queries.double().numpy() @ dequantized_f64(block).transpose(0, 2, 1), rtol=1e-5, atol=1e-4)
+    want = queries.double().numpy() @ dequantized_f64(block).transpose(0, 2, 1)
+    np.testing.assert_allclose(kernels.key_scores(block, queries, 0, 64).double().numpy(), want, rtol=1e-5, atol=1e-4)
 
 
 def test_turned_off_by_the_environment(rebuilt, monkeypatch):
