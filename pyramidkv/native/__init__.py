@@ -108,7 +108,10 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
 @functools.lru_cache(maxsize=None)
 def library() -> Optional[ctypes.CDLL]:
     """The built kernels, or None (turned off, or no compiler: the reason is in `status()`)."""
-    if os.environ.get("PYRAMIDKV_NATIVE", "1") == "0":
+    setting = os.environ.get("PYRAMIDKV_NATIVE", "1")
+    if setting not in ("0", "1"):
+        raise ValueError(f"PYRAMIDKV_NATIVE must be 1 (the C kernels, the default) or 0 (the torch ops), got {setting!r}")
+    if setting == "0":
         _REASON.append("off (PYRAMIDKV_NATIVE=0)")
         return None
     try:

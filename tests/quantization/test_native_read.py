@@ -66,6 +66,13 @@ def test_turned_off_by_the_environment(rebuilt, monkeypatch):
     assert not native.reads(random_block(KIVIQuantizer(), "channel", 2, 64, 1))
 
 
+@pytest.mark.parametrize("value", ["false", "", "off", "2"])
+def test_another_setting_of_the_switch_is_refused_naming_the_allowed_ones(rebuilt, monkeypatch, value):
+    monkeypatch.setenv("PYRAMIDKV_NATIVE", value)
+    with pytest.raises(ValueError, match=f"PYRAMIDKV_NATIVE must be 1 .* or 0 .*, got {value!r}"):
+        built.library()
+
+
 def test_a_build_is_kept_and_reused(rebuilt, tmp_path):
     assert built.library() is not None
     files = sorted(tmp_path.glob("native-*.so"))
