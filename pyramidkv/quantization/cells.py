@@ -11,6 +11,7 @@ groups) read row 0 and are masked in the scores, so their probabilities are 0.
                             the levels, plus the query . zeros bias (the keys' fold, kernels.py)
   values [S, rows, D]       per channel group j, (probs * scale[:, j]) @ levels[:, group j] + probs @ zero[:, j]
 
+On the CPU the C kernels (native.py) read the grid instead, the same products, cell by cell through `order`.
 Levels come through kernels.py's byte table; the values' are unpacked channel group first ([S, J, M * G, G'])
 so that each group's product reads contiguous rows.
 """

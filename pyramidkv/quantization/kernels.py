@@ -27,6 +27,9 @@ S outliers that REPLACE D + L at their entries). Products are linear, so each ad
              left[t] . right[d]) and kept on the block object (float32, derived: not in the stored bytes):
              keys: scores[:, t] += q[d] * delta;  values: out[d] += p[t] * delta  (two scatter-adds).
 
+On the CPU, plain uniform blocks (KIVI's) are read by C kernels doing the same folded products without writing
+the levels to memory (native.py, pyramidkv/native); these torch ops are their fallback and every other block's read.
+
 KVQuant's per-vector outliers fold the same way. Apart from that delta, nothing derived is kept between
 calls. Per-row codebooks (KVQuant `nuq` decode groups) and group sizes that split a byte are dequantized
 span by span (`dequantize_span`) instead; KVQuant keys, stored before RoPE, are dequantized and rotated by
