@@ -68,21 +68,8 @@ def step_reads(row: str):
 
     if not row.endswith(TORCH_READS):
         return contextlib.nullcontext()
-    from pyramidkv.quantization import native
-
-    from pyramidkv.core import layout
-
-    @contextlib.contextmanager
-    def torch_ops():
-        reads, native.reads = native.reads, lambda block: False
-        in_c = getattr(layout, "_in_c", None)
-        layout._in_c = lambda *args: False
-        try:
-            yield
-        finally:
-            native.reads = reads
-            layout._in_c = in_c
-    return torch_ops()
+    from pyramidkv import native
+    return native.off()
 
 
 @torch.no_grad()

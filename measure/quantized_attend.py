@@ -22,7 +22,8 @@ import torch
 from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.core.quantized import QuantizedStore
-from pyramidkv.quantization import KIVIQuantizer, native
+from pyramidkv import native
+from pyramidkv.quantization import KIVIQuantizer
 from pyramidkv.quantization.kernels import Scratch
 from pyramidkv.quantization.stack import DecodeBlocks
 from pyramidkv.runner.arguments import ArgumentParser
@@ -51,7 +52,7 @@ def main() -> None:
     ap.add_argument("--nbits", type=int, default=2, choices=(2, 4, 8))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    grid, reads = DecodeBlocks.grid, native.reads
+    grid = DecodeBlocks.grid
     for n in args.lengths:
         quantized, full, queries = stores(n, args.nbits)
 
@@ -63,11 +64,8 @@ def main() -> None:
                 DecodeBlocks.grid = grid
 
         def torch_ops():
-            native.reads = lambda block: False
-            try:
+            with native.off():
                 return quantized.attend(queries)
-            finally:
-                native.reads = reads
 
         rows = {"full precision": lambda: full.attend(queries), "kivi, spans": spans,
                 "kivi, grid": lambda: quantized.attend(queries), "kivi, torch ops": torch_ops}

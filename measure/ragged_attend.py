@@ -12,6 +12,7 @@ Prints per method the median CPU milliseconds of one attend over every layer, an
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -19,7 +20,7 @@ import torch
 
 from pyramidkv import DEFAULT_MODEL_NAME, compress, load_model
 from pyramidkv.benchmarks.measure import method_from_spec, prompt_ids
-from pyramidkv.core import layout
+from pyramidkv import native
 from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.kept import KeptKV
 from pyramidkv.runner.arguments import ArgumentParser
@@ -74,15 +75,13 @@ def main(argv=None) -> None:
             "dense, same size": [store([round(sum(c) / len(c))] * len(c), dim, query_heads, False, generator)
                                  for c in layers]}
         times = {name: [] for name in rows}
-        in_c = layout._in_c
         for _ in range(args.rounds):
             for name, stores in rows.items():
-                layout._in_c = (lambda *a: False) if name.endswith("torch ops") else in_c
-                start = time.thread_time()
-                for layer_store in stores:
-                    layer_store.attend(queries)
-                times[name].append(time.thread_time() - start)
-        layout._in_c = in_c
+                with native.off() if name.endswith("torch ops") else contextlib.nullcontext():
+                    start = time.thread_time()
+                    for layer_store in stores:
+                        layer_store.attend(queries)
+                    times[name].append(time.thread_time() - start)
         dense = statistics.median(times["dense, same size"])
         print(f"\n{spec}: {sum(map(sum, layers))} held tokens over {len(layers)} layers\n\n"
               f"| row | ms per attend of every layer | x dense |\n|---|---|---|")

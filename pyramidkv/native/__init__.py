@@ -14,6 +14,7 @@ bit for bit. Floor 0: imports nothing of ours.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -105,9 +106,31 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     return library
 
 
-@functools.lru_cache(maxsize=None)
+_OFF = [0]   # depth of `off()` blocks open
+
+
 def library() -> Optional[ctypes.CDLL]:
-    """The built kernels, or None (turned off, or no compiler: the reason is in `status()`)."""
+    """The built kernels, or None (turned off, inside `off()`, or no compiler: the reason is in `status()`)."""
+    return None if _OFF[0] else _loaded()
+
+
+@contextlib.contextmanager
+def off():
+    """Inside, every caller reads through the torch ops (measurements and tests put both side by side)."""
+    _OFF[0] += 1
+    try:
+        yield
+    finally:
+        _OFF[0] -= 1
+
+
+def reset() -> None:
+    """Look for the kernels again at the next call (after the environment changed)."""
+    _loaded.cache_clear()
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded() -> Optional[ctypes.CDLL]:
     setting = os.environ.get("PYRAMIDKV_NATIVE", "1")
     if setting not in ("0", "1"):
         raise ValueError(f"PYRAMIDKV_NATIVE must be 1 (the C kernels, the default) or 0 (the torch ops), got {setting!r}")
@@ -125,7 +148,7 @@ def library() -> Optional[ctypes.CDLL]:
 
 def status() -> str:
     """'on', 'off (...)' or 'unavailable (...)': whether the C kernels run."""
-    return "on" if library() is not None else _REASON[-1]
+    return "on" if _loaded() is not None else _REASON[-1]
 
 
 def check(code: int) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from pyramidkv import compress, make_method
+from pyramidkv import compress, make_method, native
 from pyramidkv.core import layout
 from pyramidkv.core.full_precision import FullPrecisionStore
 from pyramidkv.core.kept import KeptKV
@@ -79,7 +79,7 @@ def test_ragged_decode_equals_hf_attention_over_each_heads_kept_tokens(smollm2, 
     in_c_original = layout._segments_in_c
     monkeypatch.setattr(layout, "_segments_in_c", lambda *args: in_c_calls.append(1) or in_c_original(*args))
     if not in_c:
-        monkeypatch.setattr(layout, "_in_c", lambda *args: False)
+        monkeypatch.setattr(native, "_OFF", [1])
     model, tokenizer = smollm2
     cfg = model.config
     layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads

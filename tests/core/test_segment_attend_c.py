@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from pyramidkv import native
 from pyramidkv.core import layout
 from pyramidkv.core.kept import KeptKV
 
@@ -55,7 +56,7 @@ def reference(kept, gone, queries, tail_keys, tail_values, tail_mask) -> np.ndar
 @pytest.mark.parametrize("group,dim", [(1, 64), (3, 64), (4, 40), (9, 64)])
 def test_segments_equal_a_float64_softmax(monkeypatch, in_c, group, dim):
     if not in_c:
-        monkeypatch.setattr(layout, "_in_c", lambda *args: False)
+        monkeypatch.setattr(native, "_OFF", [1])
     calls = []
     original = layout._segments_in_c
     monkeypatch.setattr(layout, "_segments_in_c", lambda *args: calls.append(1) or original(*args))

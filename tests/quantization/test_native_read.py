@@ -19,9 +19,9 @@ from tests.quantization.test_folded_attention import dequantized_f64, random_blo
 def rebuilt(monkeypatch, tmp_path):
     """A fresh look for the library (cleared again after the test, so later tests find the real one)."""
     monkeypatch.setenv("PYRAMIDKV_NATIVE_CACHE", str(tmp_path))
-    built.library.cache_clear()
+    built.reset()
     yield
-    built.library.cache_clear()
+    built.reset()
 
 
 def test_this_machine_builds_and_uses_the_c_reads():
@@ -78,7 +78,7 @@ def test_a_build_is_kept_and_reused(rebuilt, tmp_path):
     files = sorted(tmp_path.glob("native-*.so"))
     assert len(files) == 1
     stamp = files[0].stat().st_mtime_ns
-    built.library.cache_clear()
+    built.reset()
     assert built.library() is not None
     assert sorted(tmp_path.glob("*")) == files and files[0].stat().st_mtime_ns == stamp   # no rebuild, no leftovers
 
