@@ -36,11 +36,11 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model loaded before the error"))
 
 
-def _refused(argv, capsys, tmp_path) -> str:
+def _refused(argv, capsys, tmp_path, code: int = 2) -> str:
     capsys.readouterr()
     with pytest.raises(SystemExit) as exc:
         ruler_main(argv)
-    assert exc.value.code == 2
+    assert exc.value.code == code
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("run_ruler.py: error: "), err
@@ -113,8 +113,9 @@ def test_a_fixed_table_resumes_and_the_table_content_is_fingerprinted(tiny_model
 # --- settings that would not do what the folder name says ----------------------------------------------
 
 def test_ratio_budget_below_the_window_is_refused(tiny_model_dir, tmp_path, capsys, no_model_load):
+    """Exit status 3, not 2: the method does not fit this prompt (a sweep marks the cell n/a, runner/cli.py)."""
     line = _refused(_argv(tiny_model_dir, tmp_path, method=("--method", "snapkv", "--max_capacity_prompts_ratio",
-                                                            "0.01", "--window_sizes", "4")), capsys, tmp_path)
+                                                            "0.01", "--window_sizes", "4")), capsys, tmp_path, code=3)
     assert "budget_ratio (max_capacity_prompts_ratio) 0.01 gives round(0.01 x" in line and "below the 4" in line
 
 
@@ -125,7 +126,7 @@ def test_skip_layers_at_the_layer_count_is_refused(tiny_model_dir, tmp_path, cap
 
 
 def test_pooling_kernel_wider_than_the_prompt_is_refused(tiny_model_dir, tmp_path, capsys, no_model_load):
-    line = _refused(_argv(tiny_model_dir, tmp_path, "--kernel_sizes", "101"), capsys, tmp_path)
+    line = _refused(_argv(tiny_model_dir, tmp_path, "--kernel_sizes", "101"), capsys, tmp_path, code=3)
     assert "kernel_size 101 is wider than the prompt" in line and "every score ties" in line
 
 

@@ -67,6 +67,10 @@ def build_parser():
                    help="write the outputs from the cells done so far (the grid of SAVE_DIR/grid.json) and exit")
     r.add_argument("--publish", default=None, metavar="DOCS",
                    help="with the outputs, write DOCS/leaderboard.md and DOCS/leaderboard/ (CSV, JSON, figure)")
+    r.add_argument("--merge_published", action="store_true",
+                   help="with --summarize --publish DOCS: publish the cells of SAVE_DIR together with those DOCS "
+                        "holds (a grid with the same settings but other methods or ratios): a cell SAVE_DIR has not "
+                        "run keeps its published row; the page's grid is the union of both")
     r.add_argument("--rerender", default=None, metavar="DOCS",
                    help="rewrite a published DOCS/leaderboard.md, its figure and JSON from DOCS/leaderboard's CSV "
                         "alone (the CSV given today's columns, empty where never measured) and exit")
@@ -115,6 +119,29 @@ def grid_of(args) -> Grid:
     return grid
 
 
+def check_units(grid: Grid, units, save_dir: Path, some_cell_applies: bool = True) -> tuple[dict, dict]:
+    """({unit name: run folder}, {unit name: why it is n/a}) after each unit's runner checked its samples; with
+    some_cell_applies, a grid none of whose cells but fullkv's applies is refused (ValueError naming a reason)."""
+    from tqdm import tqdm
+
+    from pyramidkv.leaderboard import cells
+
+    folders, unfit = {}, {}
+    with tqdm(units, desc="checking every unit (no weights)", unit="unit", dynamic_ncols=True, leave=False,
+              delay=PROGRESS_DELAY) as bar:   # each unit's runner prepares its samples: seconds to a minute each
+        for unit in bar:
+            try:
+                folders[unit.name] = cells.run_dir_of(grid, unit, save_dir)
+            except cells.NotApplicable as e:
+                folders[unit.name], unfit[unit.name] = None, str(e)
+    compressed = [u for u in units if u.entry.spec != "fullkv"]
+    if some_cell_applies and compressed and all(u.name in unfit for u in compressed):
+        raise ValueError(f"no cell of the grid but fullkv's applies at --context_length {grid.context_length} "
+                         f"({compressed[0].entry.label}: {unfit[compressed[0].name]}); give the methods settings "
+                         f"that fit (a smaller window), larger --ratios or a longer --context_length")
+    return folders, unfit
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from pyramidkv.leaderboard import cells, outputs
 
@@ -138,12 +165,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         shard = parse_shard(args.shard) if args.shard is not None else None
         if not args.summarize:
             claim_folder(save_dir, grid, write=False, extend=args.extend)   # another grid's: refused before anything
+        if args.merge_published and (not args.summarize or args.publish is None):
+            raise ValueError("--merge_published goes with --summarize --publish DOCS: it merges the cells of "
+                             "SAVE_DIR with those published in DOCS")
+        published = outputs.read_published(Path(args.publish)) if args.merge_published else None
+        if published is not None:
+            grid = outputs.merged_grid(published[0], grid, save_dir, Path(args.publish))
         units = grid.units()
-        from tqdm import tqdm
-
-        with tqdm(units, desc="checking every unit (no weights)", unit="unit", dynamic_ncols=True, leave=False,
-                  delay=PROGRESS_DELAY) as bar:   # each unit's runner prepares its samples: seconds to a minute each
-            folders = {u.name: cells.run_dir_of(grid, u, save_dir) for u in bar}
+        folders, unfit = check_units(grid, units, save_dir, some_cell_applies=not args.summarize)
     except ValueError as e:
         parser.error(" ".join(str(e).split()))
     if args.count:
@@ -155,7 +184,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         failed = []
         for k, unit in enumerate(mine, 1):
             status = cells.read_status(save_dir, unit)
-            if status and status.get("state") == "done" and (folders[unit.name] / "results.json").is_file():
+            if unit.name in unfit or (status and status.get("state") == "done" and
+                                      (folders[unit.name] / "results.json").is_file()):
                 continue
             print(f"[leaderboard] unit {k}/{len(mine)}: {unit.name}", flush=True)
             status = cells.run_unit(grid, unit, save_dir)
@@ -165,7 +195,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"[leaderboard] {len(failed)} unit(s) failed:\n  " + "\n  ".join(failed), file=sys.stderr)
         if shard is not None:
             return 1 if failed else 0
-    written, failed_cells = outputs.write(grid, save_dir, folders, args.publish)
+    written, failed_cells = outputs.write(grid, save_dir, folders, args.publish, unfit,
+                                          published[1] if published is not None else None)
     print("[leaderboard] outputs:\n  " + "\n  ".join(str(p) for p in written))
     if failed_cells:
         print(f"[leaderboard] {failed_cells} cell(s) failed (marked in the CSV, the page and the figure)",

@@ -51,12 +51,21 @@ def runner_main(runner: str):
     return main
 
 
+class NotApplicable(Exception):
+    """A unit whose method cannot do what its settings say on one of its prompts (its runner's UnfitPrompt, exit
+    status 3: a ratio budget below the window at this length, ...): its cells are `n/a`, with this reason."""
+
+
 def run_dir_of(grid: Grid, unit: Unit, save_dir: Path) -> Path:
     """The unit's run folder, after every check its runner makes without weights on every sample
     (--prepare_only: RULER's data generated, the needle's haystack built, each prompt checked against the model
-    and the method)."""
+    and the method). NotApplicable where the method does not fit a prompt; ValueError for any other refusal."""
+    from pyramidkv.runner.cli import UNFIT_EXIT_STATUS
+
     runner, argv = unit_command(grid, unit, save_dir)
     code, out, err = _call(runner_main(runner), [*argv, "--prepare_only"])
+    if code == UNFIT_EXIT_STATUS:
+        raise NotApplicable(_last_line(err).split(": error: ", 1)[-1])
     if code != 0:
         raise ValueError(f"{unit.name}: {_last_line(err) or f'exit status {code}'}")
     return Path(out.strip().splitlines()[-1])

@@ -25,8 +25,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-# 0.0625 and 0.03125: 16:1 and 32:1. A ratio whose budget at the grid's context length is below a method's window is
-# refused with the method's own one-line error (entries_of), never run with an empty or skipped compression.
+# 0.0625 and 0.03125: 16:1 and 32:1. A cell whose budget on one of its prompts is below the method's window (or
+# otherwise cannot do what the method's settings say: Method.check_prompt) is never run with an empty or skipped
+# compression: its runner refuses it before the weights load (exit status 3), and the grid marks it `n/a` with that
+# one-line reason (cells.NotApplicable); a method with no cell that applies is refused.
 RATIOS = (0.03125, 0.0625, 0.25, 0.5, 0.75, 0.9)
 # The default grid's sizes (python -m pyramidkv.leaderboard's defaults): about one night on 2 CPU cores for the
 # embedded model (docs/results.md, "The leaderboard").
@@ -126,9 +128,8 @@ def entries_of(spec: str, ratios, context_length: int) -> list[Entry]:
         budget = {"budget_ratio": ratio}
         if cls.decodes_at_budget:   # evicts while decoding by its own rule: holds ratio x length there too
             budget["decode_budget"] = max(1, round(ratio * context_length))
-        method = build_method(cls, {**given, **budget})
-        try:     # the budget at the grid's length must hold the window (prompts shorter still: their runner refuses)
-            method.check_prompt(context_length)
+        try:     # whether the budget holds the window is each prompt's question: the runners check it (n/a cells)
+            method = build_method(cls, {**given, **budget})
         except ValueError as e:
             raise ValueError(f"--methods {spec} at ratio {ratio:g} and --context_length {context_length}: "
                              f"{e}") from None

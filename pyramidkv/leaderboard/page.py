@@ -25,7 +25,7 @@ def entries(rows: list[dict]) -> list[dict]:
         single = [c for c in cells if c["part"] != "shared_context"]
         done = [c for c in single if c["status"] == "done"]
         states = {c["status"] for c in cells}
-        entry["status"] = "failed" if "failed" in states else "pending" if "pending" in states else "done"
+        entry["status"] = next((s for s in ("failed", "pending", "n/a") if s in states), "done")
         entry["errors"] = sorted({c["error"] for c in cells if c["error"]})
         entry["tasks"] = {c["task"]: c["score"] for c in single}
         entry["score"] = _mean([c["score"] for c in done]) if len(done) == len(single) else None
@@ -166,7 +166,7 @@ def page(rows: list[dict], csv_name: str, figure_name: str, command: str) -> str
     samples = sorted({int(r["samples"]) for r in rows if r["samples"] is not None})
     seconds = math.fsum(e["seconds"] for e in summary)
     cells = len(rows)
-    states = {s: sum(1 for r in rows if r["status"] == s) for s in ("done", "failed", "pending")}
+    states = {s: sum(1 for r in rows if r["status"] == s) for s in ("done", "failed", "pending", "n/a")}
     commits = sorted({r["git_commit"] for r in rows if r["git_commit"]})
     versions = sorted({f"torch {r['torch']}, transformers {r['transformers']}" for r in rows if r["torch"]})
     out = [
@@ -176,7 +176,8 @@ def page(rows: list[dict], csv_name: str, figure_name: str, command: str) -> str
         "",
         f"Model `{first.get('model')}`, {int(first['context_length']) if first.get('context_length') else '-'} "
         f"tokens per context, samples per cell: {', '.join(str(s) for s in samples) or '-'}; "
-        f"{cells} cells ({states['done']} done, {states['failed']} failed, {states['pending']} pending); "
+        f"{cells} cells ({states['done']} done, {states['failed']} failed, {states['pending']} pending"
+        + (f", {states['n/a']} n/a" if states["n/a"] else "") + "); "
         f"wall time of the runs: {seconds / 3600:.2f} h ({seconds / max(len(summary), 1):.0f} s per entry on average).",
         f"Tasks: {', '.join(tasks)}; shared context: {'shared_context' in {r['part'] for r in rows} and 'yes' or 'no'}.",
         f"Versions: {'; '.join(versions) or '-'}; git commit: {', '.join(commits) or '-'}.",
@@ -197,7 +198,9 @@ def page(rows: list[dict], csv_name: str, figure_name: str, command: str) -> str
         f"samples with its paired bootstrap {LEVEL:.0%} interval ({RESAMPLES} resamples within each task, numpy "
         f"default_rng({SEED}); leaderboard/intervals.py); `vs next`: the same against the entry scored next below at "
         "the same ratio (named); ≈ marks an interval that holds 0: the samples cannot tell the two apart. "
-        "`-`: not measured (cells run before a column existed, or one sample per cell for the intervals).",
+        "`-`: not measured (cells run before a column existed, or one sample per cell for the intervals). `n/a`: "
+        "the method cannot do what its settings say on a prompt of this length (a budget below its window): its "
+        "runner refuses the cell, never runs it with an emptied or skipped compression.",
         "",
         "| entry | kept | score | vs fullkv | " + " | ".join(tasks) + " | vs next | KL | agree | bytes | free@16 | "
         "free@32 | prefill ms | decode ms/token | shared | state |",

@@ -38,15 +38,22 @@ def cell_tasks(grid: Grid, unit: Unit) -> list[tuple[str, str, str, str]]:
     return [(SHARED, f"{SHARED_TASK}_{length}_q{SHARED_QUESTIONS}.jsonl", f"{SHARED_TASK}@{length}", "qid")]
 
 
-def collect(grid: Grid, save_dir: Path, folders: dict[str, Path]) -> list[dict]:
-    """Every cell of the grid as a CSV row (failed and pending cells included); folders: unit name -> run folder."""
+def collect(grid: Grid, save_dir: Path, folders: dict[str, Optional[Path]], unfit: Optional[dict] = None) -> list[dict]:
+    """Every cell of the grid as a CSV row (failed, pending and n/a cells included); folders: unit name -> run folder
+    (None for a unit in `unfit`: unit name -> why its method does not apply at the grid's length)."""
     from pyramidkv.leaderboard.cells import read_status
     from pyramidkv.runner.results import read_jsonl
 
     units = grid.units()
     fullkv = {u.part: u for u in units if u.entry.spec == "fullkv"}
     rows = []
+    unfit = unfit or {}
     for unit in units:
+        if unit.name in unfit:
+            for task, *_ in cell_tasks(grid, unit):
+                rows.append(_cell(grid, unit, task, {"state": "n/a", "error": unfit[unit.name]}, None, None, None,
+                                  [], {}, None))
+            continue
         status = read_status(save_dir, unit) or {}
         folder = folders[unit.name]
         results, meta = _json(folder / "results.json"), _json(folder / "run_meta.json")
@@ -54,7 +61,7 @@ def collect(grid: Grid, save_dir: Path, folders: dict[str, Path]) -> list[dict]:
         for task, file_name, key, row_key in cell_tasks(grid, unit):
             preds = read_jsonl(folder / file_name, skip_torn_last_line=True) if done and (folder / file_name).is_file() else []
             reference = {}
-            if unit.part in fullkv and unit is not fullkv[unit.part]:
+            if unit.part in fullkv and unit is not fullkv[unit.part] and folders[fullkv[unit.part].name]:
                 path = folders[fullkv[unit.part].name] / file_name
                 reference = {r[row_key]: r for r in read_jsonl(path, skip_torn_last_line=True)} if path.is_file() else {}
             own_full = {r[row_key]: r for r in preds} if unit.entry.spec == "fullkv" else reference
@@ -159,8 +166,11 @@ NUMERIC = {"context_length", "ratio", "compression_ratio", "kept", "samples", "s
 
 
 def read_csv(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8", newline="") as f:
-        rows = list(csv.DictReader(f))
+    return parse_csv(Path(path).read_text(encoding="utf-8"))
+
+
+def parse_csv(text: str) -> list[dict]:
+    rows = list(csv.DictReader(io.StringIO(text, newline="")))
     for row in rows:       # a CSV written before a column existed reads it as empty
         for k in NUMERIC:
             row[k] = None if row.get(k) in ("", None) else float(row[k])

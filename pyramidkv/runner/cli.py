@@ -333,12 +333,21 @@ def add_model_and_method_args(parser: argparse.ArgumentParser, scope: HelpScope 
 
 # Errors a runner reports as one line and exit status 2 (bad input, found before anything is written).
 INPUT_ERRORS = (ValueError, TypeError, ImportError, OSError, RuntimeError)
+UNFIT_EXIT_STATUS = 3
+
+
+class UnfitPrompt(ValueError):
+    """A prompt on which the method cannot do what its settings say (Method.check_prompt: a ratio budget below the
+    window, a recent part as wide as the budget, ...). Reported as one line with exit status 3, not 2, so that a
+    sweep (the leaderboard) can tell a cell that does not apply at this length from bad input."""
+
+    exit_status = UNFIT_EXIT_STATUS
 
 
 def fail(parser: argparse.ArgumentParser, error: BaseException) -> None:
-    """Print `error` as one line and exit 2."""
+    """Print `error` as one line and exit 2 (3 for an UnfitPrompt)."""
     message = " ".join(str(error).split("\n")).strip() or type(error).__name__
-    parser.exit(2, f"{parser.prog}: error: {message}\n")
+    parser.exit(getattr(error, "exit_status", 2), f"{parser.prog}: error: {message}\n")
 
 
 def check_run_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

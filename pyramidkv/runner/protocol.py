@@ -39,7 +39,9 @@ from pyramidkv.runner.shared import (  # noqa: F401 (Question: the adapters')
 from pyramidkv.runner.arguments import ArgumentParser
 from pyramidkv.runner.divergence import check_kl_flags
 from pyramidkv.runner.batching import achieved, batches, block_fields, load_run_model  # noqa: F401 (the adapters')
-from pyramidkv.runner.cli import INPUT_ERRORS, HelpScope, add_model_and_method_args, check_run_args, fail
+from pyramidkv.runner.cli import (
+    INPUT_ERRORS, HelpScope, UnfitPrompt, add_model_and_method_args, check_run_args, fail,
+)
 from pyramidkv.runner.labels import QUESTION_AS_DECODE_SUFFIX, model_label, run_dir
 from pyramidkv.runner.method_args import (
     check_model_args, check_shared_names, effective_method, method_from_args, method_inputs,
@@ -371,8 +373,8 @@ def check_samples(files: list[SampleFile], method, config, model_path: str,
                   question_as_decode: bool = False, split_flag: str = "--question_as_decode") -> None:
     """Each sample fits the model's window with its new tokens (with several questions: the context, the longest
     question and the new tokens), and the method can do what its settings say on what it prefills
-    (Method.check_prompt: a ratio budget below the window, a pooling kernel wider than the prompt): the whole
-    prompt, or with question_as_decode (`split_flag`: the flag that asked for it) its context, which must leave a
+    (Method.check_prompt, else an UnfitPrompt: a ratio budget below the window, a pooling kernel wider than the
+    prompt): the whole prompt, or with question_as_decode (`split_flag`: the flag that asked for it) its context, which must leave a
     question part of at least one token; a sample with several questions prefills its prompt, the context."""
     window = getattr(config, "max_position_embeddings", None)
     for sample_file in files:
@@ -397,7 +399,7 @@ def check_samples(files: list[SampleFile], method, config, model_path: str,
                 method.check_prompt(prefilled)
             except ValueError as e:
                 what = f"{prefilled} context tokens" if split or sample.questions else f"{prefilled} tokens"
-                raise ValueError(f"{name} ({what}): {e}") from None
+                raise UnfitPrompt(f"{name} ({what}): {e}") from None
 
 
 def decode_pending(args, method, benchmark: Benchmark, files: list[SampleFile], out_dir: Path) -> None:

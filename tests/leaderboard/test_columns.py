@@ -58,18 +58,26 @@ def test_the_page_marks_intervals_holding_zero_and_shows_the_freeable_blocks():
 
 
 def test_the_default_grid_has_16_and_32_to_1_and_every_budget_holds_the_window():
-    from pyramidkv.methods import METHODS
+    from pyramidkv.methods import METHODS, parse_method_spec
 
     assert 0.0625 in RATIOS and 0.03125 in RATIOS
     for name in METHODS:
-        entries_of(name, RATIOS, DEFAULTS["context_length"])      # a budget below the window would raise
+        for entry in entries_of(name, RATIOS, DEFAULTS["context_length"]):
+            parse_method_spec(entry.spec).check_prompt(DEFAULTS["context_length"])   # below the window: raises
 
 
-def test_a_budget_below_the_window_is_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"--methods snapkv at ratio 0.03125 and --context_length 512: budget_ratio "
-                                         r".*0.03125 gives round\(0.03125 x 512\) = 16 tokens.*below the 32"):
-        entries_of("snapkv", [0.03125], 512)
-    assert [e.ratio for e in entries_of("snapkv:window_size=8", [0.03125], 512)] == [0.03125]
+def test_whether_a_budget_holds_the_window_is_each_prompts_question():
+    """The grid enters snapkv at 32:1 on 512 tokens (its runner refuses each prompt it does not fit: an n/a cell,
+    test_leaderboard.py); a budget the method cannot even be built with is refused in one line naming the ratio."""
+    from pyramidkv.methods import parse_method_spec
+
+    [entry] = entries_of("snapkv", [0.03125], 512)
+    with pytest.raises(ValueError, match=r"round\(0.03125 x 512\) = 16 tokens.*below the 32"):
+        parse_method_spec(entry.spec).check_prompt(512)
+    parse_method_spec(entries_of("snapkv:window_size=8", [0.03125], 512)[0].spec).check_prompt(512)
+    with pytest.raises(ValueError, match=r"--methods scissorhands at ratio 0.03125 and --context_length 512: .*"
+                                         r"decode_budget must be >= 32"):
+        entries_of("scissorhands", [0.03125], 512)
 
 
 def test_a_published_page_is_rewritten_from_its_csv_alone(tmp_path):

@@ -4,6 +4,8 @@ weights load. The committed page and figure must be what the committed CSV gives
 
 import csv
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -269,3 +271,86 @@ def test_extend_takes_over_a_folder_only_by_adding_methods_or_ratios(tmp_path):
         claim_folder(tmp_path, grid(methods=("fullkv", "snapkv", "tova"), ratios=(0.25, 0.5), samples=3),
                      extend=True)
     assert json.loads((tmp_path / GRID_FILE).read_text()) == wide.record()
+
+
+@pytest.fixture(scope="module")
+def extreme(tmp_path_factory, grid_args, whole):
+    """The grid of `whole` at 16:1 in another folder: snapkv's 32-token window is above 0.0625 x each prompt here,
+    streamingllm fits; then published together with `whole`'s page (--merge_published)."""
+    out, docs = tmp_path_factory.mktemp("extreme"), tmp_path_factory.mktemp("docs")
+    leaderboard("--save_dir", whole, "--summarize", "--publish", docs)
+    ran = leaderboard(*grid_args[:5], "--ratios", "0.0625", *grid_args[8:], "--save_dir", out)
+    published = (docs / "leaderboard" / "leaderboard.csv").read_text()
+    merged = leaderboard("--save_dir", out, "--summarize", "--publish", docs, "--merge_published")
+    return out, docs, ran, published, merged
+
+
+def test_a_cell_whose_budget_is_below_the_window_is_n_a_never_run(extreme):
+    """Issue 43: at 16:1 a window-32 method does not fit a ~450-token prompt. Its cell is `n/a` with the runner's
+    own one-line reason (the grid is not refused, the cell is not run with an emptied compression); the others run."""
+    out, _, ran, _, _ = extreme
+    assert ran.returncode == 0 and ran.stdout.count("[leaderboard] unit") == 2     # fullkv, streamingllm
+    rows = {r["spec"]: r for r in cells(out / "leaderboard.csv")}
+    unfit = rows["snapkv:budget_ratio=0.0625"]
+    assert unfit["status"] == "n/a" and unfit["score"] == "" and unfit["samples"] == ""
+    assert re.search(r"round\(0\.0625 x \d+\) = \d+ tokens .* below the 32 the budget must hold", unfit["error"])
+    assert rows["streamingllm:budget_ratio=0.0625"]["status"] == "done"
+    assert not list((out / "runs" / "ruler").glob("*_r0.0625/snapkv"))             # never run
+    assert not (out / "status" / "ruler__snapkv@0.0625.json").exists()
+    units = {u["unit"]: u for u in json.loads((out / "leaderboard.json").read_text())["units"]}
+    assert units["ruler__snapkv@0.0625"]["state"] == "n/a"
+    page = (out / "leaderboard.md").read_text()
+    assert "(2 done, 0 failed, 0 pending, 1 n/a)" in page and "| snapkv @ 0.0625 | 0.06 | - |" in page
+    assert "| n/a: " in page
+
+
+def test_a_grid_no_cell_of_which_applies_is_refused(grid_args, tmp_path, capsys):
+    from pyramidkv.leaderboard.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*map(str, grid_args[:2]), "--methods", "snapkv", "--ratios", "0.0625", *map(str, grid_args[8:]),
+              "--save_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "no cell of the grid but fullkv's applies at --context_length 512" in err
+    assert "below the 32 the budget must hold" in err and err.count("\n") == 1
+    assert not (tmp_path / "out" / "grid.json").exists() and not (tmp_path / "out" / "status").exists()
+
+
+def test_a_published_page_merged_with_a_new_ratio_keeps_its_cells(extreme, whole):
+    """--merge_published: the page holds the union grid; cells the new folder did not run keep their published
+    rows byte for byte, fullkv's is the new run's, and the regenerate line names every ratio."""
+    out, docs, _, published, merged = extreme
+    assert merged.returncode == 0
+    grid = json.loads((docs / "leaderboard" / "grid.json").read_text())
+    assert grid["ratios"] == [0.0625, 0.25, 0.5] and grid["methods"] == ["fullkv", "snapkv", "streamingllm"]
+    text = (docs / "leaderboard" / "leaderboard.csv").read_text().splitlines()
+    old = published.splitlines()
+    assert text[0] == old[0] and [line for line in old[2:] if line in text] == old[2:]    # every published cell
+    specs = [r["spec"] for r in cells(docs / "leaderboard" / "leaderboard.csv")]
+    assert specs == ["fullkv", "snapkv:budget_ratio=0.0625", "snapkv:budget_ratio=0.25", "snapkv:budget_ratio=0.5",
+                     "streamingllm:budget_ratio=0.0625", "streamingllm:budget_ratio=0.25",
+                     "streamingllm:budget_ratio=0.5"]
+    rows = cells(docs / "leaderboard" / "leaderboard.csv")
+    assert rows[0] == next(r for r in cells(out / "leaderboard.csv") if r["spec"] == "fullkv")
+    assert "--ratios 0.0625 0.25 0.5" in (docs / "leaderboard.md").read_text()
+    check = Grid(**grid)
+    assert render(read_csv(docs / "leaderboard" / "leaderboard.csv"), check, links="leaderboard/")["leaderboard.md"] \
+        == (docs / "leaderboard.md").read_text()
+
+
+def test_merge_published_refuses_another_grid_and_goes_with_publish(extreme, grid_args, tmp_path, capsys):
+    from pyramidkv.leaderboard.__main__ import main
+
+    out, docs, *_ = extreme
+    other = tmp_path / "other"
+    shutil.copytree(out, other)
+    record = json.loads((other / "grid.json").read_text())
+    (other / "grid.json").write_text(json.dumps({**record, "num_samples": 3}))
+    for argv, says in ((["--save_dir", other, "--summarize", "--publish", docs, "--merge_published"],
+                        "differ in num_samples (2 there, 3 here); only methods and ratios may differ"),
+                       (["--save_dir", out, "--summarize", "--merge_published"],
+                        "--merge_published goes with --summarize --publish DOCS")):
+        with pytest.raises(SystemExit) as exit_:
+            main([str(a) for a in argv])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and says in err, err
