@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import socket
 import sys
 import time
@@ -64,8 +65,8 @@ def run_dir_of(grid: Grid, unit: Unit, save_dir: Path) -> Path:
 
     runner, argv = unit_command(grid, unit, save_dir)
     code, out, err = _call(runner_main(runner), [*argv, "--prepare_only"])
-    if code == UNFIT_EXIT_STATUS:
-        raise NotApplicable(_last_line(err).split(": error: ", 1)[-1])
+    if code == UNFIT_EXIT_STATUS:   # the reason without this machine's folders: a published page names the file
+        raise NotApplicable(re.sub(r"(?:/[^\s/:]+)+/([^\s/:]+)", r"\1", _last_line(err).split(": error: ", 1)[-1]))
     if code != 0:
         raise ValueError(f"{unit.name}: {_last_line(err) or f'exit status {code}'}")
     return Path(out.strip().splitlines()[-1])
