@@ -115,10 +115,11 @@ def units_of(args) -> list[Unit]:
     return units
 
 
-def check_units(units: list[Unit]) -> tuple[dict, dict]:
-    """Every unit's run folder ({unit name: folder}) and the problems' keys ({task: keys}), after every check that
-    needs no weights: each unit's flags as its runner checks them (--print_run_dir), and each decode budget
-    reached by every problem's trace (prompt + max_new_tokens - 1 >= budget + the method's decode_interval)."""
+def check_units(units: list[Unit]) -> tuple[dict, dict, dict]:
+    """Every unit's run folder ({unit name: folder}), the problems' keys ({task: keys}) and each method's
+    re-selection interval ({(method, budget): decode_interval}), after every check that needs no weights: each
+    unit's flags as its runner checks them (--print_run_dir), and each decode budget reachable by every problem's
+    trace (prompt + max_new_tokens - 1 >= budget + the method's decode_interval)."""
     from pyramidkv.benchmarks.reasoning.run import main
 
     folders = {}
@@ -129,15 +130,16 @@ def check_units(units: list[Unit]) -> tuple[dict, dict]:
         folders[unit.name] = Path(out.strip().splitlines()[-1])
     prompts, keys = _prompt_lengths(units[0].argv)
     shortest = min(prompts, key=lambda item: item[0])
+    intervals = {}
     for unit in units[1:]:
-        interval = _decode_interval(unit.argv)
+        interval = intervals[(unit.method, unit.budget)] = _decode_interval(unit.argv)
         held = shortest[0] + shortest[1] - 1
         if unit.budget + interval > held:
             raise ValueError(f"--decode_budgets {unit.budget} is too large for {unit.method} (decode_interval "
                              f"{interval}): {shortest[2]} holds {shortest[0]} prompt + {shortest[1]} new tokens at "
                              f"most, it would never compress; allowed: decode budgets <= {held - interval}, or "
                              f"more --max_new_tokens")
-    return folders, keys
+    return folders, keys, intervals
 
 
 def _runner_args(argv: list[str]):
@@ -187,7 +189,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"[reasoning] rerendered {table.rerender(save_dir)}")
             return 0
         units = units_of(args)
-        folders, keys = check_units(units)
+        folders, keys, intervals = check_units(units)
     except ValueError as e:
         parser.error(" ".join(str(e).split()))
     errors = {}
@@ -203,7 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             errors[(unit.method, unit.budget)] = _last_line(err) or f"exit status {code}"
     model = units[0].argv[units[0].argv.index("--model_path") + 1]
     rows = table.cells(model, args.max_new_tokens, keys, [(u.method, u.budget, folders[u.name]) for u in units],
-                       errors)
+                       errors, intervals)
     written = table.write(save_dir, rows)
     print("[reasoning] outputs:\n  " + "\n  ".join(map(str, written)))
     if errors:

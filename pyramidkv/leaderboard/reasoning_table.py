@@ -3,8 +3,11 @@ and its page made from that CSV alone (so a committed page can be checked agains
 
 Per cell: the runner's per-task means over the cell's problems (run.py's `summarize`: accuracy, generation length,
 KL to fullkv along fullkv's trace, departure step, peak and mean K/V bytes, decode tokens/s), the CPU-clock decode
-rate, and the paired bootstrap interval (intervals.py) of the accuracy difference against fullkv on the same
-problems, in points (each problem scores 100 or 0).
+rate, the paired bootstrap interval (intervals.py) of the accuracy difference against fullkv on the same
+problems, in points (each problem scores 100 or 0), and `reached`: the share of the problems (x100) on which
+fullkv's trace outgrows the method's decode budget + its re-selection interval (prompt + new tokens - 1 >= budget +
+interval, run.py's rule), the ones where the method compressed along the trace its KL and departure are read on;
+on the others it holds what fullkv holds.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pyramidkv.leaderboard.intervals import paired_interval
 
 COLUMNS = ("model", "max_new_tokens", "task", "method", "decode_budget", "folder", "samples", "accuracy",
            "vs_fullkv", "vs_fullkv_low", "vs_fullkv_high", "step_accuracy", "new_tokens", "kl_vs_fullkv",
-           "departure_step", "departed", "kv_bytes_peak", "kv_bytes_mean", "decode_tokens_per_s",
+           "departure_step", "departed", "reached", "kv_bytes_peak", "kv_bytes_mean", "decode_tokens_per_s",
            "decode_cpu_tokens_per_s", "status", "error")
 FULLKV = "fullkv"
 
@@ -37,9 +40,10 @@ def task_rows(folder: Path, task: str, keys: list) -> Optional[list[dict]]:
 
 
 def cells(model: str, max_new_tokens: int, tasks: dict[str, list], units: list[tuple[str, Optional[int], Path]],
-          errors: dict[tuple[str, Optional[int]], str]) -> list[dict]:
+          errors: dict[tuple[str, Optional[int]], str], intervals: Optional[dict] = None) -> list[dict]:
     """One row per unit x task. units: (method spec, decode budget or None for fullkv, run folder), fullkv first;
-    tasks: {task: the problems' keys}; errors: {(method, budget): why the unit failed}."""
+    tasks: {task: the problems' keys}; errors: {(method, budget): why the unit failed}; intervals: {(method,
+    budget): its decode_interval} (`reached` is empty for a unit without one)."""
     from pyramidkv.benchmarks.reasoning.run import summarize
 
     reference = {task: task_rows(units[0][2], task, keys) for task, keys in tasks.items()}
@@ -64,6 +68,10 @@ def cells(model: str, max_new_tokens: int, tasks: dict[str, list], units: list[t
             diff = [100.0 * (bool(a["correct"]) - bool(b["correct"])) for a, b in zip(rows, reference[task])]
             mean, low, high = paired_interval([diff])
             row.update(vs_fullkv=round(mean, 2), vs_fullkv_low=round(low, 2), vs_fullkv_high=round(high, 2))
+            interval = (intervals or {}).get((method, budget))
+            if budget is not None and interval is not None:
+                held = [r["prompt_tokens"] + r["new_tokens"] - 1 for r in reference[task]]
+                row["reached"] = round(100.0 * sum(h >= budget + interval for h in held) / len(held), 2)
             out.append(row)
     return out
 
@@ -108,23 +116,26 @@ def page(rows: list[dict]) -> str:
              "interval on the same problems; step acc.: chain, the share of steps right (x100); KL: mean KL(fullkv || method) of the next-token distributions along "
              "fullkv's trace, nats a token; departs at: the mean first token where the method's own trace leaves "
              "fullkv's, over the traces that leave (their share); KV: K/V bytes held, the peak and the mean over "
-             "the trace; decode tok/s: wall clock (thread CPU clock).", ""]
+             "the trace; decode tok/s: wall clock (thread CPU clock); reached: the share of the problems on which fullkv's "
+             "trace outgrows the method's budget + re-selection interval (on the others the method holds what fullkv "
+             "holds, and matches it).", ""]
     for task in dict.fromkeys(r["task"] for r in rows):
         lines += [f"## {task}", "",
-                  "| method | decode budget | n | accuracy | vs fullkv [95 % CI] | step acc. | tokens | KL "
+                  "| method | decode budget | n | reached | accuracy | vs fullkv [95 % CI] | step acc. | tokens | KL "
                   "| departs at (share) | peak KV (KB) | mean KV (KB) | decode tok/s (CPU) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if r["task"] != task:
                 continue
             budget = r["decode_budget"] or "-"
             if r["status"] != "done":
-                lines.append(f"| `{r['method']}` | {budget} | - | {r['status']}: {r['error']} |" + "  |" * 8)
+                lines.append(f"| `{r['method']}` | {budget} | - | {r['status']}: {r['error']} |" + "  |" * 9)
                 continue
             vs = "-" if r["method"] == FULLKV else \
                 f"{_num(r['vs_fullkv'], 1)} [{_num(r['vs_fullkv_low'], 1)}, {_num(r['vs_fullkv_high'], 1)}]"
             departs = "never" if r["departure_step"] == "" else _num(r["departure_step"], 1)
-            lines.append(f"| `{r['method']}` | {budget} | {r['samples']} | {_num(r['accuracy'], 1)} | {vs} | "
+            reached = "-" if r["reached"] == "" else f"{_num(r['reached'], 0)}%"
+            lines.append(f"| `{r['method']}` | {budget} | {r['samples']} | {reached} | {_num(r['accuracy'], 1)} | {vs} | "
                          f"{_num(r['step_accuracy'], 1)} | {_num(r['new_tokens'], 1)} | {_num(r['kl_vs_fullkv'], 4)} | {departs} "
                          f"({_num(r['departed'], 0)}%) | {_kb(r['kv_bytes_peak'])} | {_kb(r['kv_bytes_mean'])} | "
                          f"{_num(r['decode_tokens_per_s'], 1)} ({_num(r['decode_cpu_tokens_per_s'], 1)}) |")

@@ -54,6 +54,7 @@ def test_board_runs_every_cell_then_resumes_and_rerenders(tiny_model_dir, tmp_pa
     model = Path(tiny_model_dir).name
     for c in cells:
         assert c["status"] == "done" and c["samples"] == "1", c
+        assert (c["reached"] == "") == (c["method"] == "fullkv"), c      # a budget to reach: the methods' rows
         part = "full" if c["method"] == "fullkv" else "r1"
         folder = runs / f"{model}_{part}" / c["folder"]
         assert c["folder"] == ("fullkv" if c["method"] == "fullkv" else f"{c['method']}_decode_budget=48")
@@ -147,13 +148,14 @@ def test_page_of_a_hand_written_csv(tmp_path):
             {**base, "model": "m", "max_new_tokens": "96", "task": "chain", "method": "h2o", "decode_budget": "64",
              "samples": "2", "accuracy": "0.0", "vs_fullkv": "-50.0", "vs_fullkv_low": "-100.0",
              "vs_fullkv_high": "0.0", "step_accuracy": "12.5", "new_tokens": "90.5", "kl_vs_fullkv": "0.01234", "departure_step": "3.5",
-             "departed": "100.0", "kv_bytes_peak": "1024", "kv_bytes_mean": "1000", "decode_tokens_per_s": "7.0",
+             "departed": "100.0", "reached": "50.0", "kv_bytes_peak": "1024", "kv_bytes_mean": "1000", "decode_tokens_per_s": "7.0",
              "decode_cpu_tokens_per_s": "6.5", "status": "done"}]
     reasoning_table.write(tmp_path, rows)
     assert reasoning_table.read_csv(tmp_path / "reasoning.csv") == rows
     page = (tmp_path / "reasoning.md").read_text()
-    assert "| `fullkv` | - | 2 | 50.0 | - | - | 96.0 | 0.0000 | never (0%) | 2 | 2 | 6.2 (6.0) |" in page
-    assert "| `h2o` | 64 | 2 | 0.0 | -50.0 [-100.0, 0.0] | 12.5 | 90.5 | 0.0123 | 3.5 (100%) | 1 | 1 | 7.0 (6.5) |" in page
+    assert "| `fullkv` | - | 2 | - | 50.0 | - | - | 96.0 | 0.0000 | never (0%) | 2 | 2 | 6.2 (6.0) |" in page
+    assert "| `h2o` | 64 | 2 | 50% | 0.0 | -50.0 [-100.0, 0.0] | 12.5 | 90.5 | 0.0123 | 3.5 (100%) | 1 | 1 | 7.0 (6.5) |" \
+        in page
     (tmp_path / "other.csv").write_text("a,b\n1,2\n")
     with pytest.raises(ValueError, match="is not a reasoning board CSV: columns \\['a', 'b'\\]"):
         reasoning_table.read_csv(tmp_path / "other.csv")
@@ -162,3 +164,23 @@ def test_page_of_a_hand_written_csv(tmp_path):
 def test_rerender_without_a_csv_is_refused(tmp_path, capsys):
     line = _refused(["--save_dir", str(tmp_path), "--rerender"], capsys)
     assert f"no {tmp_path / 'reasoning.csv'}: run the board first" in line
+
+
+def test_reached_counts_the_problems_whose_fullkv_trace_outgrows_budget_plus_interval(tmp_path):
+    """Hand-made rows: fullkv's traces hold 100 + 20 - 1 = 119, 100 + 29 - 1 = 128 and 100 + 28 - 1 = 127 tokens at
+    their end; a budget of 96 with an interval of 32 (h2o's re-selection) is outgrown at 128 only: 1 of 3; tova's
+    interval of 1 at 96: all 3; fullkv's own row has no budget, so nothing to reach."""
+    def write_rows(folder, new_tokens):
+        folder.mkdir()
+        (folder / "chain.jsonl").write_text("".join(json.dumps(
+            {"index": i, "correct": False, "new_tokens": n, "prompt_tokens": 100, "kl_vs_fullkv": 0.0,
+             "departure_step": None, "kv_bytes_peak": 1, "kv_bytes_mean": 1, "decode_tokens_per_s": 1.0}) + "\n"
+            for i, n in enumerate(new_tokens)))
+
+    write_rows(tmp_path / "fullkv", [20, 29, 28])
+    write_rows(tmp_path / "h2o", [200, 200, 200])       # its own traces are longer: not what `reached` reads
+    write_rows(tmp_path / "tova", [5, 5, 5])
+    units = [("fullkv", None, tmp_path / "fullkv"), ("h2o", 96, tmp_path / "h2o"), ("tova", 96, tmp_path / "tova")]
+    rows = reasoning_table.cells("m", 300, {"chain": [0, 1, 2]}, units, {}, {("h2o", 96): 32, ("tova", 96): 1})
+    assert [r["reached"] for r in rows] == [None, round(100 / 3, 2), 100.0]
+    assert [r["reached"] for r in reasoning_table.cells("m", 300, {"chain": [0, 1, 2]}, units, {})] == [None] * 3
