@@ -90,9 +90,9 @@ def _next(entry: dict) -> str:
 
 
 def figure(rows: list[dict]) -> str:
-    """Score vs fraction kept (left, with the paired 95 % interval of the difference from fullkv where measured),
-    KL from fullkv vs fraction kept (middle) and the block-freeable share at 16 tokens (right, beside 1 - kept: the
-    bytes freed): a line per method swept over ratios, a point per method placed at its measured share, fullkv's
+    """Against the fraction kept, on a log2 axis (32:1 to 1 kept evenly spread): the score (left, with the paired
+    95 % interval of the difference from fullkv where measured), the KL from fullkv (middle) and the block-freeable
+    share at 16 tokens (right, beside 1 - kept: the bytes freed): a line per method swept over ratios, a point per method placed at its measured share, fullkv's
     score as the ceiling; failed entries as red crosses on the axis. The SVG's text, with fixed metadata, so the
     same CSV gives the same bytes."""
     import io
@@ -101,6 +101,7 @@ def figure(rows: list[dict]) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     matplotlib.rcParams.update({"svg.hashsalt": "pyramidkv-leaderboard", "svg.fonttype": "path"})
     summary = entries(rows)
@@ -138,17 +139,21 @@ def figure(rows: list[dict]) -> str:
             x = e["ratio"] if e["ratio"] is not None else 1.0
             left.plot([x], [0], marker="x", color="red", markersize=8, linestyle="none")
     left.plot([], [], marker="x", color="red", linestyle="none", label="failed cell")
-    left.set(xlabel="fraction of the prompt kept (compression_ratio = 1 - it)", ylabel="mean score (0-100)",
+    left.set(xlabel="fraction of the prompt kept (log scale; compression_ratio = 1 - it)", ylabel="mean score (0-100)",
              title="score vs fraction kept")
     right.set(xlabel="fraction of the prompt kept", ylabel="mean KL from fullkv (nats / token)",
               title="KL divergence from fullkv (teacher forced)")
     right.set_yscale("symlog", linthresh=1e-4)
-    blocks.plot([0, 1], [1, 0], color="black", linestyle="--", linewidth=1, label="1 - kept (bytes freed)")
+    kept = [k / 256 for k in range(1, 257)]
+    blocks.plot(kept, [1 - k for k in kept], color="black", linestyle="--", linewidth=1, label="1 - kept (bytes freed)")
     blocks.set(xlabel="fraction of the prompt kept", ylabel="share of 16-token blocks freeable",
                title="paged engine: blocks no head holds (block 16)", ylim=(-0.03, 1.03))
     left.set_ylim(-3, 103)
-    for axis in (left, right, blocks):
-        axis.set_xlim(0, 1.05)
+    for axis in (left, right, blocks):     # a log axis: 32:1 and 16:1 as far apart as 4:1 and 2:1
+        axis.set_xscale("log", base=2)
+        axis.set_xlim(1 / 48, 1.15)
+        axis.set_xticks(TICKS, [TICK_LABELS[t] for t in TICKS])
+        axis.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         axis.grid(alpha=0.3)
     fig.legend(*left.get_legend_handles_labels(), loc="center right", fontsize=7, frameon=False)
     fig.subplots_adjust(right=0.85, wspace=0.25)
@@ -219,4 +224,6 @@ def page(rows: list[dict], csv_name: str, figure_name: str, command: str) -> str
     return "\n".join(out) + "\n"
 
 
+TICKS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
+TICK_LABELS = {1 / 32: "1/32", 1 / 16: "1/16", 1 / 8: "1/8", 1 / 4: "1/4", 1 / 2: "1/2", 1.0: "1"}
 SHARED_QUESTIONS_TEXT = "4 questions of RULER's niah_multikey_1 per context"
