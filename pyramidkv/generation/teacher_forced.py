@@ -40,13 +40,15 @@ class Scored:
 
 def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """KL(P || Q) per row from log-probabilities `reference` (P) and `other` (Q), both [n, vocab]: [n] float64.
-    Terms where P is 0 count 0; where P > 0 and Q is 0 the divergence is inf."""
+    Each row is normalized again in float64 first (a float32 log-softmax sums to 1 only within its rounding, which
+    made KL of two near-equal rows come out a hair below 0), and what float64 rounding leaves below 0 is 0 (Gibbs'
+    inequality). Terms where P is 0 count 0; where P > 0 and Q is 0 the divergence is inf."""
     if reference.shape != other.shape:
         raise ValueError(f"log-probabilities of shapes {tuple(reference.shape)} and {tuple(other.shape)} differ")
-    p_log, q_log = reference.double(), other.double()
+    p_log, q_log = (x.double() - x.double().logsumexp(-1, keepdim=True) for x in (reference, other))
     p = p_log.exp()
     terms = torch.where(p > 0, p * (p_log - q_log), torch.zeros_like(p))
-    return terms.sum(-1)
+    return terms.sum(-1).clamp_min(0.0)
 
 
 @torch.no_grad()
