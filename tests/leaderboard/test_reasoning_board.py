@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pyramidkv.benchmarks.reasoning.run import main as run_reasoning
-from pyramidkv.leaderboard import reasoning_table
+from pyramidkv.leaderboard import reasoning, reasoning_table
 from pyramidkv.leaderboard.reasoning import main
 
 SMALL = {"--methods": ["h2o", "tova"], "--decode_budgets": ["48"], "--tasks": ["chain", "gsm8k"],
@@ -184,3 +184,11 @@ def test_reached_counts_the_problems_whose_fullkv_trace_outgrows_budget_plus_int
     rows = reasoning_table.cells("m", 300, {"chain": [0, 1, 2]}, units, {}, {("h2o", 96): 32, ("tova", 96): 1})
     assert [r["reached"] for r in rows] == [None, round(100 / 3, 2), 100.0]
     assert [r["reached"] for r in reasoning_table.cells("m", 300, {"chain": [0, 1, 2]}, units, {})] == [None] * 3
+
+
+def test_the_committed_board_is_what_its_csv_gives():
+    """docs/reasoning_board: the board at decode budget 512 on the default model (docs/reasoning.md)."""
+    folder = Path(__file__).resolve().parents[2] / "docs" / "reasoning_board"
+    rows = reasoning_table.read_csv(folder / "reasoning.csv")
+    assert reasoning_table.page(rows) == (folder / "reasoning.md").read_text()
+    assert {r["method"] for r in rows} == {"fullkv", *reasoning.BoardSettings.methods}
