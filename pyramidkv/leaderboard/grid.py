@@ -28,7 +28,7 @@ from typing import Optional
 # 0.0625 and 0.03125: 16:1 and 32:1. A cell whose budget on one of its prompts is below the method's window (or
 # otherwise cannot do what the method's settings say: Method.check_prompt) is never run with an empty or skipped
 # compression: its runner refuses it before the weights load (exit status 3), and the grid marks it `n/a` with that
-# one-line reason (cells.NotApplicable); a method with no cell that applies is refused.
+# one-line reason (cells.NotApplicable); a grid in which no cell but fullkv's applies is refused.
 RATIOS = (0.03125, 0.0625, 0.25, 0.5, 0.75, 0.9)
 # The default grid's sizes (python -m pyramidkv.leaderboard's defaults): about one night on 2 CPU cores for the
 # embedded model (docs/results.md, "The leaderboard").

@@ -92,12 +92,12 @@ def write(grid: Grid, save_dir: Path, folders: dict, publish: Optional[str] = No
 
 def read_published(docs: Path) -> tuple[Grid, list[dict]]:
     """(grid, CSV rows as written: text) of the leaderboard published in DOCS (DOCS/leaderboard/{grid.json,
-    leaderboard.csv})."""
+    leaderboard.csv}; ValueError naming a missing one)."""
     folder = Path(docs) / "leaderboard"
     for name in (NAMES["grid"], NAMES["csv"]):
         if not (folder / name).is_file():
-            raise ValueError(f"{folder / name} is missing: DOCS/leaderboard/{NAMES['grid']} and {NAMES['csv']} are "
-                             f"written by --publish DOCS")
+            raise ValueError(f"{folder / name} is missing: a published leaderboard is DOCS/leaderboard/{NAMES['grid']} "
+                             f"and {NAMES['csv']} (written by --publish DOCS)")
     with open(folder / NAMES["csv"], encoding="utf-8", newline="") as f:
         rows = list(csv.DictReader(f))
     return Grid(**json.loads((folder / NAMES["grid"]).read_text(encoding="utf-8"))), rows
@@ -120,19 +120,12 @@ def rerender(docs: Path) -> list[Path]:
     """Rewrite a published leaderboard from its CSV alone (DOCS/leaderboard/{grid.json, leaderboard.csv}): the CSV
     with today's columns (a column it lacks is written empty: never measured), the JSON's cells, the figure and
     DOCS/leaderboard.md; the paths written."""
-    from pyramidkv.leaderboard.grid import Grid
     from pyramidkv.leaderboard.table import COLUMNS, read_csv
     from pyramidkv.runner.results import atomic_write_json, atomic_write_text
 
     docs = Path(docs)
     folder = docs / "leaderboard"
-    for name in (NAMES["grid"], NAMES["csv"]):
-        if not (folder / name).is_file():
-            raise ValueError(f"{folder / name} is missing: --rerender reads DOCS/leaderboard/{NAMES['grid']} and "
-                             f"{NAMES['csv']} (written by --publish DOCS)")
-    grid = Grid(**json.loads((folder / NAMES["grid"]).read_text(encoding="utf-8")))
-    with open(folder / NAMES["csv"], encoding="utf-8", newline="") as f:
-        raw = list(csv.DictReader(f))
+    grid, raw = read_published(docs)
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")
     writer.writeheader()

@@ -92,9 +92,9 @@ def _next(entry: dict) -> str:
 def figure(rows: list[dict]) -> str:
     """Against the fraction kept, on a log2 axis (32:1 to 1 kept evenly spread): the score (left, with the paired
     95 % interval of the difference from fullkv where measured), the KL from fullkv (middle) and the block-freeable
-    share at 16 tokens (right, beside 1 - kept: the bytes freed): a line per method swept over ratios, a point per method placed at its measured share, fullkv's
-    score as the ceiling; failed entries as red crosses on the axis. The SVG's text, with fixed metadata, so the
-    same CSV gives the same bytes."""
+    share at 16 tokens (right, beside 1 - kept: the bytes freed): a line per method swept over ratios, a point per
+    method placed at its measured share, fullkv's score as the ceiling; failed entries as red crosses on the axis.
+    The SVG's text, with fixed metadata, so the same CSV gives the same bytes."""
     import io
 
     import matplotlib
@@ -139,13 +139,14 @@ def figure(rows: list[dict]) -> str:
             x = e["ratio"] if e["ratio"] is not None else 1.0
             left.plot([x], [0], marker="x", color="red", markersize=8, linestyle="none")
     left.plot([], [], marker="x", color="red", linestyle="none", label="failed cell")
-    left.set(xlabel="fraction of the prompt kept (log scale; compression_ratio = 1 - it)", ylabel="mean score (0-100)",
-             title="score vs fraction kept")
+    left.set(xlabel="fraction of the prompt kept (log scale; compression_ratio = 1 - it)",
+             ylabel="mean score (0-100)", title="score vs fraction kept")
     right.set(xlabel="fraction of the prompt kept", ylabel="mean KL from fullkv (nats / token)",
               title="KL divergence from fullkv (teacher forced)")
     right.set_yscale("symlog", linthresh=1e-4)
     kept = [k / 256 for k in range(1, 257)]
-    blocks.plot(kept, [1 - k for k in kept], color="black", linestyle="--", linewidth=1, label="1 - kept (bytes freed)")
+    blocks.plot(kept, [1 - k for k in kept], color="black", linestyle="--", linewidth=1,
+                label="1 - kept (bytes freed)")
     blocks.set(xlabel="fraction of the prompt kept", ylabel="share of 16-token blocks freeable",
                title="paged engine: blocks no head holds (block 16)", ylim=(-0.03, 1.03))
     left.set_ylim(-3, 103)

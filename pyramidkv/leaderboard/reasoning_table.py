@@ -116,9 +116,9 @@ def page(rows: list[dict]) -> str:
              "interval on the same problems; step acc.: chain, the share of steps right (x100); KL: mean KL(fullkv || method) of the next-token distributions along "
              "fullkv's trace, nats a token; departs at: the mean first token where the method's own trace leaves "
              "fullkv's, over the traces that leave (their share); KV: K/V bytes held, the peak and the mean over "
-             "the trace; decode tok/s: wall clock (thread CPU clock); reached: the share of the problems on which fullkv's "
-             "trace outgrows the method's budget + re-selection interval (on the others the method holds what fullkv "
-             "holds, and matches it).", ""]
+             "the trace; decode tok/s: wall clock (thread CPU clock); reached: the share of the problems on which "
+             "fullkv's trace outgrows the method's budget + re-selection interval (on the others the method holds "
+             "what fullkv holds, and matches it).", ""]
     for task in dict.fromkeys(r["task"] for r in rows):
         lines += [f"## {task}", "",
                   "| method | decode budget | n | reached | accuracy | vs fullkv [95 % CI] | step acc. | tokens | KL "
@@ -135,7 +135,8 @@ def page(rows: list[dict]) -> str:
                 f"{_num(r['vs_fullkv'], 1)} [{_num(r['vs_fullkv_low'], 1)}, {_num(r['vs_fullkv_high'], 1)}]"
             departs = "never" if r["departure_step"] == "" else _num(r["departure_step"], 1)
             reached = "-" if r["reached"] == "" else f"{_num(r['reached'], 0)}%"
-            lines.append(f"| `{r['method']}` | {budget} | {r['samples']} | {reached} | {_num(r['accuracy'], 1)} | {vs} | "
+            lines.append(f"| `{r['method']}` | {budget} | {r['samples']} | {reached} | {_num(r['accuracy'], 1)} | "
+                         f"{vs} | "
                          f"{_num(r['step_accuracy'], 1)} | {_num(r['new_tokens'], 1)} | {_num(r['kl_vs_fullkv'], 4)} | {departs} "
                          f"({_num(r['departed'], 0)}%) | {_kb(r['kv_bytes_peak'])} | {_kb(r['kv_bytes_mean'])} | "
                          f"{_num(r['decode_tokens_per_s'], 1)} ({_num(r['decode_cpu_tokens_per_s'], 1)}) |")

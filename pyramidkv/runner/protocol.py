@@ -374,8 +374,9 @@ def check_samples(files: list[SampleFile], method, config, model_path: str,
     """Each sample fits the model's window with its new tokens (with several questions: the context, the longest
     question and the new tokens), and the method can do what its settings say on what it prefills
     (Method.check_prompt, else an UnfitPrompt: a ratio budget below the window, a pooling kernel wider than the
-    prompt): the whole prompt, or with question_as_decode (`split_flag`: the flag that asked for it) its context, which must leave a
-    question part of at least one token; a sample with several questions prefills its prompt, the context."""
+    prompt): the whole prompt, or with question_as_decode (`split_flag`: the flag that asked for it) its context,
+    which must leave a question part of at least one token; a sample with several questions prefills its prompt,
+    the context."""
     window = getattr(config, "max_position_embeddings", None)
     for sample_file in files:
         for sample in sample_file.samples:

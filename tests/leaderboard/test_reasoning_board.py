@@ -148,7 +148,8 @@ def test_page_of_a_hand_written_csv(tmp_path):
             {**base, "model": "m", "max_new_tokens": "96", "task": "chain", "method": "h2o", "decode_budget": "64",
              "samples": "2", "accuracy": "0.0", "vs_fullkv": "-50.0", "vs_fullkv_low": "-100.0",
              "vs_fullkv_high": "0.0", "step_accuracy": "12.5", "new_tokens": "90.5", "kl_vs_fullkv": "0.01234", "departure_step": "3.5",
-             "departed": "100.0", "reached": "50.0", "kv_bytes_peak": "1024", "kv_bytes_mean": "1000", "decode_tokens_per_s": "7.0",
+             "departed": "100.0", "reached": "50.0", "kv_bytes_peak": "1024", "kv_bytes_mean": "1000",
+             "decode_tokens_per_s": "7.0",
              "decode_cpu_tokens_per_s": "6.5", "status": "done"}]
     reasoning_table.write(tmp_path, rows)
     assert reasoning_table.read_csv(tmp_path / "reasoning.csv") == rows
