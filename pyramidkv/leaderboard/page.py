@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from fractions import Fraction
 from typing import Optional
 
 from pyramidkv.leaderboard.intervals import LEVEL, RESAMPLES, SEED, differences, holds_zero, paired_interval
@@ -153,7 +154,7 @@ def figure(rows: list[dict]) -> str:
     for axis in (left, right, blocks):     # a log axis: 32:1 and 16:1 as far apart as 4:1 and 2:1
         axis.set_xscale("log", base=2)
         axis.set_xlim(1 / 48, 1.15)
-        axis.set_xticks(TICKS, [TICK_LABELS[t] for t in TICKS])
+        axis.set_xticks(TICKS, [str(Fraction(t)) for t in TICKS])
         axis.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         axis.grid(alpha=0.3)
     fig.legend(*left.get_legend_handles_labels(), loc="center right", fontsize=7, frameon=False)
@@ -225,6 +226,5 @@ def page(rows: list[dict], csv_name: str, figure_name: str, command: str) -> str
     return "\n".join(out) + "\n"
 
 
-TICKS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
-TICK_LABELS = {1 / 32: "1/32", 1 / 16: "1/16", 1 / 8: "1/8", 1 / 4: "1/4", 1 / 2: "1/2", 1.0: "1"}
+TICKS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)       # labelled as fractions: 1/32 ... 1
 SHARED_QUESTIONS_TEXT = "4 questions of RULER's niah_multikey_1 per context"

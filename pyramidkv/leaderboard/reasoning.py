@@ -120,7 +120,7 @@ def check_units(units: list[Unit]) -> tuple[dict, dict, dict]:
     re-selection interval ({(method, budget): decode_interval}), after every check that needs no weights: each
     unit's flags as its runner checks them (--print_run_dir), and each decode budget reachable by every problem's
     trace (prompt + max_new_tokens - 1 >= budget + the method's decode_interval)."""
-    from pyramidkv.benchmarks.reasoning.run import main
+    from pyramidkv.benchmarks.reasoning.run import compresses, main
 
     folders = {}
     for unit in units:
@@ -134,7 +134,7 @@ def check_units(units: list[Unit]) -> tuple[dict, dict, dict]:
     for unit in units[1:]:
         interval = intervals[(unit.method, unit.budget)] = _decode_interval(unit.argv)
         held = shortest[0] + shortest[1] - 1
-        if unit.budget + interval > held:
+        if not compresses(shortest[0], shortest[1], unit.budget, interval):
             raise ValueError(f"--decode_budgets {unit.budget} is too large for {unit.method} (decode_interval "
                              f"{interval}): {shortest[2]} holds {shortest[0]} prompt + {shortest[1]} new tokens at "
                              f"most, it would never compress; allowed: decode budgets <= {held - interval}, or "

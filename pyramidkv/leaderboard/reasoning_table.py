@@ -44,7 +44,7 @@ def cells(model: str, max_new_tokens: int, tasks: dict[str, list], units: list[t
     """One row per unit x task. units: (method spec, decode budget or None for fullkv, run folder), fullkv first;
     tasks: {task: the problems' keys}; errors: {(method, budget): why the unit failed}; intervals: {(method,
     budget): its decode_interval} (`reached` is empty for a unit without one)."""
-    from pyramidkv.benchmarks.reasoning.run import summarize
+    from pyramidkv.benchmarks.reasoning.run import compresses, summarize
 
     reference = {task: task_rows(units[0][2], task, keys) for task, keys in tasks.items()}
     out = []
@@ -70,8 +70,8 @@ def cells(model: str, max_new_tokens: int, tasks: dict[str, list], units: list[t
             row.update(vs_fullkv=round(mean, 2), vs_fullkv_low=round(low, 2), vs_fullkv_high=round(high, 2))
             interval = (intervals or {}).get((method, budget))
             if budget is not None and interval is not None:
-                held = [r["prompt_tokens"] + r["new_tokens"] - 1 for r in reference[task]]
-                row["reached"] = round(100.0 * sum(h >= budget + interval for h in held) / len(held), 2)
+                reached = [compresses(r["prompt_tokens"], r["new_tokens"], budget, interval) for r in reference[task]]
+                row["reached"] = round(100.0 * sum(reached) / len(reached), 2)
             out.append(row)
     return out
 

@@ -181,11 +181,11 @@ class Reasoning(Benchmark):
         decode = getattr(method, "decode", None)
         if decode is None or decode.decode_budget is None:
             return
-        most = decode.decode_budget + decode.decode_interval
         for sample_file in files:
             for sample in sample_file.samples:
                 held = len(sample.prompt) + sample.max_new_tokens - 1
-                if most > held:
+                if not compresses(len(sample.prompt), sample.max_new_tokens, decode.decode_budget,
+                                  decode.decode_interval):
                     raise ValueError(f"--decode_budget {decode.decode_budget} (+ decode_interval {decode.decode_interval})"
                                      f" is above what {sample.label} ever holds ({len(sample.prompt)} prompt + "
                                      f"{sample.max_new_tokens} new tokens): it would never compress while decoding; "
@@ -245,6 +245,12 @@ class Reasoning(Benchmark):
                          f"KL {s['kl_vs_fullkv']}  departs at {s['departure_step']} ({s['departed']}% of traces)  "
                          f"peak KV {s['kv_bytes_peak']} B  {s['decode_tokens_per_s']} tok/s  (n={s['num_samples']})")
         return "\n".join(lines)
+
+
+def compresses(prompt_tokens: int, new_tokens: int, decode_budget: int, decode_interval: int) -> bool:
+    """Whether a trace of `new_tokens` after `prompt_tokens` outgrows a decode budget: the cache holds prompt + new
+    - 1 tokens at the end, and re-selects once it holds budget + interval."""
+    return prompt_tokens + new_tokens - 1 >= decode_budget + decode_interval
 
 
 def grade(task: str, text: str, row: dict) -> dict:
